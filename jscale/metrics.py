@@ -1,0 +1,108 @@
+"""Throughput and MFU accounting, device peaks, and the run's metric sinks.
+
+MFU = model FLOPs per step / (step time x number of devices x per-device peak). Model FLOPs per
+token are 6·N (N = parameters that take part in matmuls: every block weight plus the LM head,
+not the embedding lookup) plus the causal attention term 6·n_layers·seq·(n_heads·head_dim):
+QKᵀ and PV are 2·2·seq·H·K FLOPs per token forward without a mask, halved by causality, times
+3 for forward + backward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import jax
+
+from jscale.config import ModelConfig
+
+# Dense per-device peak FLOP/s (no sparsity), by substring of `device.device_kind`.
+PEAK_FLOPS: dict[str, dict[str, float | None]] = {
+    "H200": {"bf16": 989.5e12, "fp8": 1979e12},
+    "H100 PCIe": {"bf16": 756e12, "fp8": 1513e12},
+    "H100": {"bf16": 989.5e12, "fp8": 1979e12},  # SXM
+    "A100": {"bf16": 312e12, "fp8": None},  # no fp8 tensor cores
+}
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+  """Parameter counts: total, and the matmul-participating part used for MFU."""
+  d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.d_ff
+  block = 2 * d * h * k + 2 * d * g * k + 3 * d * f + 2 * d
+  embed = cfg.vocab_size * d
+  head = 0 if cfg.tie_embeddings else d * cfg.vocab_size
+  total = embed + cfg.n_layers * block + d + head
+  matmul = cfg.n_layers * (block - 2 * d) + d * cfg.vocab_size
+  return {"total": total, "matmul": matmul}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Model FLOPs (forward + backward) per trained token, causal attention counted honestly."""
+  attention = 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.resolved_head_dim
+  return 6 * param_counts(cfg)["matmul"] + attention
+
+
+def device_peak_flops(device: Any = None, precision: str = "bf16") -> float | None:
+  """Peak FLOP/s of one device from the table; None where unknown (e.g. CPU)."""
+  device = device or jax.devices()[0]
+  kind = getattr(device, "device_kind", "")
+  for name, peaks in PEAK_FLOPS.items():  # ordered: specific names before general ones
+    if name in kind:
+      return peaks[precision]
+  return None
+
+
+def peak_memory_bytes() -> int | None:
+  """Peak bytes in use on the first local device, where the backend reports it (GPU)."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+class MetricsWriter:
+  """metrics.jsonl + TensorBoard + a progress bar; on non-zero processes it does nothing."""
+
+  def __init__(self, output_dir: str, total_steps: int, start_step: int = 0, *,
+               tensorboard: bool = True, progress: bool = True):
+    self.active = jax.process_index() == 0
+    self._tb = self._bar = self._jsonl = None
+    if not self.active:
+      return
+    os.makedirs(output_dir, exist_ok=True)
+    self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+    if progress:
+      from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+      self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+  def write(self, step: int, values: dict[str, Any]) -> None:
+    if not self.active:
+      return
+    row = {"step": step, **{k: _plain(v) for k, v in values.items()}, "time": time.time()}
+    self._jsonl.write(json.dumps(row) + "\n")
+    self._jsonl.flush()
+    if self._tb is not None:
+      for k, v in row.items():
+        if isinstance(v, (int, float)) and k not in ("step", "time"):
+          self._tb.add_scalar(k, v, step)
+    if self._bar is not None and "loss" in values:
+      self._bar.set_postfix(loss=f"{row['loss']:.3f}",
+                            tok_s=f"{row.get('tokens_per_sec', 0):,.0f}", refresh=False)
+
+  def advance(self, n: int = 1) -> None:
+    if self._bar is not None:
+      self._bar.update(n)
+
+  def close(self) -> None:
+    for sink in (self._bar, self._tb, self._jsonl):
+      if sink is not None:
+        sink.close()
+
+
+def _plain(v):
+  if hasattr(v, "item"):
+    v = v.item()
+  return v

@@ -1,0 +1,50 @@
+"""Attention dispatch: `model.attention_impl` picks how softmax(QKᵀ/√d)·V is computed.
+
+Every impl takes q [B, L, H, K] and k, v [B, S, G, K] with H a multiple of G (grouped-query
+attention: K/V are never repeated in memory) and returns [B, L, H, K]. Later impls (pallas flash,
+ring attention over the sequence axis) register here with the same contract.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+
+def xla_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
+                  causal: bool = True) -> jax.Array:
+  """Plain einsum attention with fp32 scores and softmax."""
+  b, l, h, k = q_BLHK.shape
+  g = k_BSGK.shape[2]
+  q_BLGRK = q_BLHK.reshape(b, l, g, h // g, k)
+  scores_BGRLS = jnp.einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK,
+                            preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(k))
+  if causal:
+    s = k_BSGK.shape[1]
+    mask_LS = jnp.arange(l)[:, None] + (s - l) >= jnp.arange(s)[None, :]
+    scores_BGRLS = jnp.where(mask_LS, scores_BGRLS, jnp.finfo(jnp.float32).min)
+  probs_BGRLS = jax.nn.softmax(scores_BGRLS, axis=-1).astype(v_BSGK.dtype)
+  out_BLGRK = jnp.einsum("BGRLS,BSGK->BLGRK", probs_BGRLS, v_BSGK,
+                         preferred_element_type=jnp.float32)
+  return out_BLGRK.reshape(b, l, h, k).astype(q_BLHK.dtype)
+
+
+def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
+                    causal: bool = True) -> jax.Array:
+  """cuDNN fused attention (GPU only; GQA handled by the kernel)."""
+  return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, is_causal=causal,
+                                      implementation="cudnn")
+
+
+IMPLS: dict[str, Callable[..., jax.Array]] = {"xla": xla_attention, "cudnn": cudnn_attention}
+# Backends each impl can run on; checked at config validation, never a silent fallback.
+BACKENDS: dict[str, tuple[str, ...]] = {"xla": ("cpu", "gpu", "tpu"), "cudnn": ("gpu",)}
+
+
+def attention(q_BLHK, k_BSGK, v_BSGK, impl: str = "xla", causal: bool = True) -> jax.Array:
+  """Dispatches to `impl`; the result is named for selective rematerialisation."""
+  out = IMPLS[impl](q_BLHK, k_BSGK, v_BSGK, causal=causal)
+  return checkpoint_name(out, "attn_ctx")

@@ -1,0 +1,46 @@
+"""Building blocks: parameters with logical axis names, RMSNorm, dtype-casting einsum."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str], std: float,
+          dtype) -> nnx.Param:
+  """A normal(std)-initialised parameter carrying logical axis `names` (one per dim).
+
+  Sharding is not applied here: `jscale.sharding` maps the names to mesh axes when the whole
+  state is laid out, so the model itself never needs a mesh.
+  """
+  assert len(shape) == len(names), (shape, names)
+  value = std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32)
+  return nnx.Param(value.astype(dtype), sharding_names=tuple(names), eager_sharding=False)
+
+
+def ones_param(shape: Sequence[int], names: Sequence[str], dtype) -> nnx.Param:
+  return nnx.Param(jnp.ones(tuple(shape), dtype), sharding_names=tuple(names),
+                   eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm with statistics in fp32 (HF LlamaRMSNorm semantics)."""
+
+  def __init__(self, dim: int, eps: float, dtype, param_dtype):
+    self.scale = ones_param((dim,), ("embed",), param_dtype)
+    self.eps = eps
+    self.dtype = dtype
+
+  def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    x = x_BLD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+    return (x.astype(self.dtype) * self.scale[...].astype(self.dtype))
+
+
+def einsum(spec: str, x: jax.Array, w: nnx.Param, dtype) -> jax.Array:
+  """`x @ w` in the compute dtype (master weights may be fp32), accumulating in fp32."""
+  return jnp.einsum(spec, x.astype(dtype), w[...].astype(dtype),
+                    preferred_element_type=jnp.float32).astype(dtype)

@@ -1,0 +1,133 @@
+"""Llama in Flax NNX: embedding, scanned stack of (GQA attention + SwiGLU) blocks, norm, head.
+
+Layers are created stacked along a leading `layers` axis (nnx.vmap) and run with `lax.scan`, so
+compile time does not grow with depth. Weights are stored in `param_dtype` (fp32 master) and
+cast to `dtype` (bf16) at use. Communication goes through the comms seam (`jscale.parallel.comms`).
+
+Shape suffixes: B batch, L sequence, D d_model, H query heads, G kv heads, K head dim,
+F mlp hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jscale.config import ModelConfig
+from jscale.model import attention as attn_lib
+from jscale.model.layers import RMSNorm, einsum, param
+from jscale.model.rope import apply_rope, inv_frequencies
+from jscale.parallel.comms import LOCAL, Comms
+
+# Matmul outputs kept by `remat: selective`; scores, softmax and pointwise ops are recomputed.
+SELECTIVE_SAVE = ("q_proj", "k_proj", "v_proj", "attn_ctx", "attn_out", "mlp_gate", "mlp_up",
+                  "mlp_out")
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer block: x + Attn(norm(x)), then x + MLP(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, h, g, k, f = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.d_ff)
+    pd, std = jnp.dtype(cfg.param_dtype), cfg.init_std
+    self.attn_norm = RMSNorm(d, cfg.norm_eps, cfg.dtype, pd)
+    self.wq = param(rngs, (d, h, k), ("embed", "heads", "head_dim"), std, pd)
+    self.wk = param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), std, pd)
+    self.wv = param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), std, pd)
+    self.wo = param(rngs, (h, k, d), ("heads", "head_dim", "embed"), std, pd)
+    self.mlp_norm = RMSNorm(d, cfg.norm_eps, cfg.dtype, pd)
+    self.w_gate = param(rngs, (d, f), ("embed", "mlp"), std, pd)
+    self.w_up = param(rngs, (d, f), ("embed", "mlp"), std, pd)
+    self.w_down = param(rngs, (f, d), ("mlp", "embed"), std, pd)
+    self.dtype = cfg.dtype
+    self.attention_impl = cfg.attention_impl
+
+  def __call__(self, x_BLD, positions_BL, inv_freq, comms: Comms):
+    dt = self.dtype
+    h_BLD = comms.enter_tensor_parallel(self.attn_norm(x_BLD))
+    q = checkpoint_name(einsum("BLD,DHK->BLHK", h_BLD, self.wq, dt), "q_proj")
+    k = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wk, dt), "k_proj")
+    v = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wv, dt), "v_proj")
+    q, k = apply_rope(q, positions_BL, inv_freq), apply_rope(k, positions_BL, inv_freq)
+    ctx_BLHK = attn_lib.attention(q, k, v, impl=self.attention_impl)
+    out = checkpoint_name(einsum("BLHK,HKD->BLD", ctx_BLHK, self.wo, dt), "attn_out")
+    x_BLD = x_BLD + comms.leave_tensor_parallel(out)
+    x_BLD = comms.activation(x_BLD, ("batch", "seq", "embed"))
+
+    h_BLD = comms.enter_tensor_parallel(self.mlp_norm(x_BLD))
+    gate_BLF = checkpoint_name(einsum("BLD,DF->BLF", h_BLD, self.w_gate, dt), "mlp_gate")
+    up_BLF = checkpoint_name(einsum("BLD,DF->BLF", h_BLD, self.w_up, dt), "mlp_up")
+    out = checkpoint_name(einsum("BLF,FD->BLD", jax.nn.silu(gate_BLF) * up_BLF, self.w_down, dt),
+                          "mlp_out")
+    x_BLD = x_BLD + comms.leave_tensor_parallel(out)
+    return comms.activation(x_BLD, ("batch", "seq", "embed"))
+
+
+def remat_policy(remat: str):
+  """`train.remat` -> a jax.checkpoint policy, or None for no rematerialisation."""
+  if remat == "none":
+    return None
+  if remat == "full":
+    return jax.checkpoint_policies.nothing_saveable
+  if remat == "selective":
+    return jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVE)
+  raise ValueError(f"train.remat={remat!r}: choose none, selective or full")
+
+
+class Llama(nnx.Module):
+  """Decoder-only Llama. `model(tokens_BL)` returns fp32 logits [B, L, vocab]."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd = jnp.dtype(cfg.param_dtype)
+    self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, pd)
+
+    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_blocks(rngs):
+      return Block(cfg, rngs)
+
+    self.blocks = make_blocks(rngs)
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.dtype, pd)
+    if not cfg.tie_embeddings:
+      self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+                           cfg.init_std, pd)
+
+  def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
+               comms: Comms = LOCAL, remat: str = "none") -> jax.Array:
+    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+    if positions_BL is None:
+      positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
+    inv_freq = inv_frequencies(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    with jax.named_scope("embed"):
+      x_BLD = comms.embed(self.embed[...], tokens_BL).astype(dt)
+      x_BLD = comms.activation(x_BLD, ("batch", "seq", "embed"))
+
+    graphdef, stacked = nnx.split(self.blocks)
+
+    def layer(x_BLD, layer_state):
+      block = nnx.merge(graphdef, comms.gather_params(layer_state))
+      return block(x_BLD, positions_BL, inv_freq, comms), None
+
+    policy = remat_policy(remat)
+    if policy is not None:
+      layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+    with jax.named_scope("layers"):
+      x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
+
+    with jax.named_scope("head"):
+      x_BLD = comms.enter_tensor_parallel(self.final_norm(x_BLD))
+      if cfg.tie_embeddings:
+        head_DV = self.embed[...].T
+      else:
+        head_DV = self.lm_head[...]
+      logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, head_DV.astype(dt),
+                              preferred_element_type=jnp.float32)
+    return comms.activation(logits_BLV, ("batch", "seq", "vocab"))
+
+
+def create(cfg: ModelConfig, seed: int = 0) -> Llama:
+  """A randomly initialised model."""
+  return Llama(cfg, nnx.Rngs(params=seed))

@@ -1,0 +1,64 @@
+"""The comms seam: every place where a parallelism communicates, as one named operation.
+
+The model and the loss are written once and call these operations. `Comms` is the single-device
+version, where each is the plain math (identity for the communication). The two parallel modes
+subclass it: in "xla" mode arrays are global and the operations become sharding constraints; in
+"manual" mode arrays are per-device shards inside `jax.shard_map` and the operations issue real
+collectives (`all_gather`, `psum`, `psum_scatter`, `ppermute`, `all_to_all`). Model code takes
+sizes from the arrays it receives, never from the global config, so it runs unchanged on shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+Names = Sequence[str | None]
+
+
+class Comms:
+  """Single device: no communication. Subclasses override the operations they need."""
+
+  mode = "local"
+
+  def activation(self, x: jax.Array, names: Names) -> jax.Array:
+    """Lays out an activation by logical axis names (e.g. ("batch", "seq", "embed"))."""
+    del names
+    return x
+
+  def gather_params(self, layer_params: Any) -> Any:
+    """Makes one layer's (possibly ZeRO-3 sharded) weights whole just before use."""
+    return layer_params
+
+  def enter_tensor_parallel(self, x_BLD: jax.Array) -> jax.Array:
+    """Input of a column-parallel linear: Megatron's f (identity fwd, all-reduce bwd)."""
+    return x_BLD
+
+  def leave_tensor_parallel(self, y_BLD: jax.Array) -> jax.Array:
+    """Output of a row-parallel linear: Megatron's g (all-reduce fwd, identity bwd)."""
+    return y_BLD
+
+  def embed(self, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
+    """Token embedding lookup (vocab-parallel when the table is sharded over vocab)."""
+    return jnp.take(table_VD, tokens_BL, axis=0)
+
+  def vocab_max(self, x: jax.Array) -> jax.Array:
+    """Max over the (possibly sharded) vocab axis, the last one, keeping dims."""
+    return jnp.max(x, axis=-1, keepdims=True)
+
+  def vocab_sum(self, x: jax.Array) -> jax.Array:
+    """Sum over the (possibly sharded) vocab axis, the last one, keeping dims."""
+    return jnp.sum(x, axis=-1, keepdims=True)
+
+  def vocab_offset(self) -> int | jax.Array:
+    """Index of this shard's first vocab entry (0 unless the vocab is sharded)."""
+    return 0
+
+  def sync_grads(self, grads: Any) -> Any:
+    """Reduces gradients over the data-parallel axes, once per optimizer step."""
+    return grads
+
+
+LOCAL = Comms()

@@ -1,0 +1,119 @@
+"""The train state and the jitted train / eval steps.
+
+State is a plain pytree, `{"params", "opt_state", "step", "rng"}`, with params as a pure nested
+dict of fp32 master weights (nnx.to_pure_dict layout), so orbax saves it as is. One optimizer
+step scans over micro-batches (gradient accumulation) and reduces gradients once, at the end.
+Nothing in the step synchronises with the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jscale.config import Config
+from jscale.loss import cross_entropy_sums
+from jscale.model import llama
+from jscale.optim import lr_schedule, make_optimizer
+from jscale.parallel.comms import LOCAL, Comms
+
+State = dict[str, Any]
+Batch = dict[str, jax.Array]
+
+
+def model_graphdef(cfg: Config) -> nnx.GraphDef:
+  """The model's static structure (no arrays are allocated)."""
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: llama.create(cfg.model, cfg.train.seed)))
+  return graphdef
+
+
+def init_state(cfg: Config) -> State:
+  """Random parameters and fresh optimizer state, created inside one jit."""
+  optimizer = make_optimizer(cfg.train)
+
+  def init():
+    params = nnx.to_pure_dict(nnx.state(llama.create(cfg.model, cfg.train.seed), nnx.Param))
+    return state_from_params(params, optimizer, cfg.train.seed)
+
+  return jax.jit(init)()
+
+
+def state_from_params(params, optimizer: optax.GradientTransformation, seed: int) -> State:
+  return {"params": params, "opt_state": optimizer.init(params),
+          "step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(jax.random.key(seed))}
+
+
+def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> Callable:
+  """(params, micro-batch) -> (sum of token losses, token count)."""
+
+  def loss_fn(params, mb: Batch):
+    with jax.named_scope("forward"):
+      model = nnx.merge(graphdef, params)
+      logits = model(mb["tokens"], mb.get("positions"), comms=comms, remat=cfg.train.remat)
+      return cross_entropy_sums(logits, mb["labels"], mb["loss_mask"], comms)
+
+  return loss_fn
+
+
+def _split_microbatches(batch: Batch, m: int) -> Batch:
+  return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
+
+
+def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int):
+  """Sums gradients of the summed loss over micro-batches (a scan); returns grads, loss, count.
+
+  Gradients are divided by the total token count once, so the result equals the full-batch
+  gradient of the mean loss exactly (up to summation order).
+  """
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def one(mb):
+    (loss_sum, count), g = grad_fn(params, mb)
+    return jax.tree.map(lambda x: x.astype(jnp.float32), g), loss_sum, count
+
+  with jax.named_scope("backward"):
+    if microbatches == 1:
+      g_sum, loss_sum, count = one(batch)
+    else:
+      def body(carry, mb):
+        g, l, n = one(mb)
+        return jax.tree.map(jnp.add, carry, (g, l, n)), None
+
+      zeros = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+               jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+      (g_sum, loss_sum, count), _ = jax.lax.scan(
+          body, zeros, _split_microbatches(batch, microbatches))
+  denom = jnp.maximum(count, 1.0)
+  return jax.tree.map(lambda g: g / denom, g_sum), loss_sum / denom, count
+
+
+def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL) -> Callable:
+  """Returns jitted `step(state, batch) -> (state, metrics)`; the state buffers are donated."""
+  optimizer = make_optimizer(cfg.train)
+  schedule = lr_schedule(cfg.train)
+  loss_fn = make_loss_fn(graphdef, cfg, comms)
+
+  def step(state: State, batch: Batch):
+    params = state["params"]
+    grads, loss, count = accumulate_grads(loss_fn, params, batch, cfg.train.microbatches)
+    grads = comms.sync_grads(grads)
+    with jax.named_scope("optimizer"):
+      updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+      params = optax.apply_updates(params, updates)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+               "lr": schedule(state["step"]), "tokens": count}
+    new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1,
+                 "rng": state["rng"]}
+    return new_state, metrics
+
+  return jax.jit(step, donate_argnums=(0,))
+
+
+def make_eval_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL) -> Callable:
+  """Returns jitted `eval(params, batch) -> (loss sum, token count)`."""
+  loss_fn = make_loss_fn(graphdef, cfg, comms)
+  return jax.jit(loss_fn)
