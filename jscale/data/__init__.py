@@ -1,0 +1,13 @@
+"""Data pipeline: tokenizers, token sources (stdlib, text, bin), packed grain iterators."""
+
+from jscale.data.checkpoint import checkpoint_restore, checkpoint_save
+from jscale.data.pipeline import make_eval_batches, make_train_iterator
+from jscale.data.sources import Splits, load_splits
+from jscale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_vocab_size
+from jscale.data.windows import Windows
+
+__all__ = [
+    "ByteTokenizer", "HFTokenizer", "Splits", "Windows", "checkpoint_restore", "checkpoint_save",
+    "load_splits", "load_tokenizer", "make_eval_batches", "make_train_iterator",
+    "tokenizer_vocab_size",
+]

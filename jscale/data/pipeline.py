@@ -1,0 +1,81 @@
+"""grain pipelines over packed windows: an infinite shuffled train iterator, fixed eval batches.
+
+Train: windows -> shuffle -> repeat (reshuffled each epoch) -> this process's share -> batch.
+The share is taken from the repeated stream (`ds[process_index::process_count]`), so global
+batch s holds stream positions [s*B, (s+1)*B) whatever the process count: processes never
+overlap, nothing is dropped, and a run can change process count without changing its data.
+Every step is index arithmetic on a MapDataset, so the iterator state is a few integers.
+"""
+
+from __future__ import annotations
+
+import grain
+import numpy as np
+
+from jscale.config import ConfigError, DataConfig
+from jscale.data.sources import load_splits
+from jscale.data.windows import Windows
+
+# One reader thread overlaps loading with the train step; no worker processes, so the
+# pipeline stays deterministic and its state checkpointable. Batches are memmap slices:
+# cheap, so a short buffer suffices.
+_READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)
+
+Batch = dict[str, np.ndarray]
+
+
+def make_train_iterator(data_cfg: DataConfig, seq_len: int, global_batch: int,
+                        process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
+  """Infinite iterator of this process's train batches (leading dim global_batch // count).
+
+  Deterministic for `data.seed`; `get_state()` / `set_state()` resume it exactly (checkpoint
+  it with jscale.data.checkpoint_save / checkpoint_restore).
+  """
+  local = _local_batch(global_batch, process_index, process_count)
+  splits = load_splits(data_cfg)
+  windows = _windows(splits.train, seq_len, splits.eos_id, "train")
+  ds = grain.MapDataset.source(windows).shuffle(seed=_shuffle_seed(data_cfg.seed))
+  # MapDataset.repeat folds the epoch into the shuffle seed: a fresh order every epoch.
+  ds = ds.repeat()[process_index::process_count]
+  ds = ds.batch(local, drop_remainder=True)
+  return iter(ds.to_iter_dataset(_READ_OPTIONS))
+
+
+def make_eval_batches(data_cfg: DataConfig, seq_len: int, global_batch: int, num_batches: int,
+                      process_index: int = 0, process_count: int = 1) -> list[Batch]:
+  """`num_batches` of this process's validation batches, in order (cycling if too few)."""
+  local = _local_batch(global_batch, process_index, process_count)
+  splits = load_splits(data_cfg)
+  if len(splits.val) < 2:
+    raise ConfigError(f"data.val_fraction={data_cfg.val_fraction} leaves no validation tokens: "
+                      "raise data.val_fraction (e.g. 0.01), or set train.eval_every=0")
+  windows = _windows(splits.val, seq_len, splits.eos_id, "validation")
+  ds = grain.MapDataset.source(windows).repeat()[process_index::process_count]
+  ds = ds.batch(local, drop_remainder=True)
+  return [ds[i] for i in range(num_batches)]
+
+
+def _windows(stream: np.ndarray, seq_len: int, pad_id: int, split: str) -> Windows:
+  if seq_len <= 0:
+    raise ConfigError(f"train.seq_len={seq_len} must be positive")
+  windows = Windows(stream, seq_len, pad_id)
+  if len(windows) == 0:
+    raise ConfigError(f"the {split} split has {len(stream)} tokens, too few for one example: "
+                      "give more data (data.path) or change data.val_fraction")
+  return windows
+
+
+def _local_batch(global_batch: int, process_index: int, process_count: int) -> int:
+  if process_count <= 0 or not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} must lie in [0, {process_count})")
+  if global_batch <= 0 or global_batch % process_count:
+    raise ConfigError(f"train.batch_size={global_batch} must be a positive multiple of the "
+                      f"process count {process_count}: change train.batch_size")
+  return global_batch // process_count
+
+
+def _shuffle_seed(seed: int) -> int:
+  if seed < 0:
+    raise ConfigError(f"data.seed={seed} must be >= 0")
+  # grain shuffles epoch e with seed + e; hashing keeps seed 1 from replaying seed 0's epoch 1.
+  return int(np.random.SeedSequence(seed).generate_state(1)[0])
