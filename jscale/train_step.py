@@ -104,7 +104,7 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL) -
     with jax.named_scope("optimizer"):
       updates, opt_state = optimizer.update(grads, state["opt_state"], params)
       params = optax.apply_updates(params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                "lr": schedule(state["step"]), "tokens": count}
     new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1,
                  "rng": state["rng"]}

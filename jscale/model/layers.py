@@ -18,11 +18,11 @@ def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str], std: float
   """
   assert len(shape) == len(names), (shape, names)
   value = std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32)
-  return nnx.Param(value.astype(dtype), sharding_names=tuple(names), eager_sharding=False)
+  return nnx.Param(value.astype(dtype), out_sharding=tuple(names), eager_sharding=False)
 
 
 def ones_param(shape: Sequence[int], names: Sequence[str], dtype) -> nnx.Param:
-  return nnx.Param(jnp.ones(tuple(shape), dtype), sharding_names=tuple(names),
+  return nnx.Param(jnp.ones(tuple(shape), dtype), out_sharding=tuple(names),
                    eager_sharding=False)
 
 

@@ -1,0 +1,63 @@
+"""Training checkpoints: orbax CheckpointManager holding the train state and the data position.
+
+Each step directory holds `state/` (params, optimizer state, step, rng) and `data/` (the grain
+iterator position, one small JSON per process). Saves are asynchronous and atomic: orbax writes
+into a temporary directory and renames it only once complete, so a crash mid-save leaves the
+previous checkpoints restorable and never a half-written one that `latest_step` would pick.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from jscale.config import Config
+from jscale.data import checkpoint_restore, checkpoint_save
+
+
+def checkpoint_dir(cfg: Config) -> str:
+  return os.path.abspath(cfg.checkpoint.dir or os.path.join(cfg.train.output_dir, "checkpoints"))
+
+
+class Checkpointer:
+  """Saves every `checkpoint.every` steps, keeps the last `checkpoint.keep`."""
+
+  def __init__(self, cfg: Config):
+    ck = cfg.checkpoint
+    self.directory = checkpoint_dir(cfg)
+    options = ocp.CheckpointManagerOptions(
+        save_interval_steps=max(ck.every, 1), max_to_keep=ck.keep,
+        enable_async_checkpointing=ck.async_save, create=True)
+    self.enabled = ck.every > 0
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def save(self, step: int, state: Any, data_iter: Any, *, force: bool = False) -> bool:
+    """Saves if `step` is on the interval (or `force`); returns whether a save started."""
+    if not self.enabled and not force:
+      return False
+    return self._manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=checkpoint_save(data_iter)), force=force)
+
+  def restore(self, step: int, abstract_state: Any, data_iter: Any) -> Any:
+    """Restores the state (with the shardings of `abstract_state`) and the iterator in place."""
+    out = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), data=checkpoint_restore(data_iter)))
+    return out["state"]
+
+  def close(self) -> None:
+    """Waits for pending async saves, then releases the manager."""
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+
+def abstract_like(state: Any) -> Any:
+  """ShapeDtypeStructs (with shardings) describing `state`, as restore targets."""
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+      state)

@@ -1,0 +1,177 @@
+"""`python -m jscale.train --config configs/tiny.yaml [section.key=value ...]`
+
+Thin CLI over `run(cfg)`: validates the config against this machine before compiling, builds
+the data iterator, initialises or restores the train state, and runs the loop with logging,
+periodic eval, checkpoints and an optional profiler trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jscale import checkpoint as ckpt_lib
+from jscale import metrics as metrics_lib
+from jscale import params_io
+from jscale import train_step as ts
+from jscale.config import Config, ConfigError, load_config
+from jscale.data import make_eval_batches, make_train_iterator, tokenizer_vocab_size
+from jscale.model import attention as attn_lib
+from jscale.optim import make_optimizer
+
+# Model fields that a checkpoint's shapes depend on (numerics like dtype may differ).
+_SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                 "d_ff", "tie_embeddings")
+
+
+def check_runtime(cfg: Config) -> None:
+  """Checks that need this machine (devices, files); raises ConfigError before any compile."""
+  backend = jax.default_backend()
+  impl = cfg.model.attention_impl
+  if backend not in attn_lib.BACKENDS[impl]:
+    raise ConfigError(f"model.attention_impl={impl} cannot run on backend {backend!r}: use "
+                      f"model.attention_impl=xla (or run on {attn_lib.BACKENDS[impl]})")
+  for axis, size in dataclasses.asdict(cfg.mesh).items():
+    if size > 1:
+      raise ConfigError(f"mesh.{axis}={size}: this trainer runs on one device until the "
+                        f"sharded mesh lands; set mesh.{axis}=1")
+  vocab = tokenizer_vocab_size(cfg.data)
+  if vocab > cfg.model.vocab_size:
+    raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                      f"vocabulary ({vocab}, data.tokenizer={cfg.data.tokenizer}): raise it")
+  if cfg.checkpoint.init_from:
+    saved = params_io.load_model_config(cfg.checkpoint.init_from)
+    for f in _SHAPE_FIELDS:
+      if getattr(saved, f) != getattr(cfg.model, f):
+        raise ConfigError(
+            f"model.{f}={getattr(cfg.model, f)} differs from checkpoint.init_from "
+            f"({cfg.checkpoint.init_from}: {f}={getattr(saved, f)}): set model.{f}="
+            f"{getattr(saved, f)}")
+
+
+def _to_device(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+  return {k: jax.device_put(v) for k, v in batch.items()}
+
+
+def _initial_state(cfg: Config, ckptr: ckpt_lib.Checkpointer, train_iter) -> tuple[Any, int]:
+  """Resumes from the latest checkpoint, else starts from init_from params or random init."""
+  latest = ckptr.latest_step() if cfg.checkpoint.resume else None
+  if latest is not None:
+    abstract = jax.eval_shape(lambda: ts.init_state(cfg))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                            abstract)
+    return ckptr.restore(latest, abstract, train_iter), latest
+  state = ts.init_state(cfg)
+  if cfg.checkpoint.init_from:
+    from flax import nnx  # pylint: disable=import-outside-toplevel
+    model = nnx.merge(ts.model_graphdef(cfg), state["params"])
+    params_io.load_params_into(cfg.checkpoint.init_from, model)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    state = ts.state_from_params(params, make_optimizer(cfg.train), cfg.train.seed)
+  return state, 0
+
+
+def _evaluate(eval_step, params, batches) -> float:
+  total, count = 0.0, 0.0
+  for b in batches:
+    s, n = eval_step(params, _to_device(b))
+    total, count = total + float(s), count + float(n)
+  return total / max(count, 1.0)
+
+
+def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
+  """Trains per `cfg`; returns a summary. `stop_after=k` exits after k steps of this call, with
+  a checkpoint, as if the job were interrupted (a later call resumes)."""
+  check_runtime(cfg)
+  t = cfg.train
+  pi, pc = jax.process_index(), jax.process_count()
+  train_iter = make_train_iterator(cfg.data, t.seq_len, t.batch_size, pi, pc)
+  eval_batches = (make_eval_batches(cfg.data, t.seq_len, t.batch_size, t.eval_batches, pi, pc)
+                  if cfg.data.val_fraction > 0 else [])
+  ckptr = ckpt_lib.Checkpointer(cfg)
+  state, start = _initial_state(cfg, ckptr, train_iter)
+  graphdef = ts.model_graphdef(cfg)
+  train_step = ts.make_train_step(cfg, graphdef)
+  eval_step = ts.make_eval_step(cfg, graphdef)
+
+  writer = metrics_lib.MetricsWriter(t.output_dir, t.steps, start,
+                                     tensorboard=cfg.logging.tensorboard,
+                                     progress=cfg.logging.progress)
+  tokens_per_step = t.batch_size * t.seq_len
+  flops_per_step = metrics_lib.flops_per_token(cfg.model, t.seq_len) * tokens_per_step
+  peak = t.peak_flops or metrics_lib.device_peak_flops()
+  end = t.steps if stop_after is None else min(t.steps, start + stop_after)
+  losses: dict[int, float] = {}
+  val_loss = None
+  last_time, last_step, tracing = None, start, False
+  for step in range(start, end):
+    if t.profile_steps and step == t.profile_steps[0]:
+      jax.profiler.start_trace(os.path.join(t.output_dir, "profile"))
+      tracing = True
+    state, m = train_step(state, _to_device(next(train_iter)))
+    done = step + 1
+    if last_time is None:  # the first step includes compilation: time from its end
+      jax.block_until_ready(m)
+      last_time, last_step = time.perf_counter(), done
+    if tracing and step == t.profile_steps[1]:
+      jax.block_until_ready(m)
+      jax.profiler.stop_trace()
+      tracing = False
+    if done % cfg.logging.every == 0 or done == end:
+      m = jax.device_get(m)  # the only host sync: once per logging interval
+      now = time.perf_counter()
+      step_time = (now - last_time) / max(done - last_step, 1) if done > last_step else None
+      last_time, last_step = now, done
+      row = {k: float(v) for k, v in m.items() if k != "tokens"}
+      losses[done] = row["loss"]
+      if step_time:
+        row.update(step_time_s=step_time, tokens_per_sec=tokens_per_step / step_time,
+                   mfu=(flops_per_step / (step_time * jax.device_count() * peak)
+                        if peak else None))
+      row["peak_memory_bytes"] = metrics_lib.peak_memory_bytes()
+      writer.write(done, row)
+    if eval_batches and t.eval_every and (done % t.eval_every == 0 or done == t.steps):
+      val_loss = _evaluate(eval_step, state["params"], eval_batches)
+      writer.write(done, {"val_loss": val_loss})
+    ckptr.save(done, state, train_iter, force=(done == end and cfg.checkpoint.every > 0))
+    writer.advance()
+  if tracing:
+    jax.profiler.stop_trace()
+  ckptr.close()
+  writer.close()
+  return {"losses": losses, "val_loss": val_loss, "final_step": end, "state": state}
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m jscale.train", description="Train a Llama-family model with jscale.")
+  parser.add_argument("--config", required=True, help="YAML file, e.g. configs/tiny.yaml")
+  parser.add_argument("overrides", nargs="*", help="dotted overrides: train.steps=100 ...")
+  args = parser.parse_args(argv)
+  try:
+    cfg = load_config(args.config, args.overrides)
+    summary = run(cfg)
+  except ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    return 2
+  if jax.process_index() == 0:
+    last = max(summary["losses"]) if summary["losses"] else None
+    msg = f"done: step {summary['final_step']}"
+    if last is not None:
+      msg += f", loss {summary['losses'][last]:.4f}"
+    if summary["val_loss"] is not None:
+      msg += f", val_loss {summary['val_loss']:.4f}"
+    print(msg + f"; metrics in {os.path.join(cfg.train.output_dir, 'metrics.jsonl')}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

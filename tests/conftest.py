@@ -1,0 +1,28 @@
+"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402  (after the environment is set)
+
+from jscale.config import load_config  # noqa: E402
+
+
+def small_config(tmp_path=None, *overrides: str):
+  """A model small enough to compile in seconds on a 2-core CPU, trained on the stdlib."""
+  base = ["model.preset=tiny", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+          "model.n_kv_heads=2", "model.d_ff=128", "model.dtype=float32", "train.batch_size=8",
+          "train.seq_len=32", "train.steps=6", "train.warmup_steps=2", "train.eval_every=0",
+          "logging.progress=false", "logging.every=1", "mesh.data=1"]
+  if tmp_path is not None:
+    base += [f"train.output_dir={tmp_path}/run", f"data.cache_dir={tmp_path.parent}/cache"]
+  return load_config(None, base + list(overrides))
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+  """One tokenized stdlib cache for the whole session."""
+  return str(tmp_path_factory.mktemp("jscale_cache"))

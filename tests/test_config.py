@@ -1,0 +1,82 @@
+"""Config loading, overrides and validation: every bad case fails before compile, naming the key."""
+
+import glob
+import os
+
+import pytest
+
+from jscale import train
+from jscale.config import ConfigError, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
+def test_every_config_file_loads(path):
+  cfg = load_config(path)
+  assert cfg.model.n_layers > 0
+
+
+def test_overrides_and_presets():
+  cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"),
+                    ["train.steps=100", "model.n_layers=4", "train.lr=3e-4",
+                     "model.rope_scaling.factor=8"])
+  assert (cfg.train.steps, cfg.model.n_layers, cfg.train.lr) == (100, 4, 3e-4)
+  assert cfg.model.rope_scaling.factor == 8.0
+  big = load_config(None, ["model.preset=llama3_8b"])
+  assert (big.model.d_model, big.model.n_kv_heads, big.model.vocab_size) == (4096, 8, 128256)
+  assert big.model.rope_scaling.factor == 8.0
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["model.n_layrs=4"], "model.n_layrs"),  # typo
+    (["trian.steps=4"], "trian"),
+    (["model.d_model=0"], "model.d_model"),
+    (["train.batch_size=-8"], "train.batch_size"),
+    (["model.n_heads=6", "model.n_kv_heads=4", "model.head_dim=32"], "model.n_kv_heads"),
+    (["train.batch_size=10", "train.microbatches=4"], "train.microbatches"),
+    (["train.remat=sometimes"], "train.remat"),
+    (["train.steps=ten"], "train.steps"),
+    (["model.preset=llama9"], "model.preset"),
+    (["mesh.data=-1", "mesh.fsdp=-1"], "mesh"),
+    (["data.source=bin"], "data.path"),
+    (["trainsteps=3"], "section.key=value"),
+])
+def test_bad_values_name_the_key(overrides, key):
+  with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+    load_config(None, overrides)
+
+
+def test_unknown_key_suggests_fix():
+  with pytest.raises(ConfigError, match=r"did you mean model\.n_layers"):
+    load_config(None, ["model.n_layrs=4"])
+
+
+def test_missing_and_invalid_files(tmp_path):
+  with pytest.raises(ConfigError, match="no such file"):
+    load_config(tmp_path / "nope.yaml")
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("model: [unclosed\n")
+  with pytest.raises(ConfigError, match="not valid YAML"):
+    load_config(bad)
+  scalar = tmp_path / "scalar.yaml"
+  scalar.write_text("42\n")
+  with pytest.raises(ConfigError, match="mapping"):
+    load_config(scalar)
+
+
+def test_cli_reports_config_errors_before_compiling(capsys, tmp_path):
+  assert train.main(["--config", os.path.join(ROOT, "configs/tiny.yaml"),
+                     "model.n_heads=6", "model.head_dim=16"]) == 2
+  assert "model.n_kv_heads" in capsys.readouterr().err
+  assert train.main(["--config", str(tmp_path / "missing.yaml")]) == 2
+  assert "no such file" in capsys.readouterr().err
+
+
+def test_runtime_checks(tmp_path):
+  cfg = load_config(None, ["model.attention_impl=cudnn", f"data.cache_dir={tmp_path}"])
+  with pytest.raises(ConfigError, match="model.attention_impl=cudnn"):
+    train.check_runtime(cfg)
+  cfg = load_config(None, ["model.vocab_size=100", f"data.cache_dir={tmp_path}"])
+  with pytest.raises(ConfigError, match="model.vocab_size"):
+    train.check_runtime(cfg)
