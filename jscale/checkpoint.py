@@ -29,9 +29,9 @@ class Checkpointer:
     ck = cfg.checkpoint
     self.directory = checkpoint_dir(cfg)
     options = ocp.CheckpointManagerOptions(
-        save_interval_steps=max(ck.every, 1), max_to_keep=ck.keep,
+        max_to_keep=ck.keep,
         enable_async_checkpointing=ck.async_save, create=True)
-    self.enabled = ck.every > 0
+    self.enabled, self.every = ck.every > 0, ck.every
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
@@ -39,10 +39,10 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, data_iter: Any, *, force: bool = False) -> bool:
     """Saves if `step` is on the interval (or `force`); returns whether a save started."""
-    if not self.enabled and not force:
+    if not (force or (self.enabled and step % self.every == 0)):
       return False
     return self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=checkpoint_save(data_iter)), force=force)
+        state=ocp.args.StandardSave(state), data=checkpoint_save(data_iter)), force=True)
 
   def restore(self, step: int, abstract_state: Any, data_iter: Any) -> Any:
     """Restores the state (with the shardings of `abstract_state`) and the iterator in place."""
