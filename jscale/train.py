@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jscale import checkpoint as ckpt_lib
 from jscale import metrics as metrics_lib
@@ -71,7 +72,6 @@ def _initial_state(cfg: Config, ckptr: ckpt_lib.Checkpointer, train_iter) -> tup
     return ckptr.restore(latest, abstract, train_iter), latest
   state = ts.init_state(cfg)
   if cfg.checkpoint.init_from:
-    from flax import nnx  # pylint: disable=import-outside-toplevel
     model = nnx.merge(ts.model_graphdef(cfg), state["params"])
     params_io.load_params_into(cfg.checkpoint.init_from, model)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -108,6 +108,7 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
   tokens_per_step = t.batch_size * t.seq_len
   flops_per_step = metrics_lib.flops_per_token(cfg.model, t.seq_len) * tokens_per_step
   peak = t.peak_flops or metrics_lib.device_peak_flops()
+  n_devices = 1  # the devices the step runs on (one, until the sharded mesh lands)
   end = t.steps if stop_after is None else min(t.steps, start + stop_after)
   losses: dict[int, float] = {}
   val_loss = None
@@ -134,7 +135,7 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
       losses[done] = row["loss"]
       if step_time:
         row.update(step_time_s=step_time, tokens_per_sec=tokens_per_step / step_time,
-                   mfu=(flops_per_step / (step_time * jax.device_count() * peak)
+                   mfu=(flops_per_step / (step_time * n_devices * peak)
                         if peak else None))
       row["peak_memory_bytes"] = metrics_lib.peak_memory_bytes()
       writer.write(done, row)

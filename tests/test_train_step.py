@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from conftest import small_config
+from jscale import introspect
 from jscale import train_step as ts
+
+# Long sequence, many small heads: the L x L attention scores dominate activation memory.
+ACTIVATION_HEAVY = ("model.d_model=64", "model.n_heads=8", "model.n_kv_heads=8", "model.head_dim=8",
+                    "model.n_layers=2", "train.seq_len=512", "train.batch_size=2")
 
 
 def _batch(cfg, seed=0):
@@ -91,19 +96,11 @@ def test_train_steps_reduce_loss(setup):
   assert int(state["step"]) == 5
 
 
-def temp_bytes(remat: str, **shape) -> int:
+def temp_bytes(remat: str) -> int:
   """Compiled temp memory of one train step; attention activations dominate at this shape."""
-  cfg = small_config(None, "model.d_model=64", "model.n_heads=8", "model.n_kv_heads=8",
-                     "model.head_dim=8", "model.n_layers=2", "train.seq_len=512",
-                     "train.batch_size=2", f"train.remat={remat}")
-  graphdef = ts.model_graphdef(cfg)
-  state = jax.eval_shape(lambda: ts.init_state(cfg))
-  b, l = cfg.train.batch_size, cfg.train.seq_len
-  batch = {"tokens": jax.ShapeDtypeStruct((b, l), jnp.int32),
-           "labels": jax.ShapeDtypeStruct((b, l), jnp.int32),
-           "loss_mask": jax.ShapeDtypeStruct((b, l), jnp.float32)}
-  compiled = ts.make_train_step(cfg, graphdef).lower(state, batch).compile()
-  return compiled.memory_analysis().temp_size_in_bytes
+  cfg = small_config(None, *ACTIVATION_HEAVY, f"train.remat={remat}")
+  compiled, _ = introspect.compile_train_step(cfg)
+  return introspect.memory(compiled)["temp"]
 
 
 def test_remat_reduces_compiled_temp_memory():
