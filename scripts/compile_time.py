@@ -7,10 +7,8 @@ width and writes a markdown table (+ CSV beside it).
 """
 
 import argparse
-import csv
-import os
 
-from jscale import introspect
+from jscale import introspect, report
 from jscale.config import load_config
 
 
@@ -30,19 +28,12 @@ def main():
                  "total_s": best["lower_s"] + best["compile_s"]})
     print(rows[-1], flush=True)
   base = rows[0]["total_s"]
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  with open(args.out, "w", encoding="utf-8") as f:
-    f.write("| layers | d_model | lower (s) | compile (s) | total (s) | vs first |\n")
-    f.write("|---|---|---|---|---|---|\n")
-    for r in rows:
-      f.write(f"| {r['n_layers']} | {r['d_model']} | {r['lower_s']:.2f} | {r['compile_s']:.2f}"
-              f" | {r['total_s']:.2f} | {r['total_s'] / base:.2f}x |\n")
-  with open(os.path.splitext(args.out)[0] + ".csv", "w", newline="", encoding="utf-8") as f:
-    w = csv.DictWriter(f, fieldnames=list(rows[0]))
-    w.writeheader()
-    w.writerows(rows)
-  print(open(args.out, encoding="utf-8").read())
-
+  print(report.write_table(rows, [
+      ("layers", lambda r: str(r["n_layers"])), ("d_model", lambda r: str(r["d_model"])),
+      ("lower (s)", lambda r: f"{r['lower_s']:.2f}"),
+      ("compile (s)", lambda r: f"{r['compile_s']:.2f}"),
+      ("total (s)", lambda r: f"{r['total_s']:.2f}"),
+      ("vs first", lambda r: f"{r['total_s'] / base:.2f}x")], args.out))
 
 if __name__ == "__main__":
   main()

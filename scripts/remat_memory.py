@@ -7,10 +7,8 @@ regime where selective recomputation pays (playbook: drop the attention scores, 
 """
 
 import argparse
-import csv
-import os
 
-from jscale import introspect
+from jscale import introspect, report
 from jscale.config import load_config
 
 DEFAULT = ["model.d_model=64", "model.n_heads=8", "model.n_kv_heads=8", "model.head_dim=8",
@@ -28,18 +26,10 @@ def main():
     compiled, _ = introspect.compile_train_step(cfg)
     rows.append({"remat": remat, **introspect.memory(compiled)})
     print(rows[-1], flush=True)
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  with open(args.out, "w", encoding="utf-8") as f:
-    f.write("| remat | temp (MB) | arguments (MB) | vs none |\n|---|---|---|---|\n")
-    for r in rows:
-      f.write(f"| {r['remat']} | {r['temp'] / 1e6:.1f} | {r['argument'] / 1e6:.1f} | "
-              f"{r['temp'] / rows[0]['temp']:.2f}x |\n")
-  with open(os.path.splitext(args.out)[0] + ".csv", "w", newline="", encoding="utf-8") as f:
-    w = csv.DictWriter(f, fieldnames=list(rows[0]))
-    w.writeheader()
-    w.writerows(rows)
-  print(open(args.out, encoding="utf-8").read())
-
+  print(report.write_table(rows, [
+      ("remat", lambda r: r["remat"]), ("temp (MB)", lambda r: f"{r['temp'] / 1e6:.1f}"),
+      ("arguments (MB)", lambda r: f"{r['argument'] / 1e6:.1f}"),
+      ("vs none", lambda r: f"{r['temp'] / rows[0]['temp']:.2f}x")], args.out))
 
 if __name__ == "__main__":
   main()
