@@ -75,3 +75,19 @@ def test_init_from_params_checkpoint(full_run, tmp_path, data_cache):
                "model.d_ff=256")
   with pytest.raises(train_lib.ConfigError, match="model.d_ff"):
     train_lib.run(wrong)
+
+
+def test_cli_subprocess(tmp_path, data_cache):
+  """The README command, as a real process (2 steps of a small model)."""
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cmd = [sys.executable, "-m", "jscale.train", "--config", "configs/tiny.yaml", "train.steps=2",
+         "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
+         "model.d_ff=64", "train.seq_len=16", f"train.output_dir={tmp_path}",
+         f"data.cache_dir={data_cache}", "train.eval_every=0", "logging.every=1"]
+  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "done: step 2, loss" in out.stdout
+  assert len(open(tmp_path / "metrics.jsonl").readlines()) == 2
