@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 
 from jscale.config import Config
@@ -55,9 +54,3 @@ class Checkpointer:
     self._manager.wait_until_finished()
     self._manager.close()
 
-
-def abstract_like(state: Any) -> Any:
-  """ShapeDtypeStructs (with shardings) describing `state`, as restore targets."""
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-      state)
