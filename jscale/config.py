@@ -62,13 +62,23 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class MeshConfig:
-  """Device-mesh axis sizes; one may be -1 (all remaining devices)."""
+  """Device-mesh axis sizes; one may be -1 (all remaining devices).
+
+  Multi-node (hybrid) meshes: each axis's total size is `<axis> * dcn_<axis>`, where `<axis>`
+  is the degree inside a node (fast links) and `dcn_<axis>` the degree across nodes.
+  """
   data: int = -1
   fsdp: int = 1
   stage: int = 1
   sequence: int = 1
   tensor: int = 1
   expert: int = 1
+  dcn_data: int = 1
+  dcn_fsdp: int = 1
+  dcn_stage: int = 1
+  dcn_sequence: int = 1
+  dcn_tensor: int = 1
+  dcn_expert: int = 1
 
 
 @dataclasses.dataclass
@@ -76,6 +86,17 @@ class ParallelConfig:
   collectives: str = "xla"  # xla | manual
   zero_stage: int = 0
   sequence_parallel: bool = False
+  # Overrides of the logical-axis -> mesh-axes table (jscale.sharding.RULES), e.g.
+  # {mlp: tensor, embed: null}; a value is a mesh axis, a list of axes, or null (replicated).
+  rules: dict | None = None
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+  """Multi-process setup. All null: read SLURM's environment if present, else one process."""
+  coordinator: str | None = None  # host:port of process 0
+  num_processes: int | None = None
+  process_id: int | None = None
 
 
 @dataclasses.dataclass
@@ -138,6 +159,7 @@ class Config:
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+  distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
 
 # ------------------------------------------------------------------ loading
@@ -232,6 +254,10 @@ def _coerce(tp, value, key):
     return _coerce(args[0], value, key)
   if dataclasses.is_dataclass(tp):
     return _build(tp, value or {}, key + ".")
+  if tp is dict or origin is dict:
+    if not isinstance(value, dict):
+      raise ConfigError(f"{key}={value!r}: expected a mapping, e.g. {{mlp: tensor}}")
+    return dict(value)
   if origin is list:
     if not isinstance(value, (list, tuple)):
       raise ConfigError(f"{key}={value!r}: expected a list, e.g. {key}=[10,20]")
@@ -328,7 +354,8 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage}: choose 0, 1, 2 or 3")
   sizes = dataclasses.asdict(cfg.mesh)
   for name, size in sizes.items():
-    if size == 0 or size < -1:
-      raise ConfigError(f"mesh.{name}={size}: give a positive size, or -1 for the rest")
+    if size == 0 or size < -1 or (name.startswith("dcn_") and size < 1):
+      raise ConfigError(f"mesh.{name}={size}: give a positive size" +
+                        ("" if name.startswith("dcn_") else ", or -1 for the rest"))
   if list(sizes.values()).count(-1) > 1:
     raise ConfigError("mesh: at most one axis may be -1; give explicit sizes to the others")
