@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jscale import train_step as ts
+from jscale import runtime
 from jscale.config import Config
 
 
@@ -18,13 +19,14 @@ def abstract_batch(cfg: Config) -> dict[str, jax.ShapeDtypeStruct]:
           "loss_mask": jax.ShapeDtypeStruct((b, l), jnp.float32)}
 
 
-def compile_train_step(cfg: Config) -> tuple[jax.stages.Compiled, dict[str, float]]:
-  """Lowers and compiles one train step on abstract inputs; returns it with timings (s)."""
-  graphdef = ts.model_graphdef(cfg)
-  state = jax.eval_shape(lambda: ts.init_state(cfg))
-  step = ts.make_train_step(cfg, graphdef)
+def compile_train_step(cfg: Config, devices: Sequence[jax.Device] | None = None
+                       ) -> tuple[jax.stages.Compiled, dict[str, float]]:
+  """Lowers and compiles one train step of `cfg`'s layout on `devices` (default: all), on
+  abstract inputs (nothing is allocated or run); returns it with timings (s)."""
+  rt = runtime.build(cfg, devices)
+  step = rt.train_step()
   t0 = time.perf_counter()
-  lowered = step.lower(state, abstract_batch(cfg))
+  lowered = step.lower(rt.abstract_state(), abstract_batch(cfg))
   t1 = time.perf_counter()
   compiled = lowered.compile()
   t2 = time.perf_counter()

@@ -19,10 +19,10 @@ def cross_entropy_sums(logits_BLV: jax.Array, labels_BL: jax.Array, mask_BL: jax
   logits = logits_BLV.astype(jnp.float32)
   m_BL1 = jax.lax.stop_gradient(comms.vocab_max(logits))
   lse_BL = (jnp.log(comms.vocab_sum(jnp.exp(logits - m_BL1))) + m_BL1)[..., 0]
-  local_BL = labels_BL - comms.vocab_offset()
-  in_shard_BL = (local_BL >= 0) & (local_BL < logits.shape[-1])
-  picked_BL1 = jnp.take_along_axis(logits, jnp.clip(local_BL, 0, logits.shape[-1] - 1)[..., None],
-                                   axis=-1)
-  target_BL = comms.vocab_sum(jnp.where(in_shard_BL[..., None], picked_BL1, 0.0))[..., 0]
+  # The label logit as a masked sum over the vocab (not a gather), so a vocab-sharded layout
+  # reduces partial sums instead of collecting the full-vocab logits on one device.
+  vocab_ids_V = jnp.arange(logits.shape[-1]) + comms.vocab_offset()
+  hit_BLV = vocab_ids_V == labels_BL[..., None]
+  target_BL = comms.vocab_sum(jnp.where(hit_BLV, logits, 0.0))[..., 0]
   mask = mask_BL.astype(jnp.float32)
   return jnp.sum((lse_BL - target_BL) * mask), jnp.sum(mask)

@@ -8,7 +8,6 @@ periodic eval, checkpoints and an optional profiler trace.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -21,6 +20,7 @@ from flax import nnx
 from jscale import checkpoint as ckpt_lib
 from jscale import metrics as metrics_lib
 from jscale import params_io
+from jscale import runtime
 from jscale import train_step as ts
 from jscale.config import Config, ConfigError, load_config
 from jscale.data import make_eval_batches, make_train_iterator, tokenizer_vocab_size
@@ -39,10 +39,6 @@ def check_runtime(cfg: Config) -> None:
   if backend not in attn_lib.BACKENDS[impl]:
     raise ConfigError(f"model.attention_impl={impl} cannot run on backend {backend!r}: use "
                       f"model.attention_impl=xla (or run on {attn_lib.BACKENDS[impl]})")
-  for axis, size in dataclasses.asdict(cfg.mesh).items():
-    if size > 1:
-      raise ConfigError(f"mesh.{axis}={size}: this trainer runs on one device until the "
-                        f"sharded mesh lands; set mesh.{axis}=1")
   vocab = tokenizer_vocab_size(cfg.data)
   if vocab > cfg.model.vocab_size:
     raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
@@ -57,32 +53,35 @@ def check_runtime(cfg: Config) -> None:
             f"{getattr(saved, f)}")
 
 
-def _to_device(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-  return {k: jax.device_put(v) for k, v in batch.items()}
+def _to_global(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+  """This process's rows of the global batch -> global arrays laid out by `sharding`."""
+  if jax.process_count() == 1:
+    return jax.device_put(batch, sharding)
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
 
 
-def _initial_state(cfg: Config, ckptr: ckpt_lib.Checkpointer, train_iter) -> tuple[Any, int]:
+def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer,
+                   train_iter) -> tuple[Any, int]:
   """Resumes from the latest checkpoint, else starts from init_from params or random init."""
+  cfg = rt.cfg
   latest = ckptr.latest_step() if cfg.checkpoint.resume else None
   if latest is not None:
-    abstract = jax.eval_shape(lambda: ts.init_state(cfg))
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                            abstract)
-    return ckptr.restore(latest, abstract, train_iter), latest
-  state = ts.init_state(cfg)
+    return ckptr.restore(latest, rt.abstract_state(), train_iter), latest
+  state = rt.init_state()
   if cfg.checkpoint.init_from:
-    model = nnx.merge(ts.model_graphdef(cfg), state["params"])
+    model = nnx.merge(rt.graphdef, state["params"])
     params_io.load_params_into(cfg.checkpoint.init_from, model)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    state = ts.state_from_params(params, make_optimizer(cfg.train), cfg.train.seed)
+    optimizer = make_optimizer(cfg.train)
+    state = jax.jit(lambda p: ts.state_from_params(p, optimizer, cfg.train.seed),
+                    out_shardings=rt.state_shardings)(params)
   return state, 0
 
 
-def _evaluate(eval_step, params, batches) -> float:
+def _evaluate(eval_step, params, batches, sharding) -> float:
   total, count = 0.0, 0.0
   for b in batches:
-    s, n = eval_step(params, _to_device(b))
+    s, n = eval_step(params, _to_global(b, sharding))
     total, count = total + float(s), count + float(n)
   return total / max(count, 1.0)
 
@@ -96,11 +95,11 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
   train_iter = make_train_iterator(cfg.data, t.seq_len, t.batch_size, pi, pc)
   eval_batches = (make_eval_batches(cfg.data, t.seq_len, t.batch_size, t.eval_batches, pi, pc)
                   if cfg.data.val_fraction > 0 else [])
+  rt = runtime.build(cfg)
   ckptr = ckpt_lib.Checkpointer(cfg)
-  state, start = _initial_state(cfg, ckptr, train_iter)
-  graphdef = ts.model_graphdef(cfg)
-  train_step = ts.make_train_step(cfg, graphdef)
-  eval_step = ts.make_eval_step(cfg, graphdef)
+  state, start = _initial_state(rt, ckptr, train_iter)
+  train_step, eval_step = rt.train_step(), rt.eval_step()
+  batch_sharding = rt.layouts.batch()
 
   writer = metrics_lib.MetricsWriter(t.output_dir, t.steps, start,
                                      tensorboard=cfg.logging.tensorboard,
@@ -108,7 +107,7 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
   tokens_per_step = t.batch_size * t.seq_len
   flops_per_step = metrics_lib.flops_per_token(cfg.model, t.seq_len) * tokens_per_step
   peak = t.peak_flops or metrics_lib.device_peak_flops()
-  n_devices = 1  # the devices the step runs on (one, until the sharded mesh lands)
+  n_devices = rt.mesh.size
   end = t.steps if stop_after is None else min(t.steps, start + stop_after)
   losses: dict[int, float] = {}
   val_loss = None
@@ -117,7 +116,7 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
     if t.profile_steps and step == t.profile_steps[0]:
       jax.profiler.start_trace(os.path.join(t.output_dir, "profile"))
       tracing = True
-    state, m = train_step(state, _to_device(next(train_iter)))
+    state, m = train_step(state, _to_global(next(train_iter), batch_sharding))
     done = step + 1
     if last_time is None:  # the first step includes compilation: time from its end
       jax.block_until_ready(m)
@@ -140,7 +139,7 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
       row["peak_memory_bytes"] = metrics_lib.peak_memory_bytes()
       writer.write(done, row)
     if eval_batches and t.eval_every and (done % t.eval_every == 0 or done == t.steps):
-      val_loss = _evaluate(eval_step, state["params"], eval_batches)
+      val_loss = _evaluate(eval_step, state["params"], eval_batches, batch_sharding)
       writer.write(done, {"val_loss": val_loss})
     ckptr.save(done, state, train_iter, force=(done == end and cfg.checkpoint.every > 0))
     writer.advance()

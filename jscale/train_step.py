@@ -31,15 +31,19 @@ def model_graphdef(cfg: Config) -> nnx.GraphDef:
   return graphdef
 
 
-def init_state(cfg: Config) -> State:
-  """Random parameters and fresh optimizer state, created inside one jit."""
+def init_state(cfg: Config, shardings: Any = None) -> State:
+  """Random parameters and fresh optimizer state, created inside one jit.
+
+  With `shardings` (from `jscale.sharding.Layouts.state`) every array is created directly in
+  its final layout, so a model larger than one device's memory never exists unsharded.
+  """
   optimizer = make_optimizer(cfg.train)
 
   def init():
     params = nnx.to_pure_dict(nnx.state(llama.create(cfg.model, cfg.train.seed), nnx.Param))
     return state_from_params(params, optimizer, cfg.train.seed)
 
-  return jax.jit(init)()
+  return jax.jit(init, out_shardings=shardings)()
 
 
 def state_from_params(params, optimizer: optax.GradientTransformation, seed: int) -> State:
@@ -60,10 +64,14 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
 
 
 def _split_microbatches(batch: Batch, m: int) -> Batch:
-  return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
+  # Micro-batch j takes rows j, j+m, j+2m, ...: with the batch split over devices in blocks,
+  # every device keeps its own rows (no data moves), each micro-batch drawing from all devices.
+  return jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1),
+                      batch)
 
 
-def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int):
+def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int,
+                     comms: Comms = LOCAL):
   """Sums gradients of the summed loss over micro-batches (a scan); returns grads, loss, count.
 
   Gradients are divided by the total token count once, so the result equals the full-batch
@@ -73,7 +81,7 @@ def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int)
 
   def one(mb):
     (loss_sum, count), g = grad_fn(params, mb)
-    return jax.tree.map(lambda x: x.astype(jnp.float32), g), loss_sum, count
+    return comms.grad_accumulator(jax.tree.map(lambda x: x.astype(jnp.float32), g)), loss_sum, count
 
   with jax.named_scope("backward"):
     if microbatches == 1:
@@ -83,7 +91,8 @@ def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int)
         g, l, n = one(mb)
         return jax.tree.map(jnp.add, carry, (g, l, n)), None
 
-      zeros = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+      zeros = (comms.grad_accumulator(
+          jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)),
                jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
       (g_sum, loss_sum, count), _ = jax.lax.scan(
           body, zeros, _split_microbatches(batch, microbatches))
@@ -91,15 +100,19 @@ def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int)
   return jax.tree.map(lambda g: g / denom, g_sum), loss_sum / denom, count
 
 
-def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL) -> Callable:
-  """Returns jitted `step(state, batch) -> (state, metrics)`; the state buffers are donated."""
+def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
+                    state_shardings: Any = None, batch_sharding: Any = None) -> Callable:
+  """Returns jitted `step(state, batch) -> (state, metrics)`; the state buffers are donated.
+
+  With shardings (xla mode) the state keeps its layout across steps and XLA partitions the rest.
+  """
   optimizer = make_optimizer(cfg.train)
   schedule = lr_schedule(cfg.train)
   loss_fn = make_loss_fn(graphdef, cfg, comms)
 
   def step(state: State, batch: Batch):
     params = state["params"]
-    grads, loss, count = accumulate_grads(loss_fn, params, batch, cfg.train.microbatches)
+    grads, loss, count = accumulate_grads(loss_fn, params, batch, cfg.train.microbatches, comms)
     grads = comms.sync_grads(grads)
     with jax.named_scope("optimizer"):
       updates, opt_state = optimizer.update(grads, state["opt_state"], params)
@@ -110,7 +123,12 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL) -
                  "rng": state["rng"]}
     return new_state, metrics
 
-  return jax.jit(step, donate_argnums=(0,))
+  if state_shardings is None:
+    return jax.jit(step, donate_argnums=(0,))
+  batch_shardings = {k: batch_sharding for k in ("tokens", "labels", "loss_mask")}
+  replicated = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
+  return jax.jit(step, donate_argnums=(0,), in_shardings=(state_shardings, batch_shardings),
+                 out_shardings=(state_shardings, replicated))
 
 
 def make_eval_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL) -> Callable:

@@ -51,18 +51,21 @@ class Block(nnx.Module):
     k = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wk, dt), "k_proj")
     v = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wv, dt), "v_proj")
     q, k = apply_rope(q, positions_BL, inv_freq), apply_rope(k, positions_BL, inv_freq)
+    q = comms.activation(q, ("batch", "seq", "heads", "head_dim"))
+    k = comms.activation(k, ("batch", "seq", "kv_heads", "head_dim"))
+    v = comms.activation(v, ("batch", "seq", "kv_heads", "head_dim"))
     ctx_BLHK = attn_lib.attention(q, k, v, impl=self.attention_impl)
     out = checkpoint_name(einsum("BLHK,HKD->BLD", ctx_BLHK, self.wo, dt), "attn_out")
     x_BLD = x_BLD + comms.leave_tensor_parallel(out)
-    x_BLD = comms.activation(x_BLD, ("batch", "seq", "embed"))
 
     h_BLD = comms.enter_tensor_parallel(self.mlp_norm(x_BLD))
     gate_BLF = checkpoint_name(einsum("BLD,DF->BLF", h_BLD, self.w_gate, dt), "mlp_gate")
     up_BLF = checkpoint_name(einsum("BLD,DF->BLF", h_BLD, self.w_up, dt), "mlp_up")
+    gate_BLF = comms.activation(gate_BLF, ("batch", "seq", "mlp"))
+    up_BLF = comms.activation(up_BLF, ("batch", "seq", "mlp"))
     out = checkpoint_name(einsum("BLF,FD->BLD", jax.nn.silu(gate_BLF) * up_BLF, self.w_down, dt),
                           "mlp_out")
-    x_BLD = x_BLD + comms.leave_tensor_parallel(out)
-    return comms.activation(x_BLD, ("batch", "seq", "embed"))
+    return x_BLD + comms.leave_tensor_parallel(out)
 
 
 def remat_policy(remat: str):
@@ -103,7 +106,7 @@ class Llama(nnx.Module):
     inv_freq = inv_frequencies(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
     with jax.named_scope("embed"):
       x_BLD = comms.embed(self.embed[...], tokens_BL).astype(dt)
-      x_BLD = comms.activation(x_BLD, ("batch", "seq", "embed"))
+      x_BLD = comms.activation(x_BLD, ("batch", "res_seq", "embed"))
 
     graphdef, stacked = nnx.split(self.blocks)
 

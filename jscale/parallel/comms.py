@@ -56,6 +56,10 @@ class Comms:
     """Index of this shard's first vocab entry (0 unless the vocab is sharded)."""
     return 0
 
+  def grad_accumulator(self, grads: Any) -> Any:
+    """Layout of the gradient accumulator kept between micro-batches (ZeRO-2: a shard)."""
+    return grads
+
   def sync_grads(self, grads: Any) -> Any:
     """Reduces gradients over the data-parallel axes, once per optimizer step."""
     return grads

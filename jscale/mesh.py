@@ -1,0 +1,68 @@
+"""The device mesh: named axes, sizes from `mesh.*`, slow axes outermost and tensor innermost.
+
+Axis order (outermost first) is `data, stage, fsdp, expert, sequence, tensor`: the axes that
+communicate least often (gradient all-reduce once per step, pipeline hand-offs) span the slow
+links between nodes; tensor parallelism, which communicates inside every layer, gets the
+fastest links. For multi-node GPU runs the mesh is hybrid (as in MaxText): `mesh.<axis>` is the
+degree inside a node (NVLink) and `mesh.dcn_<axis>` the degree across nodes (the data-center
+network), laid out by `mesh_utils.create_hybrid_device_mesh`.
+
+Axis types are Auto: in "xla" mode GSPMD propagates shardings from the annotations jscale places
+(the point of that mode); "manual" mode enters `jax.shard_map` explicitly over the same mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from jscale.config import ConfigError, MeshConfig
+
+AXES = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
+
+
+def axis_sizes(cfg: MeshConfig, n_devices: int) -> dict[str, tuple[int, int]]:
+  """{axis: (ici degree, dcn degree)} with -1 resolved so the product is `n_devices`."""
+  ici = {a: getattr(cfg, a) for a in AXES}
+  dcn = {a: getattr(cfg, f"dcn_{a}") for a in AXES}
+  known = math.prod(v for v in ici.values() if v != -1) * math.prod(dcn.values())
+  free = [a for a, v in ici.items() if v == -1]
+  if free:
+    if n_devices % known:
+      raise ConfigError(
+          f"mesh.{free[0]}=-1: the other mesh sizes multiply to {known}, which does not divide "
+          f"the {n_devices} devices; change the mesh sizes")
+    ici[free[0]] = n_devices // known
+  total = math.prod(ici.values()) * math.prod(dcn.values())
+  if total != n_devices:
+    sizes = " x ".join(f"{a}={ici[a] * dcn[a]}" for a in AXES if ici[a] * dcn[a] > 1) or "1"
+    raise ConfigError(f"mesh sizes multiply to {total} ({sizes}) but there are {n_devices} "
+                      "devices: make the product of mesh.* (times mesh.dcn_*) equal the device "
+                      "count, or set one axis to -1")
+  return {a: (ici[a], dcn[a]) for a in AXES}
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds the mesh over `devices` (default: all global devices)."""
+  devices = list(devices if devices is not None else jax.devices())
+  sizes = axis_sizes(cfg, len(devices))
+  ici_shape = [sizes[a][0] for a in AXES]
+  dcn_shape = [sizes[a][1] for a in AXES]
+  if math.prod(dcn_shape) > 1:
+    grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices,
+                                                allow_split_physical_axes=True)
+  elif devices[0].platform in ("gpu", "tpu"):
+    grid = mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
+  else:  # CPU: no topology; keep device-id order (tensor varies fastest).
+    grid = np.asarray(devices, dtype=object).reshape(ici_shape)
+  return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def size(mesh: Mesh, *axes: str) -> int:
+  """Product of the sizes of `axes` in `mesh`."""
+  return math.prod(mesh.shape[a] for a in axes)

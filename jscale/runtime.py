@@ -1,0 +1,86 @@
+"""Everything a config needs to run on a set of devices: mesh, layouts, comms, jitted steps.
+
+`build(cfg)` validates the parallel layout against the model before anything is compiled, then
+returns the pieces the train loop, the scripts and the tests share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jscale import mesh as mesh_lib
+from jscale import train_step as ts
+from jscale.config import Config, ConfigError
+from jscale.model import llama
+from jscale.optim import make_optimizer
+from jscale.parallel.comms import Comms
+from jscale.parallel.xla import XlaComms
+from jscale.sharding import Layouts
+
+
+@dataclasses.dataclass
+class Runtime:
+  cfg: Config
+  mesh: Mesh
+  layouts: Layouts
+  comms: Comms
+  graphdef: nnx.GraphDef
+  state_shardings: Any
+
+  def init_state(self) -> ts.State:
+    return ts.init_state(self.cfg, self.state_shardings)
+
+  def abstract_state(self) -> ts.State:
+    shapes = jax.eval_shape(lambda: ts.init_state(self.cfg))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shapes, self.state_shardings)
+
+  def train_step(self) -> Callable:
+    return ts.make_train_step(self.cfg, self.graphdef, self.comms, self.state_shardings,
+                              self.layouts.batch())
+
+  def eval_step(self) -> Callable:
+    return ts.make_eval_step(self.cfg, self.graphdef, self.comms)
+
+
+def check_layout(cfg: Config, mesh: Mesh) -> None:
+  """Divisibility the sharding rules need; ConfigError naming the key, before any compile."""
+  m, t, sizes = cfg.model, cfg.train, dict(mesh.shape)
+  tp = sizes["tensor"]
+  for key, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
+                     ("model.d_ff", m.d_ff), ("model.vocab_size", m.vocab_size)):
+    if value % tp:
+      raise ConfigError(f"{key}={value} is not divisible by mesh.tensor={tp}: tensor "
+                        f"parallelism splits it evenly; pick mesh.tensor dividing {value}")
+  dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+  if t.batch_size % (dp * t.microbatches):
+    raise ConfigError(
+        f"train.batch_size={t.batch_size} is not divisible by data x fsdp x expert ({dp}) x "
+        f"train.microbatches ({t.microbatches}): use a multiple of {dp * t.microbatches}")
+  seq_split = sizes["sequence"] * (tp if cfg.parallel.sequence_parallel else 1)
+  if t.seq_len % seq_split:
+    raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by mesh.sequence"
+                      f"{' x mesh.tensor (sequence_parallel)' if tp > 1 else ''} ({seq_split})")
+  for axis in ("stage", "sequence", "expert"):
+    if sizes[axis] > 1:
+      raise ConfigError(f"mesh.{axis}={sizes[axis]}: this parallelism is not implemented yet; "
+                        f"set mesh.{axis}=1")
+  if cfg.parallel.collectives != "xla":
+    raise ConfigError("parallel.collectives=manual is not implemented yet; use xla")
+
+
+def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
+  """Mesh, layouts and comms for `cfg` on `devices` (default: all)."""
+  mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+  check_layout(cfg, mesh)
+  abstract_model = nnx.eval_shape(lambda: llama.create(cfg.model, cfg.train.seed))
+  graphdef = nnx.split(abstract_model)[0]
+  layouts = Layouts(abstract_model, mesh, cfg.parallel)
+  abstract = jax.eval_shape(lambda: ts.init_state(cfg))
+  state_shardings = layouts.state(make_optimizer(cfg.train), abstract)
+  return Runtime(cfg, mesh, layouts, XlaComms(layouts), graphdef, state_shardings)

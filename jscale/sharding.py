@@ -1,0 +1,120 @@
+"""Logical axis names -> mesh axes: one short table, and the layouts derived from it.
+
+Parameters and activations carry logical names (`embed`, `heads`, `batch`, ...). `RULES` maps
+each name to the mesh axes it is split over; `parallel.rules` overrides entries. ZeRO is a
+policy on top of the table: each parameter gets one extra dimension split over `fsdp` (the
+largest that is not `layers` and divides evenly), used for the optimizer state (stage >= 1),
+the gradients (>= 2) and the stored parameters themselves (3).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jscale.config import ParallelConfig
+
+Rules = dict[str, tuple[str, ...]]
+
+RULES: Rules = {
+    "batch": ("data", "fsdp", "expert"),  # the global batch is split over every DP-like axis
+    "seq": ("sequence",),  # sequence inside tensor-parallel regions
+    "res_seq": ("sequence",),  # residual stream / norms; + tensor under sequence parallelism
+    "embed": (),
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("tensor",),
+    "layers": (),
+    "experts": ("expert",),
+}
+
+
+def make_rules(parallel: ParallelConfig) -> Rules:
+  """RULES with sequence parallelism and the config's overrides applied."""
+  rules = dict(RULES)
+  if parallel.sequence_parallel:
+    rules["res_seq"] = ("sequence", "tensor")
+  for name, axes in (parallel.rules or {}).items():
+    rules[name] = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return rules
+
+
+def spec(names: Sequence[str | None], rules: Rules) -> P:
+  """PartitionSpec for an array whose dims carry logical `names`."""
+  entries = []
+  for n in names:
+    axes = rules[n] if n is not None else ()
+    entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+  return P(*entries)
+
+
+def _spec_axes(s: P) -> set[str]:
+  out = set()
+  for e in s:
+    out.update((e,) if isinstance(e, str) else e or ())
+  return out
+
+
+def add_fsdp(names: Sequence[str], shape: Sequence[int], s: P, fsdp: int) -> P:
+  """`s` with the largest free, evenly divisible non-`layers` dim also split over fsdp."""
+  if fsdp == 1 or "fsdp" in _spec_axes(s):
+    return s
+  entries = list(s) + [None] * (len(shape) - len(s))
+  free = [i for i, n in enumerate(names) if n != "layers" and entries[i] is None
+          and shape[i] % fsdp == 0]
+  if not free:
+    return s  # tiny or odd-sized: stays replicated over fsdp
+  i = max(free, key=lambda j: shape[j])
+  entries[i] = "fsdp"
+  return P(*entries)
+
+
+def logical_names(abstract_model: nnx.Module) -> Any:
+  """Pure dict of logical-name tuples, one per parameter (from the Param metadata)."""
+  state = nnx.state(abstract_model, nnx.Param)
+  return nnx.to_pure_dict(jax.tree.map(
+      lambda v: tuple(v.get_metadata()["out_sharding"]), state,
+      is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+class Layouts:
+  """Every PartitionSpec of the train state for one config and mesh."""
+
+  def __init__(self, abstract_model: nnx.Module, mesh: Mesh, parallel: ParallelConfig):
+    self.mesh, self.rules, self.zero_stage = mesh, make_rules(parallel), parallel.zero_stage
+    names = logical_names(abstract_model)
+    shapes = nnx.to_pure_dict(nnx.state(abstract_model, nnx.Param))
+    is_names = lambda x: isinstance(x, tuple) and all(isinstance(n, str) for n in x)
+    # Compute layout: tensor parallel only (what a matmul sees).
+    self.compute = jax.tree.map(lambda n: spec(n, self.rules), names, is_leaf=is_names)
+    fsdp = mesh.shape["fsdp"]
+    self.sharded = jax.tree.map(
+        lambda n, x, s: add_fsdp(n, x.shape, s, fsdp), names, shapes, self.compute,
+        is_leaf=is_names)
+    self.params = self.sharded if self.zero_stage >= 3 else self.compute
+    self.grads = self.sharded if self.zero_stage >= 2 else self.params
+    self.opt = self.sharded if self.zero_stage >= 1 else self.params
+
+  def named(self, specs: Any) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+  def state(self, optimizer: optax.GradientTransformation, abstract_state: dict) -> dict:
+    """NamedShardings for the whole train state {params, opt_state, step, rng}."""
+    opt = optax.tree_map_params(optimizer, lambda _, s: s, abstract_state["opt_state"], self.opt,
+                                transform_non_params=lambda _: P(),
+                                is_leaf=lambda x: isinstance(x, P))
+    return self.named({"params": self.params, "opt_state": opt, "step": P(), "rng": P()})
+
+  def batch(self) -> NamedSharding:
+    """Batch arrays [B, L]: B over the DP axes, L over sequence."""
+    return NamedSharding(self.mesh, spec(("batch", "seq"), self.rules))
+
+  def activation(self, names: Sequence[str | None]) -> NamedSharding:
+    return NamedSharding(self.mesh, spec(names, self.rules))
