@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jscale import checkpoint as ckpt_lib
+from jscale import distributed
 from jscale import metrics as metrics_lib
 from jscale import params_io
 from jscale import runtime
@@ -57,7 +58,7 @@ def _to_global(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
   """This process's rows of the global batch -> global arrays laid out by `sharding`."""
   if jax.process_count() == 1:
     return jax.device_put(batch, sharding)
-  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+  return distributed.global_batch(batch, sharding)
 
 
 def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer,
@@ -158,11 +159,12 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   try:
     cfg = load_config(args.config, args.overrides)
+    distributed.initialize(cfg.distributed)  # before anything starts a JAX backend
     summary = run(cfg)
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
-  if jax.process_index() == 0:
+  if distributed.is_main():
     last = max(summary["losses"]) if summary["losses"] else None
     msg = f"done: step {summary['final_step']}"
     if last is not None:
