@@ -1,0 +1,76 @@
+"""Which collectives XLA actually runs for each xla-mode layout (from the compiled HLO).
+
+XLA:CPU does not form reduce-scatter from all-reduce + dynamic-slice (GPU XLA does), so on the
+simulated CPU mesh gradient reductions appear as all-reduce for every ZeRO stage; the facts
+asserted here hold on both backends.
+"""
+
+import functools
+
+import pytest
+
+from conftest import small_config
+from jscale import hlo, introspect, metrics
+
+V = 256
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(*layout):
+  cfg = small_config(None, "train.batch_size=16", "model.n_kv_heads=4", *layout)
+  compiled, _ = introspect.compile_train_step(cfg)
+  return cfg, hlo.collectives(compiled.as_text())
+
+
+def _kinds(colls):
+  return {c.kind for c in colls}
+
+
+def _dims(shape: str) -> list[int]:
+  inside = shape[shape.index("[") + 1:shape.index("]")]
+  return [int(d) for d in inside.split(",") if d]
+
+
+def _bytes(colls, kind):
+  return sum(c.bytes_per_step for c in colls if c.kind == kind)
+
+
+LAYOUTS = {
+    "dp": ("mesh.data=8",),
+    "zero1": ("mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=1"),
+    "zero3": ("mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3"),
+    "tp": ("mesh.data=2", "mesh.tensor=4"),
+    "tp_sp": ("mesh.data=2", "mesh.tensor=4", "parallel.sequence_parallel=true"),
+}
+
+
+def test_dp_all_reduces_every_gradient_once():
+  cfg, colls = _compiled(*LAYOUTS["dp"])
+  grad_bytes = 4 * metrics.param_counts(cfg.model)["total"]  # fp32 gradients
+  assert _kinds(colls) == {"all-reduce"}
+  assert grad_bytes <= _bytes(colls, "all-reduce") <= 1.01 * grad_bytes + 64
+
+
+def test_zero1_gathers_updated_params_zero3_gathers_weights_per_layer():
+  cfg, z1 = _compiled(*LAYOUTS["zero1"])
+  param_bytes = 4 * metrics.param_counts(cfg.model)["total"]
+  assert "all-gather" in _kinds(z1) and _bytes(z1, "all-gather") >= 0.99 * param_bytes
+  _, z3 = _compiled(*LAYOUTS["zero3"])
+  in_scan = [c for c in z3 if c.kind == "all-gather" and c.in_while]
+  assert in_scan, "ZeRO-3 must gather layer weights inside the layer scan"
+
+
+def test_tp_all_reduces_and_sp_gathers_along_sequence():
+  _, tp = _compiled(*LAYOUTS["tp"])
+  assert "all-reduce" in _kinds(tp)
+  _, sp = _compiled(*LAYOUTS["tp_sp"])
+  assert "all-gather" in _kinds(sp)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_no_layout_gathers_full_vocab_logits(name):
+  _, colls = _compiled(*LAYOUTS[name])
+  assert colls and all(_dims(s) is not None for c in colls for s in c.shapes)
+  logits_like = [c for c in colls for s in c.shapes
+                 if len(_dims(s)) >= 3 and _dims(s)[-1] == V]
+  assert not logits_like, [(c.kind, c.shapes, c.op_name) for c in logits_like]
