@@ -62,7 +62,3 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     grid = np.asarray(devices, dtype=object).reshape(ici_shape)
   return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
-
-def size(mesh: Mesh, *axes: str) -> int:
-  """Product of the sizes of `axes` in `mesh`."""
-  return math.prod(mesh.shape[a] for a in axes)

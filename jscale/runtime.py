@@ -30,15 +30,15 @@ class Runtime:
   layouts: Layouts
   comms: Comms
   graphdef: nnx.GraphDef
+  state_shapes: Any  # ShapeDtypeStructs of the train state (no shardings)
   state_shardings: Any
 
   def init_state(self) -> ts.State:
     return ts.init_state(self.cfg, self.state_shardings)
 
   def abstract_state(self) -> ts.State:
-    shapes = jax.eval_shape(lambda: ts.init_state(self.cfg))
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        shapes, self.state_shardings)
+                        self.state_shapes, self.state_shardings)
 
   def train_step(self) -> Callable:
     return ts.make_train_step(self.cfg, self.graphdef, self.comms, self.state_shardings,
@@ -83,4 +83,4 @@ def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
   layouts = Layouts(abstract_model, mesh, cfg.parallel)
   abstract = jax.eval_shape(lambda: ts.init_state(cfg))
   state_shardings = layouts.state(make_optimizer(cfg.train), abstract)
-  return Runtime(cfg, mesh, layouts, XlaComms(layouts), graphdef, state_shardings)
+  return Runtime(cfg, mesh, layouts, XlaComms(layouts), graphdef, abstract, state_shardings)
