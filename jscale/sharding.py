@@ -3,7 +3,8 @@
 Parameters and activations carry logical names (`embed`, `heads`, `batch`, ...). `RULES` maps
 each name to the mesh axes it is split over; `parallel.rules` overrides entries. ZeRO is a
 policy on top of the table: each parameter gets one extra dimension split over `fsdp` (the
-largest that is not `layers` and divides evenly), used for the optimizer state (stage >= 1),
+major-most that is not `layers` and divides evenly, so gathering a shard is a contiguous
+concatenation with no transpose), used for the optimizer state (stage >= 1),
 the gradients (>= 2) and the stored parameters themselves (3).
 """
 
@@ -62,7 +63,7 @@ def _spec_axes(s: P) -> set[str]:
 
 
 def add_fsdp(names: Sequence[str], shape: Sequence[int], s: P, fsdp: int) -> P:
-  """`s` with the largest free, evenly divisible non-`layers` dim also split over fsdp."""
+  """`s` with the first free, evenly divisible non-`layers` dim also split over fsdp."""
   if fsdp == 1 or "fsdp" in _spec_axes(s):
     return s
   entries = list(s) + [None] * (len(shape) - len(s))
@@ -70,8 +71,7 @@ def add_fsdp(names: Sequence[str], shape: Sequence[int], s: P, fsdp: int) -> P:
           and shape[i] % fsdp == 0]
   if not free:
     return s  # tiny or odd-sized: stays replicated over fsdp
-  i = max(free, key=lambda j: shape[j])
-  entries[i] = "fsdp"
+  entries[free[0]] = "fsdp"
   return P(*entries)
 
 
@@ -88,7 +88,7 @@ class Layouts:
 
   def __init__(self, abstract_model: nnx.Module, mesh: Mesh, parallel: ParallelConfig):
     self.mesh, self.rules, self.zero_stage = mesh, make_rules(parallel), parallel.zero_stage
-    names = logical_names(abstract_model)
+    self.names = names = logical_names(abstract_model)
     shapes = nnx.to_pure_dict(nnx.state(abstract_model, nnx.Param))
     is_names = lambda x: isinstance(x, tuple) and all(isinstance(n, str) for n in x)
     # Compute layout: tensor parallel only (what a matmul sees).

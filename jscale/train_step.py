@@ -18,7 +18,7 @@ from flax import nnx
 from jscale.config import Config
 from jscale.loss import cross_entropy_sums
 from jscale.model import llama
-from jscale.optim import lr_schedule, make_optimizer
+from jscale.optim import global_norm, lr_schedule, make_optimizer
 from jscale.parallel.comms import LOCAL, Comms
 
 State = dict[str, Any]
@@ -72,32 +72,38 @@ def _split_microbatches(batch: Batch, m: int) -> Batch:
 
 def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int,
                      comms: Comms = LOCAL):
-  """Sums gradients of the summed loss over micro-batches (a scan); returns grads, loss, count.
+  """Gradient of the mean token loss over the whole batch, summed over micro-batches (a scan).
 
-  Gradients are divided by the total token count once, so the result equals the full-batch
-  gradient of the mean loss exactly (up to summation order).
+  The token count is known before the backward (it is the mask's sum), so each micro-batch
+  differentiates its loss sum divided by the total count: the summed gradients are the
+  full-batch mean gradient (up to summation order), with no extra pass over them to divide.
+  Returns (grads, mean loss, token count).
   """
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+  scale = 1.0 / jnp.maximum(count, 1.0)
+
+  def scaled_loss(p, mb):
+    loss_sum, _ = loss_fn(p, mb)
+    return loss_sum * scale
+
+  grad_fn = jax.value_and_grad(scaled_loss)
 
   def one(mb):
-    (loss_sum, count), g = grad_fn(params, mb)
-    return comms.grad_accumulator(jax.tree.map(lambda x: x.astype(jnp.float32), g)), loss_sum, count
+    loss, g = grad_fn(params, mb)
+    return comms.grad_accumulator(jax.tree.map(lambda x: x.astype(jnp.float32), g)), loss
 
   with jax.named_scope("backward"):
     if microbatches == 1:
-      g_sum, loss_sum, count = one(batch)
+      grads, loss = one(batch)
     else:
       def body(carry, mb):
-        g, l, n = one(mb)
-        return jax.tree.map(jnp.add, carry, (g, l, n)), None
+        return jax.tree.map(jnp.add, carry, one(mb)), None
 
       zeros = (comms.grad_accumulator(
           jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)),
-               jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-      (g_sum, loss_sum, count), _ = jax.lax.scan(
-          body, zeros, _split_microbatches(batch, microbatches))
-  denom = jnp.maximum(count, 1.0)
-  return jax.tree.map(lambda g: g / denom, g_sum), loss_sum / denom, count
+               jnp.zeros((), jnp.float32))
+      (grads, loss), _ = jax.lax.scan(body, zeros, _split_microbatches(batch, microbatches))
+  return grads, loss, count
 
 
 def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
@@ -116,8 +122,8 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
     grads = comms.sync_grads(grads)
     with jax.named_scope("optimizer"):
       updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-      params = optax.apply_updates(params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+      params = comms.gather_updated_params(optax.apply_updates(params, updates), params)
+    metrics = {"loss": loss, "grad_norm": global_norm(grads),
                "lr": schedule(state["step"]), "tokens": count}
     new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1,
                  "rng": state["rng"]}

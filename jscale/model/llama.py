@@ -19,7 +19,7 @@ from jscale.config import ModelConfig
 from jscale.model import attention as attn_lib
 from jscale.model.layers import RMSNorm, einsum, param
 from jscale.model.rope import apply_rope, inv_frequencies
-from jscale.parallel.comms import LOCAL, Comms
+from jscale.parallel.comms import GATHERED, LOCAL, Comms
 
 # Matmul outputs kept by `remat: selective`; scores, softmax and pointwise ops are recomputed.
 SELECTIVE_SAVE = ("q_proj", "k_proj", "v_proj", "attn_ctx", "attn_out", "mlp_gate", "mlp_up",
@@ -68,10 +68,21 @@ class Block(nnx.Module):
     return x_BLD + comms.leave_tensor_parallel(out)
 
 
+def _save_all_but_gathered(prim, *_, **params) -> bool:
+  # Layout changes (sharding constraints) are not saved either: the one that gathers ZeRO-3
+  # weights feeds the GATHERED name, and saving its output would keep the whole weights alive.
+  if prim.name == "name":
+    return params["name"] != GATHERED
+  return prim.name != "sharding_constraint"
+
+
 def remat_policy(remat: str):
-  """`train.remat` -> a jax.checkpoint policy, or None for no rematerialisation."""
+  """`train.remat` -> a jax.checkpoint policy for one layer.
+
+  Every policy drops ZeRO-3's gathered weights (`GATHERED`); "none" saves everything else.
+  """
   if remat == "none":
-    return None
+    return _save_all_but_gathered
   if remat == "full":
     return jax.checkpoint_policies.nothing_saveable
   if remat == "selective":
@@ -114,9 +125,7 @@ class Llama(nnx.Module):
       block = nnx.merge(graphdef, comms.gather_params(layer_state))
       return block(x_BLD, positions_BL, inv_freq, comms), None
 
-    policy = remat_policy(remat)
-    if policy is not None:
-      layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+    layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
     with jax.named_scope("layers"):
       x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
 

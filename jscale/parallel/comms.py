@@ -17,6 +17,10 @@ import jax.numpy as jnp
 
 Names = Sequence[str | None]
 
+# checkpoint_name of whole weights gathered for ZeRO-3: never saved for the backward (which
+# gathers again), or the forward would keep every layer's full weights alive, undoing ZeRO-3.
+GATHERED = "zero3_gathered_params"
+
 
 class Comms:
   """Single device: no communication. Subclasses override the operations they need."""
@@ -31,6 +35,11 @@ class Comms:
   def gather_params(self, layer_params: Any) -> Any:
     """Makes one layer's (possibly ZeRO-3 sharded) weights whole just before use."""
     return layer_params
+
+  def gather_updated_params(self, new_params: Any, old_params: Any) -> Any:
+    """ZeRO-1/2: parameters updated shard by shard, made whole again (may reuse `old_params`)."""
+    del old_params
+    return new_params
 
   def enter_tensor_parallel(self, x_BLD: jax.Array) -> jax.Array:
     """Input of a column-parallel linear: Megatron's f (identity fwd, all-reduce bwd)."""

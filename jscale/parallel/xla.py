@@ -8,9 +8,11 @@ from typing import Any
 
 import jax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding
 
-from jscale.parallel.comms import Comms, Names
-from jscale.sharding import Layouts, spec
+from jscale.parallel.comms import GATHERED, Comms, Names
+from jscale.sharding import Layouts, add_fsdp, spec
 
 
 class XlaComms(Comms):
@@ -25,17 +27,51 @@ class XlaComms(Comms):
     return jax.lax.with_sharding_constraint(x, self.layouts.activation(names))
 
   def gather_params(self, layer_params: Any) -> Any:
-    # ZeRO-3: weights are stored split over fsdp; ask for the compute layout right before use,
-    # so XLA all-gathers one layer at a time inside the layer scan (and frees it after).
-    if self.layouts.zero_stage < 3:
+    # ZeRO-2/3 per layer, inside the layer scan. Backward: the layer's gradient is constrained
+    # to its fsdp shard, so it is reduce-scattered as soon as it is computed and the scan never
+    # stacks full-size gradients. ZeRO-3 forward: weights are stored split over fsdp; ask for the
+    # compute layout right before use, so XLA all-gathers one layer at a time (and frees it).
+    if self.layouts.zero_stage < 2:
       return layer_params
+    mesh, rules, fsdp = self.layouts.mesh, self.layouts.rules, self.layouts.mesh.shape["fsdp"]
 
     def gather(v: nnx.Variable):
       names = [n for n in v.get_metadata()["out_sharding"] if n != "layers"]
-      sharding = jax.sharding.NamedSharding(self.layouts.mesh, spec(names, self.layouts.rules))
-      return v.replace(jax.lax.with_sharding_constraint(v[...], sharding))
+      compute = spec(names, rules)
+      x = _shard_cotangent(v[...], NamedSharding(mesh, add_fsdp(names, v.shape, compute, fsdp)))
+      if self.layouts.zero_stage >= 3:
+        # The barrier keeps the gather's operand this layer's 2-D slice: otherwise XLA:CPU
+        # re-lays out the whole stacked shard before the loop (a copy of every layer's shard).
+        x = jax.lax.optimization_barrier(x)
+        x = checkpoint_name(
+            jax.lax.with_sharding_constraint(x, NamedSharding(mesh, compute)), GATHERED)
+      return v.replace(x)
 
     return jax.tree.map(gather, layer_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+  def gather_updated_params(self, new_params: Any, old_params: Any) -> Any:
+    # ZeRO-1/2 update shards with the sharded optimizer state, then all-gather the new weights.
+    # Stacked weights are gathered one layer at a time, written over the old (donated) weights
+    # in place: the gather buffer is one layer, not the largest stacked leaf (GBs at 8B).
+    layouts = self.layouts
+    if layouts.zero_stage not in (1, 2):
+      return new_params
+    named = lambda s: NamedSharding(layouts.mesh, s)
+
+    def gather(new, old, names, sharded, compute):
+      new = jax.lax.with_sharding_constraint(new, named(sharded))
+      if names[0] != "layers":
+        return jax.lax.with_sharding_constraint(new, named(compute))
+      layer = named(spec(names[1:], layouts.rules))
+
+      def body(i, out):
+        new_l = jax.lax.with_sharding_constraint(new[i], layer)
+        return jax.lax.dynamic_update_index_in_dim(out, new_l, i, 0)
+
+      return jax.lax.fori_loop(0, new.shape[0], body, old)
+
+    return jax.tree.map(gather, new_params, old_params, layouts.names, layouts.sharded,
+                        layouts.compute, is_leaf=lambda x: isinstance(x, tuple))
 
   def enter_tensor_parallel(self, x_BLD: jax.Array) -> jax.Array:
     # With sequence parallelism this is the all-gather along the sequence (playbook's g).
@@ -50,3 +86,15 @@ class XlaComms(Comms):
 
   def sync_grads(self, grads: Any) -> Any:
     return self.grad_accumulator(grads)
+
+
+def _shard_cotangent(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+  """Identity whose cotangent is constrained to `sharding` (a reduce-scatter point)."""
+
+  @jax.custom_vjp
+  def identity(x):
+    return x
+
+  identity.defvjp(lambda x: (x, None),
+                  lambda _, g: (jax.lax.with_sharding_constraint(g, sharding),))
+  return identity(x)
