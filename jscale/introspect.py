@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jscale import runtime
-from jscale.config import Config
+from jscale.config import Config, load_config
+from jscale.metrics import param_counts
 
 
 def abstract_batch(cfg: Config) -> dict[str, jax.ShapeDtypeStruct]:
@@ -38,3 +39,42 @@ def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
   m = compiled.memory_analysis()
   return {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
           "temp": m.temp_size_in_bytes, "alias": m.alias_size_in_bytes}
+
+
+def zero_formula_bytes(n_params: int, zero_stage: int, n_shards: int, param_bytes: int = 4,
+                       grad_bytes: int = 4, opt_bytes: int = 8) -> dict[str, float]:
+  """Per-device model-state bytes by the playbook's ZeRO formulas (activations excluded).
+
+  Stage 1 divides the optimizer state by the fsdp degree, 2 also the gradients, 3 also the
+  parameters. The defaults are jscale's layout: fp32 master weights used directly (no separate
+  bf16 copy), fp32 gradients, Adam's two fp32 moments (k = 8; the playbook's mixed-precision
+  2Ψ + 2Ψ + 12Ψ has the same stage-0 total).
+  """
+  div = lambda on: n_shards if on else 1
+  parts = {"params": n_params * param_bytes / div(zero_stage >= 3),
+           "grads": n_params * grad_bytes / div(zero_stage >= 2),
+           "optimizer": n_params * opt_bytes / div(zero_stage >= 1)}
+  return {**parts, "total": sum(parts.values())}
+
+
+# Deep and narrow with full remat: model state dominates activations, and one layer is a small
+# part of the model (ZeRO-3 holds one gathered layer, ZeRO-1/2 gather updates a layer at a time).
+ZERO_SHAPE = ("model.preset=tiny", "model.d_model=128", "model.n_layers=64", "model.n_heads=4",
+              "model.n_kv_heads=4", "model.d_ff=1024", "model.dtype=float32", "train.remat=full",
+              "train.batch_size=8", "train.seq_len=8", "mesh.data=1")
+
+
+def zero_memory_rows(fsdp: int, overrides: Sequence[str] = ()) -> list[dict[str, Any]]:
+  """Per ZeRO stage 0-3 at `fsdp` devices: formula parts (f_*), compiled memory, measured
+  per-device bytes (arguments + temps + non-aliased outputs) and measured / formula."""
+  rows = []
+  for stage in range(4):
+    cfg = load_config(None, [*ZERO_SHAPE, *overrides, f"mesh.fsdp={fsdp}",
+                             f"parallel.zero_stage={stage}"])
+    compiled, _ = compile_train_step(cfg, jax.devices()[:fsdp])
+    mem = memory(compiled)
+    formula = zero_formula_bytes(param_counts(cfg.model)["total"], stage, fsdp)
+    measured = mem["argument"] + mem["temp"] + mem["output"] - mem["alias"]
+    rows.append({"stage": stage, **{f"f_{k}": v for k, v in formula.items()}, **mem,
+                 "measured": measured, "ratio": measured / formula["total"]})
+  return rows

@@ -1,8 +1,9 @@
 """Which collectives XLA actually runs for each xla-mode layout (from the compiled HLO).
 
 XLA:CPU does not form reduce-scatter from all-reduce + dynamic-slice (GPU XLA does), so on the
-simulated CPU mesh gradient reductions appear as all-reduce for every ZeRO stage; the facts
-asserted here hold on both backends.
+simulated CPU mesh gradient reductions appear as all-reduce for every ZeRO stage (that ZeRO-2/3
+keep only gradient shards is asserted from compiled memory in test_zero_memory.py). XLA:CPU
+also runs bf16 collectives in f32. The facts asserted here hold on both backends.
 """
 
 import functools
@@ -58,6 +59,21 @@ def test_zero1_gathers_updated_params_zero3_gathers_weights_per_layer():
   _, z3 = _compiled(*LAYOUTS["zero3"])
   in_scan = [c for c in z3 if c.kind == "all-gather" and c.in_while]
   assert in_scan, "ZeRO-3 must gather layer weights inside the layer scan"
+
+
+def _layer_gathers(colls, backward: bool) -> int:
+  return sum(c.bytes_per_step for c in colls if c.kind == "all-gather" and c.in_while
+             and ("transpose(" in c.op_name) == backward)
+
+
+@pytest.mark.parametrize("remat,dtype", [("none", "float32"), ("selective", "float32"),
+                                         ("full", "float32"), ("none", "bfloat16")])
+def test_zero3_backward_gathers_weights_again(remat, dtype):
+  # FSDP frees each gathered layer after use: the backward gathers it again (playbook: 2L-1
+  # gathers), whatever the remat policy; saving it would keep all layers' weights alive.
+  _, colls = _compiled(*LAYOUTS["zero3"], f"train.remat={remat}", f"model.dtype={dtype}")
+  forward = _layer_gathers(colls, backward=False)
+  assert forward > 0 and _layer_gathers(colls, backward=True) >= 0.99 * forward
 
 
 def test_tp_all_reduces_and_sp_gathers_along_sequence():

@@ -69,11 +69,12 @@ class Block(nnx.Module):
 
 
 def _save_all_but_gathered(prim, *_, **params) -> bool:
-  # Layout changes (sharding constraints) are not saved either: the one that gathers ZeRO-3
-  # weights feeds the GATHERED name, and saving its output would keep the whole weights alive.
+  # Layout changes (sharding constraints, barriers) are cheap to redo and are not saved either:
+  # the chain that gathers ZeRO-3 weights ends in them, and saving any link of it (XLA lays the
+  # saved value out like its consumer, whole) would keep every layer's weights alive.
   if prim.name == "name":
     return params["name"] != GATHERED
-  return prim.name != "sharding_constraint"
+  return prim.name not in ("sharding_constraint", "optimization_barrier")
 
 
 def remat_policy(remat: str):
@@ -122,7 +123,7 @@ class Llama(nnx.Module):
     graphdef, stacked = nnx.split(self.blocks)
 
     def layer(x_BLD, layer_state):
-      block = nnx.merge(graphdef, comms.gather_params(layer_state))
+      block = nnx.merge(graphdef, comms.gather_params(layer_state, dt))
       return block(x_BLD, positions_BL, inv_freq, comms), None
 
     layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)

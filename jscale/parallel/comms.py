@@ -32,8 +32,10 @@ class Comms:
     del names
     return x
 
-  def gather_params(self, layer_params: Any) -> Any:
-    """Makes one layer's (possibly ZeRO-3 sharded) weights whole just before use."""
+  def gather_params(self, layer_params: Any, dtype: Any) -> Any:
+    """Makes one layer's (possibly ZeRO-3 sharded) weights whole just before use; ZeRO-3
+    gathers them already cast to the compute `dtype` (half the bytes of fp32 masters)."""
+    del dtype
     return layer_params
 
   def gather_updated_params(self, new_params: Any, old_params: Any) -> Any:

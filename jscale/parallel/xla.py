@@ -26,7 +26,7 @@ class XlaComms(Comms):
   def activation(self, x: jax.Array, names: Names) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, self.layouts.activation(names))
 
-  def gather_params(self, layer_params: Any) -> Any:
+  def gather_params(self, layer_params: Any, dtype: Any) -> Any:
     # ZeRO-2/3 per layer, inside the layer scan. Backward: the layer's gradient is constrained
     # to its fsdp shard, so it is reduce-scattered as soon as it is computed and the scan never
     # stacks full-size gradients. ZeRO-3 forward: weights are stored split over fsdp; ask for the
@@ -38,8 +38,11 @@ class XlaComms(Comms):
     def gather(v: nnx.Variable):
       names = [n for n in v.get_metadata()["out_sharding"] if n != "layers"]
       compute = spec(names, rules)
-      x = _shard_cotangent(v[...], NamedSharding(mesh, add_fsdp(names, v.shape, compute, fsdp)))
+      shard = NamedSharding(mesh, add_fsdp(names, v.shape, compute, fsdp))
+      x = _shard_cotangent(v[...], shard)
       if self.layouts.zero_stage >= 3:
+        # Cast the shard (the model casts at use anyway): a bf16 gather moves half the bytes.
+        x = jax.lax.with_sharding_constraint(x.astype(dtype), shard)
         # The barrier keeps the gather's operand this layer's 2-D slice: otherwise XLA:CPU
         # re-lays out the whole stacked shard before the loop (a copy of every layer's shard).
         x = jax.lax.optimization_barrier(x)
