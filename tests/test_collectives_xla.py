@@ -39,6 +39,7 @@ def _bytes(colls, kind):
 LAYOUTS = {
     "dp": ("mesh.data=8",),
     "zero1": ("mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=1"),
+    "zero2": ("mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=2"),
     "zero3": ("mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3"),
     "tp": ("mesh.data=2", "mesh.tensor=4"),
     "tp_sp": ("mesh.data=2", "mesh.tensor=4", "parallel.sequence_parallel=true"),
@@ -74,6 +75,19 @@ def test_zero3_backward_gathers_weights_again(remat, dtype):
   _, colls = _compiled(*LAYOUTS["zero3"], f"train.remat={remat}", f"model.dtype={dtype}")
   forward = _layer_gathers(colls, backward=False)
   assert forward > 0 and _layer_gathers(colls, backward=True) >= 0.99 * forward
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_zero2_3_reduce_each_layer_gradient_inside_the_backward_scan(name):
+  # Reduced (to a shard: a reduce-scatter on GPU) as the backward produces each layer's
+  # gradient, rather than once for the stacked gradients of all layers after the scan.
+  cfg, colls = _compiled(*LAYOUTS[name])
+  m = cfg.model
+  layer = m.n_layers * (4 * m.d_model * m.n_heads * m.resolved_head_dim + 3 * m.d_model * m.d_ff
+                        + 2 * m.d_model)
+  in_scan = sum(c.bytes_per_step for c in colls if c.kind in ("all-reduce", "reduce-scatter")
+                and c.in_while and "transpose(" in c.op_name)
+  assert in_scan >= 4 * layer
 
 
 def test_tp_all_reduces_and_sp_gathers_along_sequence():
