@@ -61,11 +61,12 @@ def adamw(schedule: optax.Schedule, b1: float, b2: float, eps: float, weight_dec
     zeros = lambda: jax.tree.map(jnp.zeros_like, params)
     return AdamWState(jnp.zeros((), jnp.int32), zeros(), zeros())
 
-  def update(grads, state, params):
+  def update(grads, state, params, grad_norm=None):
+    # `grad_norm`: the caller's global_norm(grads), when it has one (saves a pass over them).
     count = state.count + 1
     scale = jnp.ones((), jnp.float32)
     if clip_norm > 0:
-      norm = global_norm(grads)
+      norm = global_norm(grads) if grad_norm is None else grad_norm
       scale = jnp.where(norm < clip_norm, 1.0, clip_norm / norm)
     c1, c2 = (1 - b1) * scale, (1 - b2) * scale * scale
     bc1 = 1 - b1 ** count.astype(jnp.float32)
@@ -85,7 +86,7 @@ def adamw(schedule: optax.Schedule, b1: float, b2: float, eps: float, weight_dec
     pick = lambda i: jax.tree.map(lambda t: t[i], out, is_leaf=is_out)
     return pick(0), AdamWState(count, pick(1), pick(2))
 
-  return optax.GradientTransformation(init, update)
+  return optax.GradientTransformationExtraArgs(init, update)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:

@@ -121,9 +121,11 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
     grads, loss, count = accumulate_grads(loss_fn, params, batch, cfg.train.microbatches, comms)
     grads = comms.sync_grads(grads)
     with jax.named_scope("optimizer"):
-      updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+      grad_norm = global_norm(grads)
+      updates, opt_state = optimizer.update(grads, state["opt_state"], params,
+                                            grad_norm=grad_norm)
       params = comms.gather_updated_params(optax.apply_updates(params, updates), params)
-    metrics = {"loss": loss, "grad_norm": global_norm(grads),
+    metrics = {"loss": loss, "grad_norm": grad_norm,
                "lr": schedule(state["step"]), "tokens": count}
     new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1,
                  "rng": state["rng"]}
