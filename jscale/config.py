@@ -86,6 +86,7 @@ class ParallelConfig:
   collectives: str = "xla"  # xla | manual
   zero_stage: int = 0
   sequence_parallel: bool = False
+  bucket_mb: float = 25.0  # manual mode: gradients are reduced in buffers of at most this size
   # Overrides of the logical-axis -> mesh-axes table (jscale.sharding.RULES), e.g.
   # {mlp: tensor, embed: null}; a value is a mesh axis, a list of axes, or null (replicated).
   rules: dict | None = None
@@ -350,6 +351,9 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must lie in [0, 1)")
   if cfg.data.source in ("bin", "text") and not cfg.data.path:
     raise ConfigError(f"data.source={cfg.data.source} needs data.path (a file, directory or glob)")
+  if cfg.parallel.bucket_mb <= 0:
+    raise ConfigError(f"parallel.bucket_mb={cfg.parallel.bucket_mb} must be positive (MiB per "
+                      "gradient bucket; 25 is PyTorch DDP's default)")
   if not 0 <= cfg.parallel.zero_stage <= 3:
     raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage}: choose 0, 1, 2 or 3")
   sizes = dataclasses.asdict(cfg.mesh)

@@ -21,7 +21,7 @@ def cross_entropy_sums(logits_BLV: jax.Array, labels_BL: jax.Array, mask_BL: jax
   lse_BL = (jnp.log(comms.vocab_sum(jnp.exp(logits - m_BL1))) + m_BL1)[..., 0]
   # The label logit as a masked sum over the vocab (not a gather), so a vocab-sharded layout
   # reduces partial sums instead of collecting the full-vocab logits on one device.
-  vocab_ids_V = jnp.arange(logits.shape[-1]) + comms.vocab_offset()
+  vocab_ids_V = jnp.arange(logits.shape[-1]) + comms.vocab_offset(logits.shape[-1])
   hit_BLV = vocab_ids_V == labels_BL[..., None]
   target_BL = comms.vocab_sum(jnp.where(hit_BLV, logits, 0.0))[..., 0]
   mask = mask_BL.astype(jnp.float32)

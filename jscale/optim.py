@@ -31,19 +31,18 @@ def decay_mask(params) -> Any:
       lambda path, _: not any("norm" in str(getattr(k, "key", k)) for k in path), params)
 
 
+def sumsq(x: jax.Array) -> jax.Array:
+  """sum(x * x) in fp32. Arrays with 3+ dims (stacked layers) are reduced one slice of the
+  leading dim at a time: backends that do not fuse the square into the reduction (XLA:CPU) then
+  hold one layer's g*g, not the whole model's."""
+  x = x.astype(jnp.float32)
+  if x.ndim >= 3:
+    return jnp.sum(jax.lax.map(lambda s: jnp.sum(s * s), x))
+  return jnp.sum(x * x)
+
+
 def global_norm(tree) -> jax.Array:
-  """sqrt(sum of squares) over all leaves, in fp32.
-
-  Leaves with 3+ dims (the stacked layers) are reduced one slice of the leading dim at a time:
-  backends that do not fuse the square into the reduction (XLA:CPU) then hold one layer's g*g,
-  not the whole model's.
-  """
-  def sumsq(x):
-    x = x.astype(jnp.float32)
-    if x.ndim >= 3:
-      return jnp.sum(jax.lax.map(lambda s: jnp.sum(s * s), x))
-    return jnp.sum(x * x)
-
+  """sqrt(sum of squares) over all leaves, in fp32 (see `sumsq`)."""
   return jnp.sqrt(sum((sumsq(x) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32)))
 
 

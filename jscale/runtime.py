@@ -19,6 +19,7 @@ from jscale.config import Config, ConfigError
 from jscale.model import llama
 from jscale.optim import make_optimizer
 from jscale.parallel.comms import Comms
+from jscale.parallel.manual import ManualComms
 from jscale.parallel.xla import XlaComms
 from jscale.sharding import Layouts
 
@@ -45,7 +46,8 @@ class Runtime:
                               self.layouts.batch())
 
   def eval_step(self) -> Callable:
-    return ts.make_eval_step(self.cfg, self.graphdef, self.comms)
+    return ts.make_eval_step(self.cfg, self.graphdef, self.comms,
+                             self.state_shardings["params"], self.layouts.batch())
 
 
 def check_layout(cfg: Config, mesh: Mesh) -> None:
@@ -70,8 +72,6 @@ def check_layout(cfg: Config, mesh: Mesh) -> None:
     if sizes[axis] > 1:
       raise ConfigError(f"mesh.{axis}={sizes[axis]}: this parallelism is not implemented yet; "
                         f"set mesh.{axis}=1")
-  if cfg.parallel.collectives != "xla":
-    raise ConfigError("parallel.collectives=manual is not implemented yet; use xla")
 
 
 def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
@@ -83,4 +83,6 @@ def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
   layouts = Layouts(abstract_model, mesh, cfg.parallel)
   abstract = jax.eval_shape(lambda: ts.init_state(cfg))
   state_shardings = layouts.state(make_optimizer(cfg.train), abstract)
-  return Runtime(cfg, mesh, layouts, XlaComms(layouts), graphdef, abstract, state_shardings)
+  comms = (ManualComms(layouts, cfg.parallel.bucket_mb) if cfg.parallel.collectives == "manual"
+           else XlaComms(layouts))
+  return Runtime(cfg, mesh, layouts, comms, graphdef, abstract, state_shardings)

@@ -18,7 +18,7 @@ from flax import nnx
 from jscale.config import Config
 from jscale.loss import cross_entropy_sums
 from jscale.model import llama
-from jscale.optim import global_norm, lr_schedule, make_optimizer
+from jscale.optim import lr_schedule, make_optimizer
 from jscale.parallel.comms import LOCAL, Comms
 
 State = dict[str, Any]
@@ -79,7 +79,7 @@ def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int,
   full-batch mean gradient (up to summation order), with no extra pass over them to divide.
   Returns (grads, mean loss, token count).
   """
-  count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+  count = comms.batch_sum(jnp.sum(batch["loss_mask"].astype(jnp.float32)))
   scale = 1.0 / jnp.maximum(count, 1.0)
 
   def scaled_loss(p, mb):
@@ -99,18 +99,17 @@ def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int,
       def body(carry, mb):
         return jax.tree.map(jnp.add, carry, one(mb)), None
 
-      zeros = (comms.grad_accumulator(
-          jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)),
-               jnp.zeros((), jnp.float32))
+      zeros = (comms.zero_grads(params), jnp.zeros((), jnp.float32))
       (grads, loss), _ = jax.lax.scan(body, zeros, _split_microbatches(batch, microbatches))
-  return grads, loss, count
+  return grads, comms.batch_sum(loss), count
 
 
 def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
                     state_shardings: Any = None, batch_sharding: Any = None) -> Callable:
   """Returns jitted `step(state, batch) -> (state, metrics)`; the state buffers are donated.
 
-  With shardings (xla mode) the state keeps its layout across steps and XLA partitions the rest.
+  With shardings the state keeps its layout across steps; in xla mode XLA partitions the rest,
+  in manual mode `comms.program` runs the step on each device's shards (one shard_map).
   """
   optimizer = make_optimizer(cfg.train)
   schedule = lr_schedule(cfg.train)
@@ -121,10 +120,10 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
     grads, loss, count = accumulate_grads(loss_fn, params, batch, cfg.train.microbatches, comms)
     grads = comms.sync_grads(grads)
     with jax.named_scope("optimizer"):
-      grad_norm = global_norm(grads)
-      updates, opt_state = optimizer.update(grads, state["opt_state"], params,
-                                            grad_norm=grad_norm)
-      params = comms.gather_updated_params(optax.apply_updates(params, updates), params)
+      grad_norm = comms.grad_norm(grads)
+      mine = comms.params_for_update(params)
+      updates, opt_state = optimizer.update(grads, state["opt_state"], mine, grad_norm=grad_norm)
+      params = comms.gather_updated_params(optax.apply_updates(mine, updates), params)
     metrics = {"loss": loss, "grad_norm": grad_norm,
                "lr": schedule(state["step"]), "tokens": count}
     new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1,
@@ -135,11 +134,23 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
     return jax.jit(step, donate_argnums=(0,))
   batch_shardings = {k: batch_sharding for k in ("tokens", "labels", "loss_mask")}
   replicated = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
-  return jax.jit(step, donate_argnums=(0,), in_shardings=(state_shardings, batch_shardings),
-                 out_shardings=(state_shardings, replicated))
+  ins, outs = (state_shardings, batch_shardings), (state_shardings, replicated)
+  return jax.jit(comms.program(step, ins, outs), donate_argnums=(0,), in_shardings=ins,
+                 out_shardings=outs)
 
 
-def make_eval_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL) -> Callable:
-  """Returns jitted `eval(params, batch) -> (loss sum, token count)`."""
+def make_eval_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
+                   param_shardings: Any = None, batch_sharding: Any = None) -> Callable:
+  """Returns jitted `eval(params, batch) -> (loss sum, token count)` over the global batch."""
   loss_fn = make_loss_fn(graphdef, cfg, comms)
-  return jax.jit(loss_fn)
+
+  def evaluate(params, batch: Batch):
+    loss_sum, count = loss_fn(params, batch)
+    return comms.batch_sum(loss_sum), comms.batch_sum(count)
+
+  if param_shardings is None:
+    return jax.jit(evaluate)
+  batch_shardings = {k: batch_sharding for k in ("tokens", "labels", "loss_mask")}
+  replicated = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
+  ins, outs = (param_shardings, batch_shardings), replicated
+  return jax.jit(comms.program(evaluate, ins, outs), in_shardings=ins, out_shardings=outs)

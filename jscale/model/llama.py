@@ -68,12 +68,21 @@ class Block(nnx.Module):
     return x_BLD + comms.leave_tensor_parallel(out)
 
 
+def _gathered(split, comms: Comms, dt):
+  graphdef, state = split
+  return graphdef, comms.gather_params(state, dt)
+
+
 def _save_all_but_gathered(prim, *_, **params) -> bool:
   # Layout changes (sharding constraints, barriers) are cheap to redo and are not saved either:
   # the chain that gathers ZeRO-3 weights ends in them, and saving any link of it (XLA lays the
-  # saved value out like its consumer, whole) would keep every layer's weights alive.
+  # saved value out like its consumer, whole) would keep every layer's weights alive. In manual
+  # mode the link is the all-gather over fsdp itself.
   if prim.name == "name":
     return params["name"] != GATHERED
+  if prim.name == "all_gather":
+    axes = params["axis_name"]
+    return "fsdp" not in (axes if isinstance(axes, tuple) else (axes,))
   return prim.name not in ("sharding_constraint", "optimization_barrier")
 
 
@@ -116,8 +125,10 @@ class Llama(nnx.Module):
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
     inv_freq = inv_frequencies(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    # Weights outside the layer stack also go through the seam (ZeRO-3 stores them as shards).
+    embed_VD = comms.gather_params(self.embed, dt)[...]
     with jax.named_scope("embed"):
-      x_BLD = comms.embed(self.embed[...], tokens_BL).astype(dt)
+      x_BLD = comms.embed(embed_VD, tokens_BL).astype(dt)
       x_BLD = comms.activation(x_BLD, ("batch", "res_seq", "embed"))
 
     graphdef, stacked = nnx.split(self.blocks)
@@ -131,11 +142,12 @@ class Llama(nnx.Module):
       x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
 
     with jax.named_scope("head"):
-      x_BLD = comms.enter_tensor_parallel(self.final_norm(x_BLD))
+      final_norm = nnx.merge(*_gathered(nnx.split(self.final_norm), comms, dt))
+      x_BLD = comms.enter_tensor_parallel(final_norm(x_BLD))
       if cfg.tie_embeddings:
-        head_DV = self.embed[...].T
+        head_DV = embed_VD.T
       else:
-        head_DV = self.lm_head[...]
+        head_DV = comms.gather_params(self.lm_head, dt)[...]
       logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, head_DV.astype(dt),
                               preferred_element_type=jnp.float32)
     return comms.activation(logits_BLV, ("batch", "seq", "vocab"))

@@ -10,10 +10,12 @@ sizes from the arrays it receives, never from the global config, so it runs unch
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+
+from jscale.optim import global_norm
 
 Names = Sequence[str | None]
 
@@ -63,17 +65,40 @@ class Comms:
     """Sum over the (possibly sharded) vocab axis, the last one, keeping dims."""
     return jnp.sum(x, axis=-1, keepdims=True)
 
-  def vocab_offset(self) -> int | jax.Array:
-    """Index of this shard's first vocab entry (0 unless the vocab is sharded)."""
+  def vocab_offset(self, local_size: int) -> int | jax.Array:
+    """Index of this shard's first vocab entry, given the shard's vocab size (0 unless the
+    vocab is sharded)."""
+    del local_size
     return 0
 
+  def program(self, fn: Callable, in_shardings: Any, out_shardings: Any) -> Callable:
+    """The function a step jits: `fn` on global arrays, or (manual) on each device's shards."""
+    del in_shardings, out_shardings
+    return fn
+
+  def batch_sum(self, x: jax.Array) -> jax.Array:
+    """Sums a per-batch quantity (loss, token count) over the devices holding other rows."""
+    return x
+
+  def zero_grads(self, params: Any) -> Any:
+    """The fp32 gradient accumulator before the first micro-batch."""
+    return self.grad_accumulator(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+
   def grad_accumulator(self, grads: Any) -> Any:
-    """Layout of the gradient accumulator kept between micro-batches (ZeRO-2: a shard)."""
+    """One micro-batch's gradient, in the accumulator's layout (ZeRO-2: reduced to a shard)."""
     return grads
 
   def sync_grads(self, grads: Any) -> Any:
     """Reduces gradients over the data-parallel axes, once per optimizer step."""
     return grads
+
+  def grad_norm(self, grads: Any) -> jax.Array:
+    """Global L2 norm of the synced gradients (whatever devices their pieces live on)."""
+    return global_norm(grads)
+
+  def params_for_update(self, params: Any) -> Any:
+    """The part of the parameters this device updates (ZeRO-1/2 manual: its fsdp shard)."""
+    return params
 
 
 LOCAL = Comms()

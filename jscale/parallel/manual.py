@@ -1,0 +1,214 @@
+"""The comms seam in "manual" mode: the whole step runs in one `jax.shard_map`, arrays are
+per-device shards, and every communication below is a collective written by hand.
+
+What runs where (playbook names; `dp` = the data and expert axes, all of size > 1):
+  * DP / ZeRO-0: gradients accumulate locally over micro-batches, then one bucketed all-reduce
+    over dp + fsdp per optimizer step.
+  * ZeRO-1: one bucketed reduce-scatter over fsdp (+ all-reduce over dp) per step; each device
+    updates its slice of the weights and optimizer state; all-gather of the updated weights.
+  * ZeRO-2: as ZeRO-1, but each micro-batch's gradient is reduce-scattered at once, so only the
+    shard is kept between micro-batches.
+  * ZeRO-3: weights stored as shards; each layer's are all-gathered (in the compute dtype) right
+    before use and gathered again in the backward; the gather's transpose reduce-scatters that
+    layer's gradient inside the backward scan.
+  * TP: f / g (`jscale.parallel.tensor`) around column / row-parallel linears; vocab-parallel
+    embedding and cross-entropy. SP: all-gather / reduce-scatter along the sequence instead, and
+    the (tensor-replicated) norm weights' gradients are all-reduced over tensor.
+Leaves too small to split over fsdp (`sharding.add_fsdp`) stay whole and are all-reduced.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jscale.optim import sumsq
+from jscale.parallel import tensor
+from jscale.parallel.buckets import Plan, reduce_buckets
+from jscale.parallel.comms import GATHERED, Comms, Names
+from jscale.sharding import Layouts
+
+_POST = 1 << 30  # forward position of leaves after the layer stack (final norm, head)
+
+
+def _axes(s: P) -> tuple[str, ...]:
+  return tuple(a for e in s for a in ((e,) if isinstance(e, str) else e or ()))
+
+
+def _fsdp_dim(s: P) -> int:
+  return next((i for i, e in enumerate(s) if "fsdp" in ((e,) if isinstance(e, str) else e or ())),
+              -1)
+
+
+class ManualComms(Comms):
+  """Hand-written collectives for the layouts of `layouts` (same state layout as xla mode)."""
+
+  mode = "manual"
+
+  def __init__(self, layouts: Layouts, bucket_mb: float):
+    self.layouts, self.mesh, self.zero = layouts, layouts.mesh, layouts.zero_stage
+    size = dict(layouts.mesh.shape)
+    self.tp, self.fsdp = size["tensor"], size["fsdp"]
+    self.sp = "tensor" in layouts.rules["res_seq"]
+    self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+    self.batch_axes = tuple(a for a in ("data", "fsdp", "expert", "sequence") if size[a] > 1)
+    self.dp_axes = tuple(a for a in ("data", "expert") if size[a] > 1)
+    is_names = lambda x: isinstance(x, tuple) and all(isinstance(n, str) for n in x)
+    self.dims = jax.tree.map(lambda s: _fsdp_dim(s), layouts.sharded,
+                             is_leaf=lambda x: isinstance(x, P))
+    # fsdp dim by logical names (without `layers`): gather_params sees Variables, not paths.
+    self.dim_by_names: dict[tuple[str, ...], int] = {}
+    for names, d in zip(jax.tree.leaves(layouts.names, is_leaf=is_names),
+                        jax.tree.leaves(self.dims)):
+      key, d = tuple(n for n in names if n != "layers"), d - (names[0] == "layers" and d >= 0)
+      if self.dim_by_names.setdefault(key, d) != d:
+        raise ValueError(f"parameters named {key} are split over fsdp along different dims")
+    self.step_plans = jax.tree_util.tree_map_with_path(
+        lambda path, names, d, c: self._plan(path, names, d, c, microbatch=False),
+        layouts.names, self.dims, layouts.compute, is_leaf=is_names)
+    self.microbatch_plans = jax.tree_util.tree_map_with_path(
+        lambda path, names, d, c: self._plan(path, names, d, c, microbatch=True),
+        layouts.names, self.dims, layouts.compute, is_leaf=is_names)
+
+  def _plan(self, path, names, dim: int, compute: P, microbatch: bool) -> Plan:
+    stacked = names[0] == "layers"
+    position = 1 if stacked else 0 if getattr(path[0], "key", None) == "embed" else _POST
+    split = self.fsdp > 1 and dim >= 0  # this leaf has an fsdp shard
+    if microbatch:  # ZeRO-2: reduce-scatter each micro-batch's gradient, nothing else
+      scatter = self.zero == 2 and split
+      return Plan(scatter="fsdp" if scatter else None, dim=dim, n=self.fsdp if scatter else 1,
+                  stacked=stacked, position=position)
+    axes = list(self.dp_axes)
+    if self.fsdp > 1 and not (split and self.zero >= 1):
+      axes.append("fsdp")  # replicated over fsdp: a plain data-parallel axis for this leaf
+    if self.sp and "tensor" not in _axes(compute):
+      axes.append("tensor")  # norm weights: each tensor rank saw a different sequence slice
+    scatter = split and self.zero == 1
+    return Plan(tuple(axes), "fsdp" if scatter else None, dim, self.fsdp if scatter else 1,
+                stacked, position)
+
+  # ---------------------------------------------------------------- the step as one program
+
+  def program(self, fn: Callable, in_shardings: Any, out_shardings: Any) -> Callable:
+    specs = lambda t: jax.tree.map(lambda s: s.spec, t,
+                                   is_leaf=lambda x: isinstance(x, NamedSharding))
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=specs(in_shardings),
+                         out_specs=specs(out_shardings), check_vma=False)
+
+  def batch_sum(self, x: jax.Array) -> jax.Array:
+    return jax.lax.psum(x, self.batch_axes) if self.batch_axes else x
+
+  # ---------------------------------------------------------------- parameters
+
+  def gather_params(self, layer_params: Any, dtype: Any) -> Any:
+    if self.zero < 3 or self.fsdp == 1:
+      return layer_params
+
+    def gather(v: nnx.Variable):
+      dim = self.dim_by_names[tuple(n for n in v.get_metadata()["out_sharding"] if n != "layers")]
+      if dim < 0:
+        return v
+      # The gather runs in the compute dtype (half the bytes of fp32 masters); under autodiff
+      # its transpose is the reduce-scatter of this layer's gradient.
+      full = jax.lax.all_gather(v[...].astype(dtype), "fsdp", axis=dim, tiled=True)
+      return v.replace(checkpoint_name(full, GATHERED))
+
+    return jax.tree.map(gather, layer_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+  def params_for_update(self, params: Any) -> Any:
+    if self.zero not in (1, 2) or self.fsdp == 1:
+      return params
+    index = jax.lax.axis_index("fsdp")
+
+    def shard(p, dim):
+      if dim < 0:
+        return p
+      k = p.shape[dim] // self.fsdp
+      return jax.lax.dynamic_slice_in_dim(p, index * k, k, axis=dim)
+
+    return jax.tree.map(shard, params, self.dims)
+
+  def gather_updated_params(self, new_params: Any, old_params: Any) -> Any:
+    if self.zero not in (1, 2) or self.fsdp == 1:
+      return new_params
+    return jax.tree.map(
+        lambda p, dim: p if dim < 0 else jax.lax.all_gather(p, "fsdp", axis=dim, tiled=True),
+        new_params, self.dims)
+
+  # ---------------------------------------------------------------- tensor parallelism
+
+  def enter_tensor_parallel(self, x_BLD: jax.Array) -> jax.Array:
+    if self.tp == 1:
+      return x_BLD
+    if self.sp:
+      return tensor.gather_sequence(x_BLD, "tensor")
+    return tensor.copy_to_tp(x_BLD, "tensor")
+
+  def leave_tensor_parallel(self, y_BLD: jax.Array) -> jax.Array:
+    if self.tp == 1:
+      return y_BLD
+    if self.sp:
+      return tensor.scatter_sequence(y_BLD, "tensor")
+    return tensor.reduce_from_tp(y_BLD, "tensor")
+
+  def embed(self, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
+    if self.tp == 1:
+      return jnp.take(table_VD, tokens_BL, axis=0)
+    # Vocab-parallel: each rank looks up the tokens in its slice of the vocab (zeros for the
+    # others), and the partial rows are summed like a row-parallel output (g, or SP's scatter).
+    ids_BL = tokens_BL - self.vocab_offset(table_VD.shape[0])
+    mine_BL = (ids_BL >= 0) & (ids_BL < table_VD.shape[0])
+    rows_BLD = jnp.take(table_VD, jnp.where(mine_BL, ids_BL, 0), axis=0)
+    return self.leave_tensor_parallel(jnp.where(mine_BL[..., None], rows_BLD, 0))
+
+  def vocab_max(self, x: jax.Array) -> jax.Array:
+    m = jnp.max(jax.lax.stop_gradient(x), axis=-1, keepdims=True)
+    return jax.lax.pmax(m, "tensor") if self.tp > 1 else m
+
+  def vocab_sum(self, x: jax.Array) -> jax.Array:
+    s = jnp.sum(x, axis=-1, keepdims=True)
+    return tensor.reduce_from_tp(s, "tensor") if self.tp > 1 else s
+
+  def vocab_offset(self, local_size: int) -> int | jax.Array:
+    return jax.lax.axis_index("tensor") * local_size if self.tp > 1 else 0
+
+  # ---------------------------------------------------------------- gradients
+
+  def zero_grads(self, params: Any) -> Any:
+    if self.zero != 2 or self.fsdp == 1:
+      return super().zero_grads(params)
+
+    def zeros(p, dim):
+      shape = list(p.shape)
+      if dim >= 0:
+        shape[dim] //= self.fsdp
+      return jnp.zeros(shape, jnp.float32)
+
+    return jax.tree.map(zeros, params, self.dims)
+
+  def grad_accumulator(self, grads: Any) -> Any:
+    if self.zero != 2 or self.fsdp == 1:
+      return grads
+    return reduce_buckets(grads, self.microbatch_plans, self.bucket_bytes)
+
+  def sync_grads(self, grads: Any) -> Any:
+    return reduce_buckets(grads, self.step_plans, self.bucket_bytes)
+
+  def grad_norm(self, grads: Any) -> jax.Array:
+    # Each leaf's sum of squares is summed over the axes its (synced) gradient is split over.
+    groups: dict[tuple[str, ...], jax.Array] = {}
+    for g, s in zip(jax.tree.leaves(grads),
+                    jax.tree.leaves(self.layouts.opt, is_leaf=lambda x: isinstance(x, P))):
+      axes = tuple(sorted(set(_axes(s))))
+      groups[axes] = groups.get(axes, 0.0) + sumsq(g)
+    total = sum(jax.lax.psum(v, axes) if axes else v for axes, v in groups.items())
+    return jnp.sqrt(total)
+
+  def activation(self, x: jax.Array, names: Names) -> jax.Array:
+    del names  # already a per-device shard
+    return x
