@@ -68,11 +68,6 @@ class Block(nnx.Module):
     return x_BLD + comms.leave_tensor_parallel(out)
 
 
-def _gathered(split, comms: Comms, dt):
-  graphdef, state = split
-  return graphdef, comms.gather_params(state, dt)
-
-
 def _save_all_but_gathered(prim, *_, **params) -> bool:
   # Layout changes (sharding constraints, barriers) are cheap to redo and are not saved either:
   # the chain that gathers ZeRO-3 weights ends in them, and saving any link of it (XLA lays the
@@ -126,6 +121,8 @@ class Llama(nnx.Module):
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
     inv_freq = inv_frequencies(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
     # Weights outside the layer stack also go through the seam (ZeRO-3 stores them as shards).
+    # They are gathered once per step: the embedding's backward (a scatter-add) does not need
+    # the table, and the head's backward runs right after its forward.
     embed_VD = comms.gather_params(self.embed, dt)[...]
     with jax.named_scope("embed"):
       x_BLD = comms.embed(embed_VD, tokens_BL).astype(dt)
@@ -142,7 +139,8 @@ class Llama(nnx.Module):
       x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
 
     with jax.named_scope("head"):
-      final_norm = nnx.merge(*_gathered(nnx.split(self.final_norm), comms, dt))
+      norm_graphdef, norm_state = nnx.split(self.final_norm)
+      final_norm = nnx.merge(norm_graphdef, comms.gather_params(norm_state, dt))
       x_BLD = comms.enter_tensor_parallel(final_norm(x_BLD))
       if cfg.tie_embeddings:
         head_DV = embed_VD.T

@@ -54,7 +54,7 @@ class ManualComms(Comms):
     self.layouts, self.mesh, self.zero = layouts, layouts.mesh, layouts.zero_stage
     size = dict(layouts.mesh.shape)
     self.tp, self.fsdp = size["tensor"], size["fsdp"]
-    self.sp = "tensor" in layouts.rules["res_seq"]
+    self.sp = self.tp > 1 and "tensor" in layouts.rules["res_seq"]
     self.bucket_bytes = max(1, int(bucket_mb * 2**20))
     self.batch_axes = tuple(a for a in ("data", "fsdp", "expert", "sequence") if size[a] > 1)
     self.dp_axes = tuple(a for a in ("data", "expert") if size[a] > 1)
@@ -204,7 +204,7 @@ class ManualComms(Comms):
     groups: dict[tuple[str, ...], jax.Array] = {}
     for g, s in zip(jax.tree.leaves(grads),
                     jax.tree.leaves(self.layouts.opt, is_leaf=lambda x: isinstance(x, P))):
-      axes = tuple(sorted(set(_axes(s))))
+      axes = tuple(sorted(a for a in set(_axes(s)) if self.mesh.shape[a] > 1))
       groups[axes] = groups.get(axes, 0.0) + sumsq(g)
     total = sum(jax.lax.psum(v, axes) if axes else v for axes, v in groups.items())
     return jnp.sqrt(total)

@@ -1,0 +1,109 @@
+"""Communication volume per device per step: the playbook's formulas, and the same measure
+of the collectives a compiled program runs.
+
+Volume counts what a ring implementation moves, without the (n-1)/n factor, as the playbook
+does (PLAYBOOK_DIGEST.md §2): an all-reduce of X bytes costs 2X (reduce-scatter + all-gather),
+an all-gather or a reduce-scatter of a full size X costs X, an all-to-all or a permute its size.
+So DP costs 2Ψ, ZeRO-1/2 2Ψ (reduce-scatter Ψ + all-gather Ψ), ZeRO-3 3Ψ, TP 8·s·b·h per block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jscale.hlo import Collective
+
+GRAD_BYTES = 4  # gradients are reduced in fp32
+
+
+def collective_volume(c: Collective) -> int:
+  """Playbook volume of one collective per step (0 for a group of one device)."""
+  if c.group_size == 1:
+    return 0
+  per_run = {"all-reduce": 2 * c.bytes,
+             "reduce-scatter": c.bytes * (c.group_size or 1)}.get(c.kind, c.bytes)
+  return per_run * c.executions
+
+
+def hlo_volume(collectives: Iterable[Collective]) -> dict[str, int]:
+  """{kind: volume bytes per step} and "total", from `jscale.hlo.collectives`."""
+  out: dict[str, int] = {}
+  for c in collectives:
+    v = collective_volume(c)
+    if v:
+      out[c.kind] = out.get(c.kind, 0) + v
+  out["total"] = sum(out.values())
+  return out
+
+
+def _local_params(rt) -> tuple[int, int]:
+  """(layer-stack params, other params) per tensor-parallel rank."""
+  tp = rt.mesh.shape["tensor"]
+  layers = other = 0
+  for names, shape, spec in zip(
+      _leaves(rt.layouts.names), _leaves(rt.state_shapes["params"]), _leaves(rt.layouts.compute)):
+    n = shape.size // (tp if "tensor" in _axes(spec) else 1)
+    if names[0] == "layers":
+      layers += n
+    else:
+      other += n
+  return layers, other
+
+
+def playbook_volume(rt) -> dict[str, float]:
+  """Per-device bytes per step the playbook's formulas predict for `rt` (a `runtime.Runtime`),
+  by term, and "total".
+
+  Refinements of the bare formulas, each what the formula's own reasoning gives here:
+  ZeRO-3 re-gathers layer weights in the backward, but the embedding (whose backward is a
+  scatter-add) and the head (whose backward follows its forward at once) are gathered once;
+  TP has one f/g pair per block (4 all-reduces of s·b·h) plus the embedding's g and the head's f,
+  and with rematerialisation the recomputed forward repeats the block's forward collectives;
+  the vocab-parallel loss all-reduces three [s·b] fp32 statistics.
+  """
+  cfg, sizes = rt.cfg, dict(rt.mesh.shape)
+  m, t, zero = cfg.model, cfg.train, cfg.parallel.zero_stage
+  c = jnp.dtype(m.dtype).itemsize
+  p = jnp.dtype(m.param_dtype).itemsize
+  layers, other = _local_params(rt)
+  psi = layers + other
+  f, d, tp = sizes["fsdp"], sizes["data"] * sizes["expert"], sizes["tensor"]
+  mb = t.microbatches
+  out: dict[str, float] = {}
+  if f * d > 1:
+    if zero == 0 or f == 1:
+      out["dp all-reduce 2Ψ"] = 2 * psi * GRAD_BYTES
+    else:
+      if zero == 3:
+        out["zero3 all-gather fwd+bwd 2Ψ"] = mb * (2 * layers + other) * c
+        out["zero3 reduce-scatter Ψ"] = mb * psi * c
+      else:
+        rs = mb if zero == 2 else 1  # ZeRO-2 reduces each micro-batch to keep only a shard
+        out["zero reduce-scatter Ψ"] = rs * psi * GRAD_BYTES
+        out["zero all-gather Ψ"] = psi * p
+      if d > 1:
+        out["data all-reduce of the shard 2Ψ/fsdp"] = 2 * psi / f * GRAD_BYTES
+  if tp > 1:
+    tokens = t.batch_size // (f * d) * t.seq_len  # per device per step, all micro-batches
+    sbh = tokens * m.d_model * c
+    out["tp 8·sbh per block"] = 8 * m.n_layers * sbh
+    out["tp embedding g + head f"] = 4 * sbh
+    if t.remat != "none":
+      out["tp remat: forward again"] = 4 * m.n_layers * sbh
+    out["tp loss statistics"] = 3 * 2 * tokens * 4
+  out["total"] = sum(out.values())
+  return out
+
+
+def _axes(s) -> set[str]:
+  return {a for e in s for a in ((e,) if isinstance(e, str) else e or ())}
+
+
+def _leaves(tree: Any) -> list:
+  is_leaf = lambda x: isinstance(x, PartitionSpec) or (
+      isinstance(x, tuple) and all(isinstance(n, str) for n in x))
+  return jax.tree.leaves(tree, is_leaf=is_leaf)
