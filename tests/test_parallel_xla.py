@@ -1,72 +1,22 @@
 """xla mode on 8 simulated devices: every layout reproduces the single-device losses."""
 
-import functools
-
-import jax
 import numpy as np
 import pytest
 
 from conftest import small_config
 from jscale import runtime
 from jscale.config import ConfigError
-
-STEPS = 5
-# kv_heads=4 so tensor=4 divides it; batch 16 = data x fsdp x microbatches for every case.
-BASE = ("model.n_kv_heads=4", "train.batch_size=16", "train.warmup_steps=0")
+from parity import ACCUMULATE, BASE, LAYOUTS, losses, reference
 
 
-def _batches(cfg):
-  rng = np.random.default_rng(0)
-  b, l = cfg.train.batch_size, cfg.train.seq_len
-  out = []
-  for _ in range(STEPS):
-    t = rng.integers(0, cfg.model.vocab_size, (b, l + 1)).astype(np.int32)
-    mask = np.ones((b, l), np.float32)
-    mask[0, l // 2:] = 0.0
-    out.append({"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": mask})
-  return out
-
-
-def _losses(overrides, devices):
-  cfg = small_config(None, *BASE, *overrides)
-  rt = runtime.build(cfg, devices)
-  state, step = rt.init_state(), rt.train_step()
-  losses = []
-  for b in _batches(cfg):
-    state, m = step(state, jax.device_put(b, rt.layouts.batch()))
-    losses.append(float(m["loss"]))
-  return np.array(losses)
-
-
-@functools.lru_cache(maxsize=None)
-def _reference(*numerics):
-  return _losses(("mesh.data=1", *numerics), jax.devices()[:1])
-
-
-CASES = [
-    ("mesh.data=8",),
-    ("mesh.fsdp=8", "mesh.data=1", "parallel.zero_stage=1"),
-    ("mesh.fsdp=8", "mesh.data=1", "parallel.zero_stage=2"),
-    ("mesh.fsdp=8", "mesh.data=1", "parallel.zero_stage=3"),
-    ("mesh.tensor=4", "mesh.data=2"),
-    ("mesh.tensor=4", "mesh.data=2", "parallel.sequence_parallel=true"),
-    ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
-     "parallel.zero_stage=3"),
-]
-NUMERICS = [(), ("train.microbatches=2", "train.remat=full"),
-            ("train.microbatches=2", "train.remat=selective")]
-
-
-@pytest.mark.parametrize("layout", CASES, ids=lambda c: "+".join(c))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: "+".join(c))
 def test_layout_matches_single_device(layout):
-  got, ref = _losses(layout, None), _reference()
-  np.testing.assert_allclose(got, ref, rtol=1e-4)
+  np.testing.assert_allclose(losses(layout), reference(), rtol=1e-5)
 
 
-@pytest.mark.parametrize("numerics", NUMERICS[1:], ids=lambda c: "+".join(c))
+@pytest.mark.parametrize("numerics", ACCUMULATE, ids=lambda c: "+".join(c))
 def test_3d_layout_with_accumulation_and_remat(numerics):
-  layout = CASES[-1]
-  np.testing.assert_allclose(_losses(layout + numerics, None), _reference(*numerics), rtol=1e-4)
+  np.testing.assert_allclose(losses(LAYOUTS[-1] + numerics), reference(*numerics), rtol=1e-5)
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -28,7 +28,7 @@ class Plan:
   all-reduce over `axes`. `position` is where the leaf's layer sits in the forward pass."""
   axes: tuple[str, ...] = ()
   scatter: str | None = None
-  dim: int | None = None  # dim of the leaf split by the reduce-scatter
+  dim: int = -1  # dim of the (whole, stacked) leaf split by the reduce-scatter; -1: none
   n: int = 1
   stacked: bool = False  # leading `layers` dim: split into one piece per layer
   position: int = 0  # forward order; stacked leaves use position + layer index
@@ -45,61 +45,50 @@ def _to_rows(x: jax.Array, dim: int | None, n: int) -> jax.Array:
   return jnp.moveaxis(x.reshape(shape), dim, 0).reshape(n, -1)
 
 
+def pack(leaves: list, plans: list[Plan], bucket_bytes: int) -> list[tuple[tuple, list]]:
+  """Buckets in issue order: [(plan key, [(leaf index, layer or None), ...]), ...]. Pieces go in
+  backward order; a bucket holds pieces with one plan key and at most `bucket_bytes` (or one
+  larger piece)."""
+  pieces = []  # (forward position, leaf index, layer or None)
+  for i, (x, p) in enumerate(zip(leaves, plans)):
+    if p.axes or p.scatter is not None:
+      pieces += ([(p.position + layer, i, layer) for layer in range(x.shape[0])] if p.stacked
+                 else [(p.position, i, None)])
+  pieces.sort(key=lambda t: -t[0])
+  buckets, current, used = [], {}, {}
+  for _, i, layer in pieces:
+    x, key = leaves[i], plans[i].key
+    size = x.dtype.itemsize * (x.size // x.shape[0] if layer is not None else x.size)
+    if current.get(key) and used[key] + size > bucket_bytes:
+      buckets.append((key, current.pop(key)))
+    if key not in current:
+      current[key], used[key] = [], 0
+    current[key].append((i, layer))
+    used[key] += size
+  return buckets + list(current.items())
+
+
 def reduce_buckets(grads: Any, plans: Any, bucket_bytes: int) -> Any:
   """Reduces every leaf of `grads` per its `Plan` (same tree); scattered leaves come back as
   this device's shard. Returns the reduced tree."""
   leaves, treedef = jax.tree.flatten(grads)
   plans = treedef.flatten_up_to(plans)
-  pieces = []  # (forward position, leaf index, layer or None)
-  for i, (x, p) in enumerate(zip(leaves, plans)):
-    if not p.axes and p.scatter is None:
-      continue
-    if p.stacked:
-      pieces += [(p.position + layer, i, layer) for layer in range(x.shape[0])]
-    else:
-      pieces.append((p.position, i, None))
-  pieces.sort(key=lambda t: -t[0])  # backward order
-
   done: dict[tuple[int, int | None], jax.Array] = {}
-  open_buckets: dict[tuple, list] = {}
-
-  def flush(key):
-    members = open_buckets.pop(key, [])
-    if not members:
-      return
-    axes, scatter, n = key
-    rows = []
-    for i, layer in members:
-      x, p = leaves[i], plans[i]
-      part, dim = (x, p.dim) if layer is None else (x[layer], None if p.dim is None else p.dim - 1)
-      rows.append(_to_rows(part, dim, n))
-    buf = jnp.concatenate(rows, axis=1)
+  for (axes, scatter, n), members in pack(leaves, plans, bucket_bytes):
+    parts = [(leaves[i], plans[i].dim) if layer is None else (leaves[i][layer], plans[i].dim - 1)
+             for i, layer in members]
+    buf = jnp.concatenate([_to_rows(x, dim, n) for x, dim in parts], axis=1)
     if scatter is not None:
       buf = jax.lax.psum_scatter(buf, scatter, scatter_dimension=0, tiled=True)
     if axes:
       buf = jax.lax.psum(buf, axes)
     offset = 0
-    for (i, layer), row in zip(members, rows):
-      x, p = leaves[i], plans[i]
-      shape = list(x.shape[1:] if layer is not None else x.shape)
+    for (i, layer), (x, dim) in zip(members, parts):
+      shape = list(x.shape)
       if n > 1:
-        shape[(p.dim - 1) if layer is not None else p.dim] //= n
-      size = math.prod(shape)
-      done[(i, layer)] = buf[0, offset:offset + size].reshape(shape)
-      offset += size
-
-  used: dict[tuple, int] = {}
-  for _, i, layer in pieces:
-    x, key = leaves[i], plans[i].key
-    size = x.dtype.itemsize * (x.size // x.shape[0] if layer is not None else x.size)
-    if open_buckets.get(key) and used[key] + size > bucket_bytes:
-      flush(key)
-    if key not in open_buckets:
-      open_buckets[key], used[key] = [], 0
-    open_buckets[key].append((i, layer))
-    used[key] += size
-  for key in list(open_buckets):
-    flush(key)
+        shape[dim] //= n
+      done[(i, layer)] = buf[0, offset:offset + math.prod(shape)].reshape(shape)
+      offset += math.prod(shape)
 
   out = []
   for i, (x, p) in enumerate(zip(leaves, plans)):
