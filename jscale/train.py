@@ -23,6 +23,7 @@ from jscale import metrics as metrics_lib
 from jscale import params_io
 from jscale import runtime
 from jscale import train_step as ts
+from jscale import xla_flags
 from jscale.config import Config, ConfigError, load_config
 from jscale.data import make_eval_batches, make_train_iterator, tokenizer_vocab_size
 from jscale.model import attention as attn_lib
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   try:
     cfg = load_config(args.config, args.overrides)
+    xla_flags.apply()  # GPU compute/communication overlap; before any JAX backend starts
     distributed.initialize(cfg.distributed)  # before anything starts a JAX backend
     summary = run(cfg)
   except ConfigError as e:

@@ -278,11 +278,16 @@ def test_global_batch_single_process():
     distributed.global_batch({"tokens": np.zeros((3, 4), np.int32)}, sharding)
 
 
-def test_sbatch_xla_flags_exist_in_this_jaxlib():
-  """XLA aborts on an unknown flag: every --xla_* flag the sbatch script sets must parse."""
-  text = open(SBATCH).read()
-  flags = sorted(set(re.findall(r"--xla_[a-z0-9_]+=[^\s\"']*", text)))
+def test_launcher_xla_flags_exist_in_this_jaxlib():
+  """XLA aborts on an unknown flag: every flag jscale.train (or the sbatch script) sets must
+  parse, and flags the user gave win."""
+  from jscale import xla_flags
+  flags = sorted(set(re.findall(r"--xla_[a-z0-9_]+=[^\s\"']*", open(SBATCH).read())) |
+                 set(xla_flags.GPU_OVERLAP_FLAGS))
   assert any("latency_hiding_scheduler" in f for f in flags)
+  mine = xla_flags.with_overlap_flags("--xla_gpu_enable_pipelined_all_gather=false")
+  assert "--xla_gpu_enable_pipelined_all_gather=true" not in mine.split()
+  assert "--xla_gpu_enable_latency_hiding_scheduler=true" in mine.split()
   env = _base_env(1)
   env["XLA_FLAGS"] += " " + " ".join(flags)
   r = subprocess.run([sys.executable, "-c", "import jax; print(jax.devices())"], env=env,

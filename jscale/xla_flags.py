@@ -1,0 +1,47 @@
+"""XLA flags for overlapping communication with compute on GPU, set by the launcher.
+
+`python -m jscale.train` prepends these to XLA_FLAGS before any JAX backend starts (flags the
+user already gave win; `JSCALE_XLA_FLAGS=0` turns this off). They are GPU flags: other backends
+parse and ignore them. What each does:
+
+* latency_hiding_scheduler: schedules async collectives (all-gather / reduce-scatter /
+  all-reduce start..done) so that independent compute runs in between.
+* pipelined_{all_gather,reduce_scatter,all_reduce}: XLA's collective pipeliner moves, inside the
+  layer scan (a while loop), the next layer's all-gather (ZeRO-3's prefetch) and the previous
+  layer's gradient reduce-scatter / all-reduce across the loop boundary, so they overlap with
+  this layer's compute. manual mode's per-layer ZeRO-3 gathers rely on it for prefetch.
+* while_loop_double_buffering: unrolls the scan by two so pipelined values need no copies.
+* *_combine_threshold_bytes: merges independent small collectives into ones of up to 128 MiB
+  (bandwidth). It may also merge manual mode's gradient buckets (`parallel.bucket_mb`).
+* *_combine_by_dim=false: lets all-gathers / reduce-scatters along different dims combine.
+"""
+
+from __future__ import annotations
+
+import os
+
+GPU_OVERLAP_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+    "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
+    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+    "--xla_gpu_enable_all_gather_combine_by_dim=false",
+    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
+)
+
+
+def with_overlap_flags(xla_flags: str) -> str:
+  """`xla_flags` with every overlap flag it does not set already put in front of it."""
+  given = {f.split("=")[0] for f in xla_flags.split()}
+  missing = [f for f in GPU_OVERLAP_FLAGS if f.split("=")[0] not in given]
+  return " ".join(missing + xla_flags.split())
+
+
+def apply() -> None:
+  """Sets XLA_FLAGS for this process; call before anything starts a JAX backend."""
+  if os.environ.get("JSCALE_XLA_FLAGS", "1") != "0":
+    os.environ["XLA_FLAGS"] = with_overlap_flags(os.environ.get("XLA_FLAGS", ""))
