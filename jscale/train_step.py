@@ -52,9 +52,9 @@ def state_from_params(params, optimizer: optax.GradientTransformation, seed: int
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> Callable:
-  """(params, micro-batch) -> (sum of token losses, token count)."""
+  """(params, micro-batch, comms=comms) -> (sum of token losses, token count)."""
 
-  def loss_fn(params, mb: Batch):
+  def loss_fn(params, mb: Batch, comms: Comms = comms):
     with jax.named_scope("forward"):
       model = nnx.merge(graphdef, params)
       logits = model(mb["tokens"], mb.get("positions"), comms=comms, remat=cfg.train.remat)
@@ -81,15 +81,16 @@ def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int,
   """
   count = comms.batch_sum(jnp.sum(batch["loss_mask"].astype(jnp.float32)))
   scale = 1.0 / jnp.maximum(count, 1.0)
+  step_comms, wrt = comms.bind(params), comms.params_for_grad(params)
 
   def scaled_loss(p, mb):
-    loss_sum, _ = loss_fn(p, mb)
+    loss_sum, _ = loss_fn(p, mb, comms=step_comms)
     return loss_sum * scale
 
   grad_fn = jax.value_and_grad(scaled_loss)
 
   def one(mb):
-    loss, g = grad_fn(params, mb)
+    loss, g = grad_fn(wrt, mb)
     return comms.grad_accumulator(jax.tree.map(lambda x: x.astype(jnp.float32), g)), loss
 
   with jax.named_scope("backward"):

@@ -136,7 +136,7 @@ class Llama(nnx.Module):
 
     layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
     with jax.named_scope("layers"):
-      x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
+      x_BLD, _ = jax.lax.scan(layer, x_BLD, comms.layer_inputs(stacked))
 
     with jax.named_scope("head"):
       norm_graphdef, norm_state = nnx.split(self.final_norm)

@@ -70,12 +70,22 @@ def pack(leaves: list, plans: list[Plan], bucket_bytes: int) -> list[tuple[tuple
 
 def reduce_buckets(grads: Any, plans: Any, bucket_bytes: int) -> Any:
   """Reduces every leaf of `grads` per its `Plan` (same tree); scattered leaves come back as
-  this device's shard. Returns the reduced tree."""
+  this device's shard. Returns the reduced tree.
+
+  Layer slices are written back into their stacked leaf in place (dynamic-update-slice on a
+  buffer nothing else reads), so the only extra memory is a bucket and its reduced copy.
+  """
   leaves, treedef = jax.tree.flatten(grads)
   plans = treedef.flatten_up_to(plans)
-  done: dict[tuple[int, int | None], jax.Array] = {}
+  out = list(leaves)
+  for i, p in enumerate(plans):  # scattered stacked leaves: a shard-sized buffer to fill
+    if p.stacked and p.scatter is not None:
+      shape = list(leaves[i].shape)
+      shape[p.dim] //= p.n
+      out[i] = jnp.zeros(shape, leaves[i].dtype)
   for (axes, scatter, n), members in pack(leaves, plans, bucket_bytes):
-    parts = [(leaves[i], plans[i].dim) if layer is None else (leaves[i][layer], plans[i].dim - 1)
+    src = lambda i: leaves[i] if scatter is not None else out[i]
+    parts = [(src(i), plans[i].dim) if layer is None else (src(i)[layer], plans[i].dim - 1)
              for i, layer in members]
     buf = jnp.concatenate([_to_rows(x, dim, n) for x, dim in parts], axis=1)
     if scatter is not None:
@@ -87,15 +97,8 @@ def reduce_buckets(grads: Any, plans: Any, bucket_bytes: int) -> Any:
       shape = list(x.shape)
       if n > 1:
         shape[dim] //= n
-      done[(i, layer)] = buf[0, offset:offset + math.prod(shape)].reshape(shape)
+      piece = buf[0, offset:offset + math.prod(shape)].reshape(shape)
       offset += math.prod(shape)
-
-  out = []
-  for i, (x, p) in enumerate(zip(leaves, plans)):
-    if (i, None) in done:
-      out.append(done[(i, None)])
-    elif p.stacked and (i, 0) in done:
-      out.append(jnp.stack([done[(i, layer)] for layer in range(x.shape[0])]))
-    else:
-      out.append(x)
+      out[i] = piece if layer is None else jax.lax.dynamic_update_index_in_dim(
+          out[i], piece, layer, 0)
   return treedef.unflatten(out)

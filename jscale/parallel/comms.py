@@ -40,6 +40,20 @@ class Comms:
     del dtype
     return layer_params
 
+  def bind(self, params: Any) -> "Comms":
+    """This seam for one step over stored `params` (manual ZeRO-2 reads its full weights)."""
+    del params
+    return self
+
+  def params_for_grad(self, params: Any) -> Any:
+    """What the gradient is taken with respect to (manual ZeRO-2: layer weights' shards)."""
+    return params
+
+  def layer_inputs(self, stacked: Any) -> Any:
+    """What the layer scan iterates over, given the stacked layer state; each slice goes
+    through `gather_params`."""
+    return stacked
+
   def gather_updated_params(self, new_params: Any, old_params: Any) -> Any:
     """ZeRO-1/2: parameters updated shard by shard, made whole again (may reuse `old_params`)."""
     del old_params

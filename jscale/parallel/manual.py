@@ -6,8 +6,10 @@ What runs where (playbook names; `dp` = the data and expert axes, all of size > 
     over dp + fsdp per optimizer step.
   * ZeRO-1: one bucketed reduce-scatter over fsdp (+ all-reduce over dp) per step; each device
     updates its slice of the weights and optimizer state; all-gather of the updated weights.
-  * ZeRO-2: as ZeRO-1, but each micro-batch's gradient is reduce-scattered at once, so only the
-    shard is kept between micro-batches.
+  * ZeRO-2: as ZeRO-1, but the gradient is taken with respect to the shards: each layer's
+    stored full weights are used as they are and its gradient is reduce-scattered inside the
+    backward scan (`_stored_weight`); the rest is reduce-scattered per micro-batch. Only shards
+    are kept between layers and between micro-batches.
   * ZeRO-3: weights stored as shards; each layer's are all-gathered (in the compute dtype) right
     before use and gathered again in the backward; the gather's transpose reduce-scatters that
     layer's gradient inside the backward scan.
@@ -19,7 +21,8 @@ Leaves too small to split over fsdp (`sharding.add_fsdp`) stay whole and are all
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import copy
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -79,8 +82,8 @@ class ManualComms(Comms):
     stacked = names[0] == "layers"
     position = 1 if stacked else 0 if getattr(path[0], "key", None) == "embed" else _POST
     split = self.fsdp > 1 and dim >= 0  # this leaf has an fsdp shard
-    if microbatch:  # ZeRO-2: reduce-scatter each micro-batch's gradient, nothing else
-      scatter = self.zero == 2 and split
+    if microbatch:  # ZeRO-2: reduce-scatter each micro-batch's gradient (layers: already done)
+      scatter = self.zero == 2 and split and not stacked
       return Plan(scatter="fsdp" if scatter else None, dim=dim, n=self.fsdp if scatter else 1,
                   stacked=stacked, position=position)
     axes = list(self.dp_axes)
@@ -106,6 +109,10 @@ class ManualComms(Comms):
   # ---------------------------------------------------------------- parameters
 
   def gather_params(self, layer_params: Any, dtype: Any) -> Any:
+    if isinstance(layer_params, _Zero2Layer):  # ZeRO-2: the stored weights, shard gradients
+      shards = nnx.to_pure_dict(layer_params.shards)
+      dims = jax.tree.map(lambda d: d - 1, self.dims["blocks"])
+      return jax.tree.map(_stored_weight, shards, layer_params.full, dims)
     if self.zero < 3 or self.fsdp == 1:
       return layer_params
 
@@ -120,7 +127,24 @@ class ManualComms(Comms):
 
     return jax.tree.map(gather, layer_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
-  def params_for_update(self, params: Any) -> Any:
+  def bind(self, params: Any) -> "ManualComms":
+    if self.zero != 2 or self.fsdp == 1:
+      return self
+    bound = copy.copy(self)
+    bound._stored_blocks = params["blocks"]
+    return bound
+
+  def params_for_grad(self, params: Any) -> Any:
+    if self.zero != 2 or self.fsdp == 1:
+      return params
+    return {**params, "blocks": self.params_for_update({"blocks": params["blocks"]},
+                                                       {"blocks": self.dims["blocks"]})["blocks"]}
+
+  def layer_inputs(self, stacked: Any) -> Any:
+    stored = getattr(self, "_stored_blocks", None)
+    return stacked if stored is None else _Zero2Layer(stacked, stored)
+
+  def params_for_update(self, params: Any, dims: Any = None) -> Any:
     if self.zero not in (1, 2) or self.fsdp == 1:
       return params
     index = jax.lax.axis_index("fsdp")
@@ -131,14 +155,28 @@ class ManualComms(Comms):
       k = p.shape[dim] // self.fsdp
       return jax.lax.dynamic_slice_in_dim(p, index * k, k, axis=dim)
 
-    return jax.tree.map(shard, params, self.dims)
+    return jax.tree.map(shard, params, self.dims if dims is None else dims)
 
   def gather_updated_params(self, new_params: Any, old_params: Any) -> Any:
     if self.zero not in (1, 2) or self.fsdp == 1:
       return new_params
-    return jax.tree.map(
-        lambda p, dim: p if dim < 0 else jax.lax.all_gather(p, "fsdp", axis=dim, tiled=True),
-        new_params, self.dims)
+
+    def gather(new, old, dim, names):
+      if dim < 0:
+        return new
+      if names[0] != "layers":
+        return jax.lax.all_gather(new, "fsdp", axis=dim, tiled=True)
+
+      # Stacked weights: one layer at a time, written over the old (donated) weights in place,
+      # so the gather buffer is one layer, not the largest stacked leaf.
+      def body(i, out):
+        layer = jax.lax.all_gather(new[i], "fsdp", axis=dim - 1, tiled=True)
+        return jax.lax.dynamic_update_index_in_dim(out, layer, i, 0)
+
+      return jax.lax.fori_loop(0, new.shape[0], body, old)
+
+    return jax.tree.map(gather, new_params, old_params, self.dims, self.layouts.names,
+                        is_leaf=lambda x: isinstance(x, tuple))
 
   # ---------------------------------------------------------------- tensor parallelism
 
@@ -212,3 +250,30 @@ class ManualComms(Comms):
   def activation(self, x: jax.Array, names: Names) -> jax.Array:
     del names  # already a per-device shard
     return x
+
+
+class _Zero2Layer(NamedTuple):
+  """One scan slice under manual ZeRO-2: the layer's weight shards (differentiated) and its
+  stored full weights (used in the forward)."""
+  shards: Any
+  full: Any
+
+
+def _stored_weight(shard: jax.Array, full: jax.Array, dim: int) -> jax.Array:
+  """ZeRO-2's gather without communication: the forward uses the stored full weight (every
+  device has it); the backward reduce-scatters the weight's gradient onto `shard`, so the
+  backward scan emits shard-sized gradients only."""
+  if dim < 0:  # too small to split: `shard` is the whole (differentiated) weight
+    return shard
+
+  @jax.custom_vjp
+  def use(shard, full):
+    del shard
+    return full
+
+  def bwd(_, g):
+    return jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True), None
+
+  use.defvjp(lambda s, f: (f, None), bwd)
+  # Named like ZeRO-3's gathered weights so no remat policy saves a copy of them.
+  return checkpoint_name(use(shard, full), GATHERED)
