@@ -55,7 +55,8 @@ def spec(names: Sequence[str | None], rules: Rules) -> P:
   return P(*entries)
 
 
-def _spec_axes(s: P) -> set[str]:
+def spec_axes(s: P) -> set[str]:
+  """The mesh axes a PartitionSpec splits over."""
   out = set()
   for e in s:
     out.update((e,) if isinstance(e, str) else e or ())
@@ -64,7 +65,7 @@ def _spec_axes(s: P) -> set[str]:
 
 def add_fsdp(names: Sequence[str], shape: Sequence[int], s: P, fsdp: int) -> P:
   """`s` with the first free, evenly divisible non-`layers` dim also split over fsdp."""
-  if fsdp == 1 or "fsdp" in _spec_axes(s):
+  if fsdp == 1 or "fsdp" in spec_axes(s):
     return s
   entries = list(s) + [None] * (len(shape) - len(s))
   free = [i for i, n in enumerate(names) if n != "layers" and entries[i] is None

@@ -33,14 +33,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jscale.optim import sumsq
 from jscale.parallel import tensor
 from jscale.parallel.buckets import Plan, reduce_buckets
-from jscale.parallel.comms import GATHERED, Comms, Names
-from jscale.sharding import Layouts
+from jscale.parallel.comms import GATHERED, Comms, Names, gather_layers_in_place
+from jscale.sharding import Layouts, spec_axes
 
 _POST = 1 << 30  # forward position of leaves after the layer stack (final norm, head)
-
-
-def _axes(s: P) -> tuple[str, ...]:
-  return tuple(a for e in s for a in ((e,) if isinstance(e, str) else e or ()))
 
 
 def _fsdp_dim(s: P) -> int:
@@ -89,7 +85,7 @@ class ManualComms(Comms):
     axes = list(self.dp_axes)
     if self.fsdp > 1 and not (split and self.zero >= 1):
       axes.append("fsdp")  # replicated over fsdp: a plain data-parallel axis for this leaf
-    if self.sp and "tensor" not in _axes(compute):
+    if self.sp and "tensor" not in spec_axes(compute):
       axes.append("tensor")  # norm weights: each tensor rank saw a different sequence slice
     scatter = split and self.zero == 1
     return Plan(tuple(axes), "fsdp" if scatter else None, dim, self.fsdp if scatter else 1,
@@ -166,14 +162,8 @@ class ManualComms(Comms):
         return new
       if names[0] != "layers":
         return jax.lax.all_gather(new, "fsdp", axis=dim, tiled=True)
-
-      # Stacked weights: one layer at a time, written over the old (donated) weights in place,
-      # so the gather buffer is one layer, not the largest stacked leaf.
-      def body(i, out):
-        layer = jax.lax.all_gather(new[i], "fsdp", axis=dim - 1, tiled=True)
-        return jax.lax.dynamic_update_index_in_dim(out, layer, i, 0)
-
-      return jax.lax.fori_loop(0, new.shape[0], body, old)
+      return gather_layers_in_place(
+          new, old, lambda x: jax.lax.all_gather(x, "fsdp", axis=dim - 1, tiled=True))
 
     return jax.tree.map(gather, new_params, old_params, self.dims, self.layouts.names,
                         is_leaf=lambda x: isinstance(x, tuple))
@@ -242,7 +232,7 @@ class ManualComms(Comms):
     groups: dict[tuple[str, ...], jax.Array] = {}
     for g, s in zip(jax.tree.leaves(grads),
                     jax.tree.leaves(self.layouts.opt, is_leaf=lambda x: isinstance(x, P))):
-      axes = tuple(sorted(a for a in set(_axes(s)) if self.mesh.shape[a] > 1))
+      axes = tuple(sorted(a for a in spec_axes(s) if self.mesh.shape[a] > 1))
       groups[axes] = groups.get(axes, 0.0) + sumsq(g)
     total = sum(jax.lax.psum(v, axes) if axes else v for axes, v in groups.items())
     return jnp.sqrt(total)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jscale.hlo import Collective
+from jscale.sharding import spec_axes
 
 GRAD_BYTES = 4  # gradients are reduced in fp32
 
@@ -46,7 +47,7 @@ def _local_params(rt) -> tuple[int, int]:
   layers = other = 0
   for names, shape, spec in zip(
       _leaves(rt.layouts.names), _leaves(rt.state_shapes["params"]), _leaves(rt.layouts.compute)):
-    n = shape.size // (tp if "tensor" in _axes(spec) else 1)
+    n = shape.size // (tp if "tensor" in spec_axes(spec) else 1)
     if names[0] == "layers":
       layers += n
     else:
@@ -97,10 +98,6 @@ def playbook_volume(rt) -> dict[str, float]:
     out["tp loss statistics"] = 3 * 2 * tokens * 4
   out["total"] = sum(out.values())
   return out
-
-
-def _axes(s) -> set[str]:
-  return {a for e in s for a in ((e,) if isinstance(e, str) else e or ())}
 
 
 def _leaves(tree: Any) -> list:

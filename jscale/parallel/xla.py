@@ -11,7 +11,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
-from jscale.parallel.comms import GATHERED, Comms, Names
+from jscale.parallel.comms import GATHERED, Comms, Names, gather_layers_in_place
 from jscale.sharding import Layouts, add_fsdp, spec
 
 
@@ -54,8 +54,7 @@ class XlaComms(Comms):
 
   def gather_updated_params(self, new_params: Any, old_params: Any) -> Any:
     # ZeRO-1/2 update shards with the sharded optimizer state, then all-gather the new weights.
-    # Stacked weights are gathered one layer at a time, written over the old (donated) weights
-    # in place: the gather buffer is one layer, not the largest stacked leaf (GBs at 8B).
+    # Stacked weights: one layer at a time, in place (`gather_layers_in_place`).
     layouts = self.layouts
     if layouts.zero_stage not in (1, 2):
       return new_params
@@ -66,12 +65,8 @@ class XlaComms(Comms):
       if names[0] != "layers":
         return jax.lax.with_sharding_constraint(new, named(compute))
       layer = named(spec(names[1:], layouts.rules))
-
-      def body(i, out):
-        new_l = jax.lax.with_sharding_constraint(new[i], layer)
-        return jax.lax.dynamic_update_index_in_dim(out, new_l, i, 0)
-
-      return jax.lax.fori_loop(0, new.shape[0], body, old)
+      return gather_layers_in_place(new, old,
+                                    lambda x: jax.lax.with_sharding_constraint(x, layer))
 
     return jax.tree.map(gather, new_params, old_params, layouts.names, layouts.sharded,
                         layouts.compute, is_leaf=lambda x: isinstance(x, tuple))
