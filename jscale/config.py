@@ -51,7 +51,7 @@ class ModelConfig:
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   init_std: float = 0.02
-  attention_impl: str = "xla"  # xla | cudnn
+  attention_impl: str = "xla"  # xla | cudnn | ring (context parallelism over mesh.sequence)
   dtype: str = "bfloat16"  # compute dtype
   param_dtype: str = "float32"  # master weights (and optimizer state)
 
@@ -86,6 +86,9 @@ class ParallelConfig:
   collectives: str = "xla"  # xla | manual
   zero_stage: int = 0
   sequence_parallel: bool = False
+  # Which sequence chunks each mesh.sequence rank holds: zigzag (chunks i and 2n-1-i: balanced
+  # causal attention) or contiguous (chunk i).
+  context_layout: str = "zigzag"
   bucket_mb: float = 25.0  # manual mode: gradients are reduced in buffers of at most this size
   # Overrides of the logical-axis -> mesh-axes table (jscale.sharding.RULES), e.g.
   # {mlp: tensor, embed: null}; a value is a mesh axis, a list of axes, or null (replicated).
@@ -285,10 +288,11 @@ def _coerce(tp, value, key):
 # --------------------------------------------------------------- validation
 
 _CHOICES = {
-    "model.attention_impl": ("xla", "cudnn"),
+    "model.attention_impl": ("xla", "cudnn", "ring"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "parallel.collectives": ("xla", "manual"),
+    "parallel.context_layout": ("zigzag", "contiguous"),
     "train.remat": ("none", "selective", "full"),
     "data.source": ("stdlib", "bin", "text"),
     "data.bin_dtype": ("uint16", "uint32"),

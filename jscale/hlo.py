@@ -247,3 +247,15 @@ def compiled_collectives(fn: Any, *args: Any, **kwargs: Any) -> dict[str, dict[s
     import jax  # pylint: disable=import-outside-toplevel
     fn = jax.jit(fn)
   return summary(fn.lower(*args, **kwargs).compile().as_text())
+
+
+def largest_array(hlo_text: str) -> tuple[int, str]:
+  """(elements, shape) of the largest array any instruction of the program produces or reads:
+  e.g. to show that attention never materialises a score matrix beyond a given size."""
+  best = (0, "")
+  for m in _LEAF.finditer(hlo_text):
+    if m.group(1) in ("token", "pred") or not m.group(2):
+      continue
+    dims = [int(d.lstrip("<=")) for d in m.group(2).split(",") if d.lstrip("<=").isdigit()]
+    best = max(best, (math.prod(dims), f"{m.group(1)}[{m.group(2)}]"))
+  return best

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from jscale import mesh as mesh_lib
 from jscale import train_step as ts
 from jscale.config import Config, ConfigError
+from jscale.data.context_order import Reorder, token_order
 from jscale.model import llama
 from jscale.optim import make_optimizer
 from jscale.parallel.comms import Comms
@@ -45,6 +46,12 @@ class Runtime:
     return ts.make_train_step(self.cfg, self.graphdef, self.comms, self.state_shardings,
                               self.layouts.batch())
 
+  def reorder(self) -> Reorder | None:
+    """The token order the data pipeline applies under context parallelism (None without):
+    tokens, labels and mask permuted to `parallel.context_layout`, plus RoPE positions."""
+    n = self.mesh.shape["sequence"]
+    return Reorder(self.cfg.train.seq_len, n, self.cfg.parallel.context_layout) if n > 1 else None
+
   def eval_step(self) -> Callable:
     return ts.make_eval_step(self.cfg, self.graphdef, self.comms,
                              self.state_shardings["params"], self.layouts.batch())
@@ -68,7 +75,13 @@ def check_layout(cfg: Config, mesh: Mesh) -> None:
   if t.seq_len % seq_split:
     raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by mesh.sequence"
                       f"{' x mesh.tensor (sequence_parallel)' if tp > 1 else ''} ({seq_split})")
-  for axis in ("stage", "sequence", "expert"):
+  cp = sizes["sequence"]
+  if cp > 1:
+    token_order(t.seq_len, cp, cfg.parallel.context_layout)  # raises if the chunks do not divide
+    if m.attention_impl == "cudnn":
+      raise ConfigError(f"model.attention_impl=cudnn with mesh.sequence={cp}: cuDNN's mask is by "
+                        "index, not by token position; use model.attention_impl=ring (or xla)")
+  for axis in ("stage", "expert"):
     if sizes[axis] > 1:
       raise ConfigError(f"mesh.{axis}={sizes[axis]}: this parallelism is not implemented yet; "
                         f"set mesh.{axis}=1")

@@ -94,10 +94,11 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
   check_runtime(cfg)
   t = cfg.train
   pi, pc = jax.process_index(), jax.process_count()
-  train_iter = make_train_iterator(cfg.data, t.seq_len, t.batch_size, pi, pc)
-  eval_batches = (make_eval_batches(cfg.data, t.seq_len, t.batch_size, t.eval_batches, pi, pc)
-                  if cfg.data.val_fraction > 0 else [])
   rt = runtime.build(cfg)
+  reorder = rt.reorder()  # context parallelism's token order, applied once at load
+  train_iter = make_train_iterator(cfg.data, t.seq_len, t.batch_size, pi, pc, reorder)
+  eval_batches = (make_eval_batches(cfg.data, t.seq_len, t.batch_size, t.eval_batches, pi, pc,
+                                    reorder) if cfg.data.val_fraction > 0 else [])
   ckptr = ckpt_lib.Checkpointer(cfg)
   state, start = _initial_state(rt, ckptr, train_iter)
   train_step, eval_step = rt.train_step(), rt.eval_step()

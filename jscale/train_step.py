@@ -63,6 +63,14 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
   return loss_fn
 
 
+def _check_positions(batch: Batch, batch_sharding: Any) -> None:
+  # Split over `sequence`, a device cannot tell its tokens' positions from their index.
+  if (batch_sharding is not None and batch_sharding.mesh.shape["sequence"] > 1
+      and "positions" not in batch):
+    raise ValueError("mesh.sequence > 1 needs batches with 'positions' in the context layout: "
+                     "apply Runtime.reorder() to each batch (the train loop does)")
+
+
 def _split_microbatches(batch: Batch, m: int) -> Batch:
   # Micro-batch j takes rows j, j+m, j+2m, ...: with the batch split over devices in blocks,
   # every device keeps its own rows (no data moves), each micro-batch drawing from all devices.
@@ -117,6 +125,7 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
   loss_fn = make_loss_fn(graphdef, cfg, comms)
 
   def step(state: State, batch: Batch):
+    _check_positions(batch, batch_sharding)
     params = state["params"]
     grads, loss, count = accumulate_grads(loss_fn, params, batch, cfg.train.microbatches, comms)
     grads = comms.sync_grads(grads)
@@ -133,9 +142,9 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
 
   if state_shardings is None:
     return jax.jit(step, donate_argnums=(0,))
-  batch_shardings = {k: batch_sharding for k in ("tokens", "labels", "loss_mask")}
+  # One sharding for every batch array (a pytree prefix): [B, L] over batch and sequence.
   replicated = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
-  ins, outs = (state_shardings, batch_shardings), (state_shardings, replicated)
+  ins, outs = (state_shardings, batch_sharding), (state_shardings, replicated)
   return jax.jit(comms.program(step, ins, outs), donate_argnums=(0,), in_shardings=ins,
                  out_shardings=outs)
 
@@ -146,12 +155,12 @@ def make_eval_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
   loss_fn = make_loss_fn(graphdef, cfg, comms)
 
   def evaluate(params, batch: Batch):
+    _check_positions(batch, batch_sharding)
     loss_sum, count = loss_fn(params, batch)
     return comms.batch_sum(loss_sum), comms.batch_sum(count)
 
   if param_shardings is None:
     return jax.jit(evaluate)
-  batch_shardings = {k: batch_sharding for k in ("tokens", "labels", "loss_mask")}
   replicated = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
-  ins, outs = (param_shardings, batch_shardings), replicated
+  ins, outs = (param_shardings, batch_sharding), replicated
   return jax.jit(comms.program(evaluate, ins, outs), in_shardings=ins, out_shardings=outs)

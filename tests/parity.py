@@ -27,7 +27,7 @@ ACCUMULATE = [("train.microbatches=2", "train.remat=full"),
               ("train.microbatches=2", "train.remat=selective")]
 
 
-def batches(cfg):
+def batches(cfg, reorder=None):
   rng = np.random.default_rng(0)
   b, l = cfg.train.batch_size, cfg.train.seq_len
   out = []
@@ -35,7 +35,8 @@ def batches(cfg):
     t = rng.integers(0, cfg.model.vocab_size, (b, l + 1)).astype(np.int32)
     mask = np.ones((b, l), np.float32)
     mask[0, l // 2:] = 0.0
-    out.append({"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": mask})
+    batch = {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": mask}
+    out.append(reorder(batch) if reorder else batch)
   return out
 
 
@@ -45,7 +46,7 @@ def losses(overrides, devices=None) -> np.ndarray:
   rt = runtime.build(cfg, devices)
   state, step = rt.init_state(), rt.train_step()
   out = []
-  for b in batches(cfg):
+  for b in batches(cfg, rt.reorder()):
     state, m = step(state, jax.device_put(b, rt.layouts.batch()))
     out.append((float(m["loss"]), float(m["grad_norm"])))
   return np.array(out)

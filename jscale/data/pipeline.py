@@ -9,6 +9,8 @@ Every step is index arithmetic on a MapDataset, so the iterator state is a few i
 
 from __future__ import annotations
 
+from typing import Callable
+
 import grain
 import numpy as np
 
@@ -24,9 +26,16 @@ _READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)
 Batch = dict[str, np.ndarray]
 
 
+Transform = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
 def make_train_iterator(data_cfg: DataConfig, seq_len: int, global_batch: int,
-                        process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
+                        process_index: int = 0, process_count: int = 1,
+                        transform: Transform | None = None) -> grain.DatasetIterator:
   """Infinite iterator of this process's train batches (leading dim global_batch // count).
+
+  `transform` maps each example before batching (context parallelism's token order,
+  `jscale.runtime.Runtime.reorder`).
 
   Deterministic for `data.seed`; `get_state()` / `set_state()` resume it exactly (checkpoint
   it with jscale.data.checkpoint_save / checkpoint_restore).
@@ -37,12 +46,15 @@ def make_train_iterator(data_cfg: DataConfig, seq_len: int, global_batch: int,
   ds = grain.MapDataset.source(windows).shuffle(seed=_shuffle_seed(data_cfg.seed))
   # MapDataset.repeat folds the epoch into the shuffle seed: a fresh order every epoch.
   ds = ds.repeat()[process_index::process_count]
+  if transform is not None:
+    ds = ds.map(transform)
   ds = ds.batch(local, drop_remainder=True)
   return iter(ds.to_iter_dataset(_READ_OPTIONS))
 
 
 def make_eval_batches(data_cfg: DataConfig, seq_len: int, global_batch: int, num_batches: int,
-                      process_index: int = 0, process_count: int = 1) -> list[Batch]:
+                      process_index: int = 0, process_count: int = 1,
+                      transform: Transform | None = None) -> list[Batch]:
   """`num_batches` of this process's validation batches, in order (cycling if too few)."""
   local = _local_batch(global_batch, process_index, process_count)
   splits = load_splits(data_cfg)
@@ -51,6 +63,8 @@ def make_eval_batches(data_cfg: DataConfig, seq_len: int, global_batch: int, num
                       "raise data.val_fraction (e.g. 0.01), or set train.eval_every=0")
   windows = _windows(splits.val, seq_len, splits.eos_id, "validation")
   ds = grain.MapDataset.source(windows).repeat()[process_index::process_count]
+  if transform is not None:
+    ds = ds.map(transform)
   ds = ds.batch(local, drop_remainder=True)
   return [ds[i] for i in range(num_batches)]
 

@@ -1,8 +1,11 @@
 """Attention dispatch: `model.attention_impl` picks how softmax(QKᵀ/√d)·V is computed.
 
 Every impl takes q [B, L, H, K] and k, v [B, S, G, K] with H a multiple of G (grouped-query
-attention: K/V are never repeated in memory) and returns [B, L, H, K]. Later impls (pallas flash,
-ring attention over the sequence axis) register here with the same contract.
+attention: K/V are never repeated in memory) and returns [B, L, H, K]. The causal mask is the
+usual one, or, given token positions (context parallelism reorders tokens), query i sees key j
+when pos_q[i] >= pos_k[j]. "ring" is ring attention over the `sequence` mesh axis
+(`jscale.parallel.ring_attention`, called through the comms seam); on one device it is one
+diagonal block, i.e. plain attention.
 """
 
 from __future__ import annotations
@@ -15,14 +18,19 @@ from jax.ad_checkpoint import checkpoint_name
 
 
 def xla_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
-                  causal: bool = True) -> jax.Array:
-  """Plain einsum attention with fp32 scores and softmax."""
+                  causal: bool = True, positions=None) -> jax.Array:
+  """Plain einsum attention with fp32 scores and softmax; `positions` = (pos_q [B, L],
+  pos_k [B, S]) masks by position instead of by index."""
   b, l, h, k = q_BLHK.shape
   g = k_BSGK.shape[2]
   q_BLGRK = q_BLHK.reshape(b, l, g, h // g, k)
   scores_BGRLS = jnp.einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK,
                             preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(k))
-  if causal:
+  if causal and positions is not None:
+    pos_q_BL, pos_k_BS = positions
+    mask_BLS = pos_q_BL[:, :, None] >= pos_k_BS[:, None, :]
+    scores_BGRLS = jnp.where(mask_BLS[:, None, None], scores_BGRLS, jnp.finfo(jnp.float32).min)
+  elif causal:
     s = k_BSGK.shape[1]
     mask_LS = jnp.arange(l)[:, None] + (s - l) >= jnp.arange(s)[None, :]
     scores_BGRLS = jnp.where(mask_LS, scores_BGRLS, jnp.finfo(jnp.float32).min)
@@ -33,18 +41,28 @@ def xla_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
 
 
 def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
-                    causal: bool = True) -> jax.Array:
-  """cuDNN fused attention (GPU only; GQA handled by the kernel)."""
+                    causal: bool = True, positions=None) -> jax.Array:
+  """cuDNN fused attention (GPU only; GQA handled by the kernel; index-causal only)."""
+  if positions is not None:
+    raise ValueError("cudnn attention masks by index, not by token positions: with "
+                     "mesh.sequence > 1 use model.attention_impl=ring or xla")
   return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, is_causal=causal,
                                       implementation="cudnn")
 
 
-IMPLS: dict[str, Callable[..., jax.Array]] = {"xla": xla_attention, "cudnn": cudnn_attention}
+IMPLS: dict[str, Callable[..., jax.Array]] = {"xla": xla_attention, "cudnn": cudnn_attention,
+                                               "ring": xla_attention}
 # Backends each impl can run on; checked at config validation, never a silent fallback.
-BACKENDS: dict[str, tuple[str, ...]] = {"xla": ("cpu", "gpu", "tpu"), "cudnn": ("gpu",)}
+BACKENDS: dict[str, tuple[str, ...]] = {"xla": ("cpu", "gpu", "tpu"), "cudnn": ("gpu",),
+                                        "ring": ("cpu", "gpu", "tpu")}
 
 
-def attention(q_BLHK, k_BSGK, v_BSGK, impl: str = "xla", causal: bool = True) -> jax.Array:
+def attention(q_BLHK, k_BSGK, v_BSGK, impl: str = "xla", causal: bool = True,
+              positions=None) -> jax.Array:
   """Dispatches to `impl`; the result is named for selective rematerialisation."""
-  out = IMPLS[impl](q_BLHK, k_BSGK, v_BSGK, causal=causal)
-  return checkpoint_name(out, "attn_ctx")
+  return named(IMPLS[impl](q_BLHK, k_BSGK, v_BSGK, causal=causal, positions=positions))
+
+
+def named(ctx_BLHK: jax.Array) -> jax.Array:
+  """Names the attention output "attn_ctx" (kept by `remat: selective`)."""
+  return checkpoint_name(ctx_BLHK, "attn_ctx")

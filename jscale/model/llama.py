@@ -16,7 +16,6 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jscale.config import ModelConfig
-from jscale.model import attention as attn_lib
 from jscale.model.layers import RMSNorm, einsum, param
 from jscale.model.rope import apply_rope, inv_frequencies
 from jscale.parallel.comms import GATHERED, LOCAL, Comms
@@ -54,7 +53,7 @@ class Block(nnx.Module):
     q = comms.activation(q, ("batch", "seq", "heads", "head_dim"))
     k = comms.activation(k, ("batch", "seq", "kv_heads", "head_dim"))
     v = comms.activation(v, ("batch", "seq", "kv_heads", "head_dim"))
-    ctx_BLHK = attn_lib.attention(q, k, v, impl=self.attention_impl)
+    ctx_BLHK = comms.attention(q, k, v, positions_BL, self.attention_impl)
     out = checkpoint_name(einsum("BLHK,HKD->BLD", ctx_BLHK, self.wo, dt), "attn_out")
     x_BLD = x_BLD + comms.leave_tensor_parallel(out)
 

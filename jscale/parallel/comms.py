@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from jscale.model import attention as attn_lib
 from jscale.optim import global_norm
 
 Names = Sequence[str | None]
@@ -58,6 +59,13 @@ class Comms:
     """ZeRO-1/2: parameters updated shard by shard, made whole again (may reuse `old_params`)."""
     del old_params
     return new_params
+
+  def attention(self, q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
+                positions_BL: jax.Array, impl: str) -> jax.Array:
+    """Causal self-attention of the sequence (split over `sequence` under context parallelism:
+    K/V all-gathered, or a ring). `positions_BL` are the tokens' positions in their sequence."""
+    del positions_BL  # one device: tokens are in order
+    return attn_lib.attention(q_BLHK, k_BSGK, v_BSGK, impl)
 
   def enter_tensor_parallel(self, x_BLD: jax.Array) -> jax.Array:
     """Input of a column-parallel linear: Megatron's f (identity fwd, all-reduce bwd)."""

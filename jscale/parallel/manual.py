@@ -1,7 +1,7 @@
 """The comms seam in "manual" mode: the whole step runs in one `jax.shard_map`, arrays are
 per-device shards, and every communication below is a collective written by hand.
 
-What runs where (playbook names; `dp` = the data and expert axes, all of size > 1):
+What runs where (playbook names; `dp` = the data, expert and sequence axes, all of size > 1):
   * DP / ZeRO-0: gradients accumulate locally over micro-batches, then one bucketed all-reduce
     over dp + fsdp per optimizer step.
   * ZeRO-1: one bucketed reduce-scatter over fsdp (+ all-reduce over dp) per step; each device
@@ -16,6 +16,8 @@ What runs where (playbook names; `dp` = the data and expert axes, all of size > 
   * TP: f / g (`jscale.parallel.tensor`) around column / row-parallel linears; vocab-parallel
     embedding and cross-entropy. SP: all-gather / reduce-scatter along the sequence instead, and
     the (tensor-replicated) norm weights' gradients are all-reduced over tensor.
+  * CP: ring attention over `sequence` (`jscale.parallel.ring_attention`); everything else is
+    per token, and gradients are summed over `sequence` with the other dp axes.
 Leaves too small to split over fsdp (`sharding.add_fsdp`) stay whole and are all-reduced.
 """
 
@@ -30,8 +32,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jscale.model import attention as attn_lib
 from jscale.optim import sumsq
 from jscale.parallel import tensor
+from jscale.parallel.ring_attention import ring_attention
 from jscale.parallel.buckets import Plan, reduce_buckets
 from jscale.parallel.comms import GATHERED, Comms, Names, gather_layers_in_place
 from jscale.sharding import Layouts, spec_axes
@@ -52,11 +56,12 @@ class ManualComms(Comms):
   def __init__(self, layouts: Layouts, bucket_mb: float):
     self.layouts, self.mesh, self.zero = layouts, layouts.mesh, layouts.zero_stage
     size = dict(layouts.mesh.shape)
-    self.tp, self.fsdp = size["tensor"], size["fsdp"]
+    self.tp, self.fsdp, self.cp = size["tensor"], size["fsdp"], size["sequence"]
     self.sp = self.tp > 1 and "tensor" in layouts.rules["res_seq"]
     self.bucket_bytes = max(1, int(bucket_mb * 2**20))
     self.batch_axes = tuple(a for a in ("data", "fsdp", "expert", "sequence") if size[a] > 1)
-    self.dp_axes = tuple(a for a in ("data", "expert") if size[a] > 1)
+    # Gradients are summed over every axis that splits the tokens (CP: `sequence` too).
+    self.dp_axes = tuple(a for a in ("data", "expert", "sequence") if size[a] > 1)
     is_names = lambda x: isinstance(x, tuple) and all(isinstance(n, str) for n in x)
     self.dims = jax.tree.map(lambda s: _fsdp_dim(s), layouts.sharded,
                              is_leaf=lambda x: isinstance(x, P))
@@ -167,6 +172,15 @@ class ManualComms(Comms):
 
     return jax.tree.map(gather, new_params, old_params, self.dims, self.layouts.names,
                         is_leaf=lambda x: isinstance(x, tuple))
+
+  # ---------------------------------------------------------------- context parallelism
+
+  def attention(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, impl: str) -> jax.Array:
+    if self.cp == 1:
+      return super().attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl)
+    # Context parallelism is always the ring here; the block math is plain jnp.
+    return attn_lib.named(ring_attention(q_BLHK, k_BSGK, v_BSGK, "sequence",
+                                         layout=self.layouts.context_layout))
 
   # ---------------------------------------------------------------- tensor parallelism
 

@@ -4,6 +4,7 @@ the collectives. Arrays are global; the mesh and the logical rules decide every 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -11,7 +12,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
+from jscale.model import attention as attn_lib
 from jscale.parallel.comms import GATHERED, Comms, Names, gather_layers_in_place
+from jscale.parallel.ring_attention import ring_attention
 from jscale.sharding import Layouts, add_fsdp, spec
 
 
@@ -70,6 +73,29 @@ class XlaComms(Comms):
 
     return jax.tree.map(gather, new_params, old_params, layouts.names, layouts.sharded,
                         layouts.compute, is_leaf=lambda x: isinstance(x, tuple))
+
+  def attention(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, impl: str) -> jax.Array:
+    layouts = self.layouts
+    if layouts.mesh.shape["sequence"] == 1:
+      return super().attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl)
+    if impl == "ring":  # the hand-written ring, on the shards XLA already holds
+      q_spec = layouts.activation(("batch", "seq", "heads", "head_dim")).spec
+      kv_spec = layouts.activation(("batch", "seq", "kv_heads", "head_dim")).spec
+      ring = functools.partial(ring_attention, axis_name="sequence",
+                               layout=layouts.context_layout)
+      return attn_lib.named(jax.shard_map(
+          ring, mesh=layouts.mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+          check_vma=False)(q_BLHK, k_BSGK, v_BSGK))
+    # The playbook's all-gather variant: every device sees all keys and values (and their
+    # positions, for the mask) and keeps its own queries.
+    kv_names = ("batch", None, "kv_heads", "head_dim")
+    k_BSGK, v_BSGK = self.activation(k_BSGK, kv_names), self.activation(v_BSGK, kv_names)
+    pos_k_BS = self.activation(positions_BL, ("batch", None))
+    ctx_BLHK = attn_lib.attention(q_BLHK, k_BSGK, v_BSGK, impl,
+                                  positions=(positions_BL, pos_k_BS))
+    # Pinning the output (hence its cotangent) to the queries' layout keeps GSPMD from picking a
+    # layout for the backward's score matmuls that it can only reach by replicating (with SP).
+    return self.activation(ctx_BLHK, ("batch", "seq", "heads", "head_dim"))
 
   def enter_tensor_parallel(self, x_BLD: jax.Array) -> jax.Array:
     # With sequence parallelism this is the all-gather along the sequence (playbook's g).

@@ -1,0 +1,85 @@
+"""Attention of one query block against one key/value block, returning the log-sum-exp.
+
+The unit that ring attention (and any blockwise scheme) composes: partial outputs of the same
+queries against different key blocks merge exactly through their log-sum-exps. A `BlockFns`
+pairs a forward with its backward; this file holds the plain-jnp pair (the default and the
+reference); a fused kernel (Pallas flash attention) plugs in with the same contract.
+
+Shapes: q [B, L, H, K], k and v [B, S, G, K] with H a multiple of G (GQA: K/V never repeated),
+out [B, L, H, K] fp32, lse / delta [B, L, H] fp32. `causal` means the square block on the
+diagonal (L == S, query i sees keys 0..i); off-diagonal blocks are either full or skipped by
+the caller, never masked here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class BlockFns(NamedTuple):
+  """forward(q, k, v, causal) -> (out, lse); backward(q, k, v, dout, lse, delta, causal) ->
+  (dq, dk, dv), all fp32, where delta = sum(dout * out, -1) of the *final* output."""
+  forward: Callable
+  backward: Callable
+
+
+def _grouped(q_BLHK: jax.Array, g: int) -> jax.Array:
+  b, l, h, k = q_BLHK.shape
+  return q_BLHK.reshape(b, l, g, h // g, k)
+
+
+def _scores(q_BLGRK, k_BSGK, causal: bool) -> jax.Array:
+  scale = 1.0 / jnp.sqrt(jnp.float32(q_BLGRK.shape[-1]))
+  s_BGRLS = jnp.einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK,
+                       preferred_element_type=jnp.float32) * scale
+  if causal:
+    l, s = s_BGRLS.shape[-2:]
+    if l != s:
+      raise ValueError(f"a causal (diagonal) block must be square, got {l} x {s}")
+    s_BGRLS = jnp.where(jnp.tril(jnp.ones((l, s), bool)), s_BGRLS, -jnp.inf)
+  return s_BGRLS
+
+
+def _to_BLH(x_BGRL: jax.Array) -> jax.Array:
+  b, g, r, l = x_BGRL.shape
+  return x_BGRL.transpose(0, 3, 1, 2).reshape(b, l, g * r)
+
+
+def _to_BGRL(x_BLH: jax.Array, g: int) -> jax.Array:
+  b, l, h = x_BLH.shape
+  return x_BLH.reshape(b, l, g, h // g).transpose(0, 2, 3, 1)
+
+
+def forward(q_BLHK, k_BSGK, v_BSGK, causal: bool):
+  """Softmax attention of the block and the log-sum-exp of its scores (fp32)."""
+  g = k_BSGK.shape[2]
+  s_BGRLS = _scores(_grouped(q_BLHK, g), k_BSGK, causal)
+  m_BGRL = jnp.max(s_BGRLS, axis=-1)
+  p_BGRLS = jnp.exp(s_BGRLS - m_BGRL[..., None])
+  l_BGRL = jnp.sum(p_BGRLS, axis=-1)
+  out_BLGRK = jnp.einsum("BGRLS,BSGK->BLGRK", (p_BGRLS / l_BGRL[..., None]).astype(v_BSGK.dtype),
+                         v_BSGK, preferred_element_type=jnp.float32)
+  return out_BLGRK.reshape(q_BLHK.shape).astype(jnp.float32), _to_BLH(m_BGRL + jnp.log(l_BGRL))
+
+
+def backward(q_BLHK, k_BSGK, v_BSGK, dout_BLHK, lse_BLH, delta_BLH, causal: bool):
+  """Gradients of the block's share of the final output, given the final lse and delta."""
+  g, dt = k_BSGK.shape[2], q_BLHK.dtype
+  q_BLGRK = _grouped(q_BLHK, g)
+  do_BLGRK = _grouped(dout_BLHK.astype(dt), g)
+  s_BGRLS = _scores(q_BLGRK, k_BSGK, causal)
+  p_BGRLS = jnp.exp(s_BGRLS - _to_BGRL(lse_BLH, g)[..., None])
+  f32 = dict(preferred_element_type=jnp.float32)
+  dv_BSGK = jnp.einsum("BGRLS,BLGRK->BSGK", p_BGRLS.astype(dt), do_BLGRK, **f32)
+  dp_BGRLS = jnp.einsum("BLGRK,BSGK->BGRLS", do_BLGRK, v_BSGK, **f32)
+  ds_BGRLS = p_BGRLS * (dp_BGRLS - _to_BGRL(delta_BLH, g)[..., None])
+  ds_BGRLS = (ds_BGRLS / jnp.sqrt(jnp.float32(q_BLHK.shape[-1]))).astype(dt)
+  dq_BLGRK = jnp.einsum("BGRLS,BSGK->BLGRK", ds_BGRLS, k_BSGK, **f32)
+  dk_BSGK = jnp.einsum("BGRLS,BLGRK->BSGK", ds_BGRLS, q_BLGRK, **f32)
+  return dq_BLGRK.reshape(q_BLHK.shape), dk_BSGK, dv_BSGK
+
+
+JNP = BlockFns(forward, backward)
