@@ -14,10 +14,14 @@ from jscale.metrics import param_counts
 
 
 def abstract_batch(cfg: Config) -> dict[str, jax.ShapeDtypeStruct]:
+  """Shapes of one global batch (with `positions` under context parallelism)."""
   b, l = cfg.train.batch_size, cfg.train.seq_len
-  return {"tokens": jax.ShapeDtypeStruct((b, l), jnp.int32),
-          "labels": jax.ShapeDtypeStruct((b, l), jnp.int32),
-          "loss_mask": jax.ShapeDtypeStruct((b, l), jnp.float32)}
+  out = {"tokens": jax.ShapeDtypeStruct((b, l), jnp.int32),
+         "labels": jax.ShapeDtypeStruct((b, l), jnp.int32),
+         "loss_mask": jax.ShapeDtypeStruct((b, l), jnp.float32)}
+  if cfg.mesh.sequence != 1:
+    out["positions"] = jax.ShapeDtypeStruct((b, l), jnp.int32)
+  return out
 
 
 def compile_train_step(cfg: Config, devices: Sequence[jax.Device] | None = None
