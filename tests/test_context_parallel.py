@@ -67,15 +67,18 @@ def test_pipeline_applies_the_order(data_cache):
   np.testing.assert_array_equal(reordered["positions"], np.broadcast_to(order, (8, 32)))
 
 
-def test_manual_ring_collectives():
+@pytest.mark.parametrize("remat", ["none", "selective", "full"])
+def test_manual_ring_collectives(remat):
   """Per layer the forward passes K/V n-1 hops; the backward passes them again and dK/dV n hops
-  (fp32); no K/V all-gather over sequence."""
-  cfg = small_config(None, *BASE, *CP4, *MANUAL, "train.batch_size=16")
+  (fp32); no K/V all-gather over sequence. Selective remat keeps the ring's output and lse,
+  so only full remat runs the forward ring twice."""
+  cfg = small_config(None, *BASE, *CP4, *MANUAL, f"train.remat={remat}")
   text = introspect.compile_train_step(cfg)[0].as_text()
   permutes = [c for c in hlo.collectives(text) if c.kind == "collective-permute"]
   m, n = cfg.model, 4
   kv = 16 // 2 * (cfg.train.seq_len // n) * m.n_kv_heads * m.resolved_head_dim * 4
-  expected = m.n_layers * (2 * (n - 1) * 2 * kv + n * 2 * kv)
+  forwards = 2 if remat == "full" else 1
+  expected = m.n_layers * ((forwards + 1) * (n - 1) * 2 * kv + n * 2 * kv)
   assert sum(c.bytes_per_step for c in permutes) == expected
   assert not [c for c in hlo.collectives(text) if c.kind == "all-gather"]
 

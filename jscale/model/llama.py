@@ -21,8 +21,9 @@ from jscale.model.rope import apply_rope, inv_frequencies
 from jscale.parallel.comms import GATHERED, LOCAL, Comms
 
 # Matmul outputs kept by `remat: selective`; scores, softmax and pointwise ops are recomputed.
-SELECTIVE_SAVE = ("q_proj", "k_proj", "v_proj", "attn_ctx", "attn_out", "mlp_gate", "mlp_up",
-                  "mlp_out")
+# "attn_lse" (ring attention's log-sum-exp) lets the backward ring run without a forward ring.
+SELECTIVE_SAVE = ("q_proj", "k_proj", "v_proj", "attn_ctx", "attn_lse", "attn_out", "mlp_gate",
+                  "mlp_up", "mlp_out")
 
 
 class Block(nnx.Module):

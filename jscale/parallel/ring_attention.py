@@ -27,6 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jscale.model import blockwise_attention
 from jscale.model.blockwise_attention import BlockFns
@@ -213,7 +214,9 @@ def _ring(q, k, v, axis_name, n, layout, causal, block):
 
 def _ring_fwd(q, k, v, axis_name, n, layout, causal, block):
   o, lse, _ = _forward(q, k, v, axis_name, n, layout, causal, block)
-  return o.astype(q.dtype), (q, k, v, o.astype(q.dtype), lse)
+  o = checkpoint_name(o.astype(q.dtype), "attn_ctx")
+  # Named so that `remat: selective` keeps it with the output and skips re-running the ring.
+  return o, (q, k, v, o, checkpoint_name(lse, "attn_lse"))
 
 
 def _ring_bwd(axis_name, n, layout, causal, block, res, dout):
