@@ -32,6 +32,10 @@ STRATEGIES = {
                     "parallel.sequence_parallel=true"],
     "dp×zero3×tp_sp": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.zero_stage=3",
                        "parallel.sequence_parallel=true"],
+    # Context parallelism: xla mode all-gathers K/V, manual mode runs the zig-zag ring.
+    "dp×cp": ["mesh.data=2", "mesh.sequence=4"],
+    "dp×cp×tp_sp": ["mesh.data=2", "mesh.sequence=2", "mesh.tensor=2",
+                    "parallel.sequence_parallel=true"],
 }
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
@@ -53,9 +57,9 @@ def _run(cfg, devices, steps):
   from jscale import introspect, runtime  # pylint: disable=import-outside-toplevel
   rt = runtime.build(cfg, devices)
   compiled = rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(cfg)).compile()
-  state, losses, times = rt.init_state(), [], []
+  state, losses, times, reorder = rt.init_state(), [], [], rt.reorder()
   for b in _batches(cfg, steps):
-    b = jax.device_put(b, rt.layouts.batch())
+    b = jax.device_put(reorder(b) if reorder else b, rt.layouts.batch())
     t0 = time.perf_counter()
     state, m = compiled(state, b)
     losses.append(float(m["loss"]))  # waits for the step

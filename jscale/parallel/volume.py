@@ -4,7 +4,8 @@ of the collectives a compiled program runs.
 Volume counts what a ring implementation moves, without the (n-1)/n factor, as the playbook
 does (PLAYBOOK_DIGEST.md §2): an all-reduce of X bytes costs 2X (reduce-scatter + all-gather),
 an all-gather or a reduce-scatter of a full size X costs X, an all-to-all or a permute its size.
-So DP costs 2Ψ, ZeRO-1/2 2Ψ (reduce-scatter Ψ + all-gather Ψ), ZeRO-3 3Ψ, TP 8·s·b·h per block.
+So DP costs 2Ψ, ZeRO-1/2 2Ψ (reduce-scatter Ψ + all-gather Ψ), ZeRO-3 3Ψ, TP 8·s·b·h per block,
+and CP's ring per layer: K/V pass n-1 hops forward, again backward, with dK/dV n hops.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def playbook_volume(rt) -> dict[str, float]:
   p = jnp.dtype(m.param_dtype).itemsize
   layers, other = _local_params(rt)
   psi = layers + other
-  f, d, tp = sizes["fsdp"], sizes["data"] * sizes["expert"], sizes["tensor"]
+  f, tp, cp = sizes["fsdp"], sizes["tensor"], sizes["sequence"]
+  d = sizes["data"] * sizes["expert"] * cp  # gradients are summed over every token-split axis
   mb = t.microbatches
   out: dict[str, float] = {}
   if f * d > 1:
@@ -88,8 +90,14 @@ def playbook_volume(rt) -> dict[str, float]:
         out["zero all-gather Ψ"] = psi * p
       if d > 1:
         out["data all-reduce of the shard 2Ψ/fsdp"] = 2 * psi / f * GRAD_BYTES
+  tokens = t.batch_size // (f * d // cp) * t.seq_len // cp  # per device per step
+  if cp > 1:
+    kv = tokens * m.n_kv_heads // tp * m.resolved_head_dim  # local K (or V) elements, per layer
+    forwards = 2 if t.remat == "full" else 1
+    out["cp ring K/V hops (n-1)·2·kv per pass"] = (
+        m.n_layers * (forwards + 1) * (cp - 1) * 2 * kv * c)
+    out["cp ring dK/dV hops n·2·kv"] = m.n_layers * cp * 2 * kv * GRAD_BYTES
   if tp > 1:
-    tokens = t.batch_size // (f * d) * t.seq_len  # per device per step, all micro-batches
     sbh = tokens * m.d_model * c
     out["tp 8·sbh per block"] = 8 * m.n_layers * sbh
     out["tp embedding g + head f"] = 4 * sbh
