@@ -20,6 +20,8 @@ STRATEGIES = {
     "tp_sp": ("mesh.data=1", "mesh.tensor=4", "parallel.sequence_parallel=true"),
     "3d": ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
            "parallel.zero_stage=3"),
+    "cp_tp_sp": ("mesh.data=2", "mesh.sequence=2", "mesh.tensor=2",
+                 "parallel.sequence_parallel=true"),
 }
 
 
@@ -46,6 +48,7 @@ def test_the_playbook_collectives_run():
   assert {"reduce-scatter", "all-gather"} <= kinds("zero3")
   assert kinds("tp") == {"all-reduce"}
   assert {"reduce-scatter", "all-gather"} <= kinds("tp_sp")
+  assert "collective-permute" in kinds("cp_tp_sp")  # the ring
   # ZeRO-3: each layer's weights are gathered inside the forward and again inside the backward
   # layer loop, and each layer's gradient is reduce-scattered there.
   in_loop = [c for c in _compiled(*STRATEGIES["zero3"])[1] if c.in_while]
