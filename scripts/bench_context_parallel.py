@@ -26,7 +26,7 @@ VARIANTS = {
 
 
 def _measure(cfg, devices, steps):
-  """(median step seconds, compiled per-device memory bytes, first loss)."""
+  """(median step seconds, compiled temp + argument bytes, temp bytes, first loss) per device."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jscale import introspect, runtime  # pylint: disable=import-outside-toplevel

@@ -18,11 +18,16 @@ LAYOUTS = ("zigzag", "contiguous")
 _PERMUTED = ("tokens", "labels", "loss_mask")
 
 
-def token_order(seq_len: int, n: int, layout: str) -> np.ndarray:
-  """[seq_len] int32: the original position of the token in each slot."""
+def chunks_per_device(layout: str) -> int:
+  """How many equal chunks of the sequence each `sequence` rank holds."""
   if layout not in LAYOUTS:
     raise ConfigError(f"parallel.context_layout={layout!r}: choose one of {', '.join(LAYOUTS)}")
-  chunks = 2 * n if layout == "zigzag" else n
+  return 2 if layout == "zigzag" else 1
+
+
+def token_order(seq_len: int, n: int, layout: str) -> np.ndarray:
+  """[seq_len] int32: the original position of the token in each slot."""
+  chunks = n * chunks_per_device(layout)
   if seq_len % chunks:
     raise ConfigError(f"train.seq_len={seq_len} is not divisible into {chunks} {layout} chunks "
                       f"for mesh.sequence={n}: use a multiple of {chunks}")

@@ -29,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jscale.data.context_order import chunks_per_device as parts
 from jscale.model import blockwise_attention
 from jscale.model.blockwise_attention import BlockFns
 
-LAYOUTS = ("zigzag", "contiguous")
 _EMPTY_LSE = -1e30  # lse of rows that have seen no key yet (finite: merges never give nan)
 
 
@@ -41,13 +41,6 @@ class Block(NamedTuple):
   q: tuple[int, int]
   k: tuple[int, int]
   causal: bool
-
-
-def parts(layout: str) -> int:
-  """How many equal chunks of the sequence each device holds."""
-  if layout not in LAYOUTS:
-    raise ValueError(f"context layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
-  return 2 if layout == "zigzag" else 1
 
 
 def blocks(layout: str, causal: bool, me: int, src: int) -> tuple[Block, ...]:
