@@ -96,6 +96,14 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass
+class PipelineConfig:
+  """Pipeline parallelism over mesh.stage (jscale.parallel.pipeline)."""
+  schedule: str = "1f1b"  # afab | 1f1b | interleaved | zero_bubble
+  microbatches: int = 4  # micro-batches per step flowing through the stages
+  virtual_stages: int = 1  # chunks of layers per stage (interleaved: >= 2)
+
+
+@dataclasses.dataclass
 class DistributedConfig:
   """Multi-process setup. All null: read SLURM's environment if present, else one process."""
   coordinator: str | None = None  # host:port of process 0
@@ -159,6 +167,7 @@ class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+  pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
@@ -293,6 +302,7 @@ _CHOICES = {
     "model.param_dtype": ("float32", "bfloat16"),
     "parallel.collectives": ("xla", "manual"),
     "parallel.context_layout": ("zigzag", "contiguous"),
+    "pipeline.schedule": ("afab", "1f1b", "interleaved", "zero_bubble"),
     "train.remat": ("none", "selective", "full"),
     "data.source": ("stdlib", "bin", "text"),
     "data.bin_dtype": ("uint16", "uint32"),
@@ -313,7 +323,8 @@ def validate(cfg: Config) -> None:
   positive = ["model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads",
               "model.n_kv_heads", "model.d_ff", "model.max_seq_len", "train.steps",
               "train.batch_size", "train.seq_len", "train.microbatches", "train.eval_batches",
-              "checkpoint.keep", "logging.every"]
+              "checkpoint.keep", "logging.every", "pipeline.microbatches",
+              "pipeline.virtual_stages"]
   for key in positive:
     if _get(cfg, key) <= 0:
       raise ConfigError(f"{key}={_get(cfg, key)} must be positive")

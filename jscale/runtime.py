@@ -21,6 +21,7 @@ from jscale.model import llama
 from jscale.optim import make_optimizer
 from jscale.parallel.comms import Comms
 from jscale.parallel.manual import ManualComms
+from jscale.parallel.pipeline import schedules
 from jscale.parallel.xla import XlaComms
 from jscale.sharding import Layouts
 
@@ -36,7 +37,7 @@ class Runtime:
   state_shardings: Any
 
   def init_state(self) -> ts.State:
-    return ts.init_state(self.cfg, self.state_shardings)
+    return ts.init_state(self.cfg, self.state_shardings, self.mesh.shape["stage"])
 
   def abstract_state(self) -> ts.State:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -81,10 +82,49 @@ def check_layout(cfg: Config, mesh: Mesh) -> None:
     if m.attention_impl == "cudnn":
       raise ConfigError(f"model.attention_impl=cudnn with mesh.sequence={cp}: cuDNN's mask is by "
                         "index, not by token position; use model.attention_impl=ring (or xla)")
-  for axis in ("stage", "expert"):
-    if sizes[axis] > 1:
-      raise ConfigError(f"mesh.{axis}={sizes[axis]}: this parallelism is not implemented yet; "
-                        f"set mesh.{axis}=1")
+  if sizes["stage"] > 1:
+    check_pipeline(cfg, sizes)
+  if sizes["expert"] > 1:
+    raise ConfigError(f"mesh.expert={sizes['expert']}: this parallelism is not implemented yet; "
+                      "set mesh.expert=1")
+
+
+def check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
+  """What a pipeline over mesh.stage needs; ConfigError naming the key, before any compile."""
+  p, pc, t = sizes["stage"], cfg.pipeline, cfg.train
+  try:
+    schedules.check_args(pc.schedule, p, pc.microbatches, pc.virtual_stages)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  chunks = p * pc.virtual_stages
+  if cfg.model.n_layers % chunks:
+    raise ConfigError(f"model.n_layers={cfg.model.n_layers} is not divisible by mesh.stage x "
+                      f"pipeline.virtual_stages ({chunks}): each chunk needs as many layers")
+  if t.microbatches != 1:
+    raise ConfigError(f"train.microbatches={t.microbatches} with mesh.stage={p}: the pipeline "
+                      "splits the batch itself; set pipeline.microbatches instead (and "
+                      "train.microbatches=1)")
+  dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+  if t.batch_size % (dp * pc.microbatches):
+    raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by data x fsdp x expert "
+                      f"({dp}) x pipeline.microbatches ({pc.microbatches}): use a multiple of "
+                      f"{dp * pc.microbatches}")
+  if sizes["sequence"] > 1:
+    raise ConfigError(f"mesh.sequence={sizes['sequence']} with mesh.stage={p}: context "
+                      "parallelism inside pipeline stages is not supported; set one of them to 1")
+  dp_like = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+  if (cfg.parallel.collectives == "xla" and cfg.parallel.sequence_parallel and dp_like > 1
+      and sizes["tensor"] > 1):
+    raise ConfigError(
+        f"parallel.sequence_parallel=true with mesh.stage={p}, mesh.tensor={sizes['tensor']} and "
+        "data-parallel axes in xla mode: GSPMD reshuffles the sequence-parallel activations "
+        "between data and tensor ranks with collective-permutes inside the pipeline's per-stage "
+        "branches, which only one stage's devices run (a deadlock); use "
+        "parallel.collectives=manual, or sequence_parallel=false")
+  if cfg.parallel.zero_stage > 1:
+    raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage} with mesh.stage={p}: ZeRO-2/3 "
+                      "shard gradients / weights per micro-batch, which a pipeline would "
+                      "re-gather every tick; use parallel.zero_stage=1 (optimizer state sharded)")
 
 
 def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:

@@ -31,7 +31,7 @@ RULES: Rules = {
     "kv_heads": ("tensor",),
     "head_dim": (),
     "mlp": ("tensor",),
-    "layers": (),
+    "layers": ("stage",),  # pipeline: each stage holds a contiguous block of the layer stack
     "experts": ("expert",),
 }
 

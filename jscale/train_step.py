@@ -20,6 +20,7 @@ from jscale.loss import cross_entropy_sums
 from jscale.model import llama
 from jscale.optim import lr_schedule, make_optimizer
 from jscale.parallel.comms import LOCAL, Comms
+from jscale.parallel.pipeline import layout, step as pipeline_step
 
 State = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -31,16 +32,20 @@ def model_graphdef(cfg: Config) -> nnx.GraphDef:
   return graphdef
 
 
-def init_state(cfg: Config, shardings: Any = None) -> State:
+def init_state(cfg: Config, shardings: Any = None, stages: int = 1) -> State:
   """Random parameters and fresh optimizer state, created inside one jit.
 
   With `shardings` (from `jscale.sharding.Layouts.state`) every array is created directly in
   its final layout, so a model larger than one device's memory never exists unsharded.
+  `stages`: the mesh's pipeline stages (interleaved pipelines store the layers in chunk order).
   """
   optimizer = make_optimizer(cfg.train)
 
   def init():
     params = nnx.to_pure_dict(nnx.state(llama.create(cfg.model, cfg.train.seed), nnx.Param))
+    # Interleaved pipelines store the layer stack in chunk order (pipeline.layout).
+    params["blocks"] = layout.to_storage(params["blocks"], cfg.model.n_layers, stages,
+                                         cfg.pipeline.virtual_stages if stages > 1 else 1)
     return state_from_params(params, optimizer, cfg.train.seed)
 
   return jax.jit(init, out_shardings=shardings)()
@@ -127,7 +132,10 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
   def step(state: State, batch: Batch):
     _check_positions(batch, batch_sharding)
     params = state["params"]
-    grads, loss, count = accumulate_grads(loss_fn, params, batch, cfg.train.microbatches, comms)
+    if comms.stages > 1:
+      grads, loss, count = pipeline_step.grads(cfg, graphdef, comms, params, batch)
+    else:
+      grads, loss, count = accumulate_grads(loss_fn, params, batch, cfg.train.microbatches, comms)
     grads = comms.sync_grads(grads)
     with jax.named_scope("optimizer"):
       grad_norm = comms.grad_norm(grads)
@@ -156,6 +164,8 @@ def make_eval_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
 
   def evaluate(params, batch: Batch):
     _check_positions(batch, batch_sharding)
+    if comms.stages > 1:
+      return pipeline_step.loss_sums(cfg, graphdef, comms, params, batch)
     loss_sum, count = loss_fn(params, batch)
     return comms.batch_sum(loss_sum), comms.batch_sum(count)
 

@@ -7,6 +7,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jscale.parallel.comms import GATHERED
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str], std: float,
@@ -41,6 +44,9 @@ class RMSNorm(nnx.Module):
 
 
 def einsum(spec: str, x: jax.Array, w: nnx.Param, dtype) -> jax.Array:
-  """`x @ w` in the compute dtype (master weights may be fp32), accumulating in fp32."""
-  return jnp.einsum(spec, x.astype(dtype), w[...].astype(dtype),
-                    preferred_element_type=jnp.float32).astype(dtype)
+  """`x @ w` in the compute dtype (master weights may be fp32), accumulating in fp32.
+
+  The cast weight is named like ZeRO-3's gathered weights, so no remat policy saves a
+  compute-dtype copy of every layer's weights for the backward (it is recast there)."""
+  w = checkpoint_name(w[...].astype(dtype), GATHERED)
+  return jnp.einsum(spec, x.astype(dtype), w, preferred_element_type=jnp.float32).astype(dtype)

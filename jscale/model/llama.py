@@ -116,39 +116,60 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
                comms: Comms = LOCAL, remat: str = "none") -> jax.Array:
-    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
-    inv_freq = inv_frequencies(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
     # Weights outside the layer stack also go through the seam (ZeRO-3 stores them as shards).
     # They are gathered once per step: the embedding's backward (a scatter-add) does not need
     # the table, and the head's backward runs right after its forward.
-    embed_VD = comms.gather_params(self.embed, dt)[...]
+    embed_VD = comms.gather_params(self.embed, self.cfg.dtype)[...]
+    x_BLD = self.embed_tokens(tokens_BL, comms, embed_VD)
+    x_BLD = run_layers(*nnx.split(self.blocks), x_BLD, positions_BL, self.cfg, comms, remat)
+    return self.logits(x_BLD, comms, embed_VD)
+
+  def embed_tokens(self, tokens_BL: jax.Array, comms: Comms = LOCAL,
+                   embed_VD: jax.Array | None = None) -> jax.Array:
+    """Token embeddings [B, L, D] in the compute dtype (the pipeline's first chunk)."""
+    dt = jnp.dtype(self.cfg.dtype)
+    if embed_VD is None:
+      embed_VD = comms.gather_params(self.embed, dt)[...]
     with jax.named_scope("embed"):
       x_BLD = comms.embed(embed_VD, tokens_BL).astype(dt)
-      x_BLD = comms.activation(x_BLD, ("batch", "res_seq", "embed"))
+      return comms.activation(x_BLD, ("batch", "res_seq", "embed"))
 
-    graphdef, stacked = nnx.split(self.blocks)
-
-    def layer(x_BLD, layer_state):
-      block = nnx.merge(graphdef, comms.gather_params(layer_state, dt))
-      return block(x_BLD, positions_BL, inv_freq, comms), None
-
-    layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
-    with jax.named_scope("layers"):
-      x_BLD, _ = jax.lax.scan(layer, x_BLD, comms.layer_inputs(stacked))
-
+  def logits(self, x_BLD: jax.Array, comms: Comms = LOCAL,
+             embed_VD: jax.Array | None = None) -> jax.Array:
+    """Final norm and head: fp32 logits [B, L, V] (the pipeline's last chunk)."""
+    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     with jax.named_scope("head"):
       norm_graphdef, norm_state = nnx.split(self.final_norm)
       final_norm = nnx.merge(norm_graphdef, comms.gather_params(norm_state, dt))
       x_BLD = comms.enter_tensor_parallel(final_norm(x_BLD))
       if cfg.tie_embeddings:
+        if embed_VD is None:
+          embed_VD = comms.gather_params(self.embed, dt)[...]
         head_DV = embed_VD.T
       else:
         head_DV = comms.gather_params(self.lm_head, dt)[...]
       logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, head_DV.astype(dt),
                               preferred_element_type=jnp.float32)
     return comms.activation(logits_BLV, ("batch", "seq", "vocab"))
+
+
+def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, positions_BL: jax.Array,
+               cfg: ModelConfig, comms: Comms = LOCAL, remat: str = "none") -> jax.Array:
+  """The blocks of `stacked` (state with a leading layers axis: the whole stack, or one
+  pipeline chunk of it) applied in order, as a scan of rematerialised layers."""
+  dt = jnp.dtype(cfg.dtype)
+  inv_freq = inv_frequencies(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+  def layer(x_BLD, layer_state):
+    block = nnx.merge(block_graphdef, comms.gather_params(layer_state, dt))
+    return block(x_BLD, positions_BL, inv_freq, comms), None
+
+  layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
+  with jax.named_scope("layers"):
+    x_BLD, _ = jax.lax.scan(layer, x_BLD, comms.layer_inputs(stacked))
+  return x_BLD
 
 
 def create(cfg: ModelConfig, seed: int = 0) -> Llama:

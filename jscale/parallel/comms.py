@@ -98,6 +98,20 @@ class Comms:
     del in_shardings, out_shardings
     return fn
 
+  @property
+  def stages(self) -> int:
+    """Pipeline stages (the `stage` mesh axis size)."""
+    return 1
+
+  def in_pipeline(self) -> "Comms":
+    """The seam to use inside `over_stages` (xla mode: constraints as bare specs)."""
+    return self
+
+  def over_stages(self, fn: Callable, params: Any, microbatches: Any, scale: jax.Array):
+    """Runs `fn(params, microbatches, scale) -> (grads, loss, codes)` on each stage's shards:
+    layer weights and their gradients split over `stage` (the pipeline's executor runs in it)."""
+    raise NotImplementedError("pipeline parallelism needs a mesh with a stage axis")
+
   def batch_sum(self, x: jax.Array) -> jax.Array:
     """Sums a per-batch quantity (loss, token count) over the devices holding other rows."""
     return x

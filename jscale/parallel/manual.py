@@ -107,6 +107,13 @@ class ManualComms(Comms):
   def batch_sum(self, x: jax.Array) -> jax.Array:
     return jax.lax.psum(x, self.batch_axes) if self.batch_axes else x
 
+  @property
+  def stages(self) -> int:
+    return self.mesh.shape["stage"]
+
+  def over_stages(self, fn: Callable, params: Any, microbatches: Any, scale: jax.Array):
+    return fn(params, microbatches, scale)  # already on this device's shards
+
   # ---------------------------------------------------------------- parameters
 
   def gather_params(self, layer_params: Any, dtype: Any) -> Any:

@@ -5,12 +5,12 @@ the collectives. Arrays are global; the mesh and the logical rules decide every 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jscale.model import attention as attn_lib
 from jscale.parallel.comms import GATHERED, Comms, Names, gather_layers_in_place
@@ -23,11 +23,34 @@ class XlaComms(Comms):
 
   mode = "xla"
 
-  def __init__(self, layouts: Layouts):
+  def __init__(self, layouts: Layouts, in_stage_region: bool = False):
     self.layouts = layouts
+    # Inside the pipeline's shard_map (manual over `stage` only) constraints are bare specs,
+    # resolved against that region's mesh.
+    self.in_stage_region = in_stage_region
+
+  def _sharding(self, s: P) -> NamedSharding | P:
+    return s if self.in_stage_region else NamedSharding(self.layouts.mesh, s)
 
   def activation(self, x: jax.Array, names: Names) -> jax.Array:
-    return jax.lax.with_sharding_constraint(x, self.layouts.activation(names))
+    return jax.lax.with_sharding_constraint(x, self._sharding(self.layouts.activation(names).spec))
+
+  @property
+  def stages(self) -> int:
+    return self.layouts.mesh.shape["stage"]
+
+  def in_pipeline(self) -> "XlaComms":
+    return XlaComms(self.layouts, in_stage_region=True)
+
+  def over_stages(self, fn: Callable, params: Any, microbatches: Any, scale: jax.Array):
+    # Manual over `stage` only: XLA still partitions data / fsdp / tensor inside each stage.
+    blocks = lambda tree: {k: jax.tree.map(lambda _: P("stage") if k == "blocks" else P(), v)
+                           for k, v in tree.items()}
+    region = jax.shard_map(
+        lambda *a: (lambda g, loss, codes: (g, loss, codes[None]))(*fn(*a)),
+        mesh=self.layouts.mesh, in_specs=(blocks(params), P(), P()),
+        out_specs=(blocks(params), P(), P("stage")), axis_names={"stage"}, check_vma=False)
+    return region(params, microbatches, scale)
 
   def gather_params(self, layer_params: Any, dtype: Any) -> Any:
     # ZeRO-2/3 per layer, inside the layer scan. Backward: the layer's gradient is constrained
@@ -36,12 +59,12 @@ class XlaComms(Comms):
     # compute layout right before use, so XLA all-gathers one layer at a time (and frees it).
     if self.layouts.zero_stage < 2:
       return layer_params
-    mesh, rules, fsdp = self.layouts.mesh, self.layouts.rules, self.layouts.mesh.shape["fsdp"]
+    rules, fsdp = self.layouts.rules, self.layouts.mesh.shape["fsdp"]
 
     def gather(v: nnx.Variable):
       names = [n for n in v.get_metadata()["out_sharding"] if n != "layers"]
       compute = spec(names, rules)
-      shard = NamedSharding(mesh, add_fsdp(names, v.shape, compute, fsdp))
+      shard = self._sharding(add_fsdp(names, v.shape, compute, fsdp))
       x = _shard_cotangent(v[...], shard)
       if self.layouts.zero_stage >= 3:
         # Cast the shard (the model casts at use anyway): a bf16 gather moves half the bytes.
@@ -50,7 +73,7 @@ class XlaComms(Comms):
         # re-lays out the whole stacked shard before the loop (a copy of every layer's shard).
         x = jax.lax.optimization_barrier(x)
         x = checkpoint_name(
-            jax.lax.with_sharding_constraint(x, NamedSharding(mesh, compute)), GATHERED)
+            jax.lax.with_sharding_constraint(x, self._sharding(compute)), GATHERED)
       return v.replace(x)
 
     return jax.tree.map(gather, layer_params, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -1,0 +1,183 @@
+"""Runs a compiled pipeline program on one stage's shards: a `lax.scan` over ticks, a
+`lax.switch` per tick on what this stage does, `ppermute` both ways at the end of every tick.
+
+Called inside `jax.shard_map` (manual over `stage`; in manual collectives mode over every axis).
+The model comes cut in three: the first chunk embeds the micro-batch's tokens, every chunk runs
+its layers, the last chunk applies the head and the loss, and straight away its backward, so
+the last chunk's B starts from a gradient already filed like a received one.
+
+Residuals: F takes `jax.vjp` of its chunk and keeps the pullback's residual arrays in a buffer
+slot (the program assigns slots; the buffer has as many as the schedule holds at once). Leaves
+that are the chunk's own weights or positions are not stored: B rebuilds the pullback from the
+stored arrays plus those. B of a schedule without the split is the full backward (dx and the
+weight gradient); zero-bubble's B takes only dx (XLA drops the weight-gradient matmuls) and
+keeps its output gradient for W, which takes only the weight gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jscale.parallel.pipeline import program as prog_lib
+
+Tree = Any
+
+
+class StageFns(NamedTuple):
+  """The model cut for the pipeline (pure functions of param dicts and per-device arrays)."""
+  embed: Callable  # (shared, tokens_bL) -> x_bLD
+  layers: Callable  # (chunk, x_bLD, positions_bL) -> x_bLD
+  head_loss: Callable  # (shared, x_bLD, labels_bL, mask_bL) -> loss sum
+
+
+def _zeros(tree: Tree) -> Tree:
+  return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+
+
+def _f32(tree: Tree) -> Tree:
+  return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+
+def _forward_with_residuals(fns: StageFns, chunk: Tree, x, pos):
+  """(y, stored residuals, where-map, pullback treedef) of the chunk's layers."""
+  y, pullback = jax.vjp(lambda c, x: fns.layers(c, x, pos), chunk, x)
+  leaves, treedef = jax.tree.flatten(pullback)
+  params = {id(p): i for i, p in enumerate(jax.tree.leaves(chunk))}
+  where = tuple(("param", params[id(l)]) if id(l) in params else ("pos", 0) if l is pos
+                else ("res", 0) for l in leaves)
+  return y, [l for l, (kind, _) in zip(leaves, where) if kind == "res"], where, treedef
+
+
+def _pullback(fns: StageFns, chunk: Tree, x_like, pos, stored):
+  """The chunk's pullback from stored residuals. Re-traces the forward for the pytree
+  structure only: none of its values is used, so XLA removes it."""
+  _, _, where, treedef = _forward_with_residuals(fns, chunk, jnp.zeros_like(x_like), pos)
+  params, it = jax.tree.leaves(chunk), iter(stored)
+  leaves = [params[i] if kind == "param" else pos if kind == "pos" else next(it)
+            for kind, i in where]
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
+        microbatches: dict[str, jax.Array], scale: jax.Array, stage_axis: str = "stage"):
+  """Executes `program` on this stage. `blocks`: this stage's layers [v * k, ...] (its chunks
+  in order); `shared`: the other weights; `microbatches`: tokens, labels, loss_mask, positions
+  as [m, b, L]; `scale` multiplies the loss (1 / global token count).
+
+  Returns (block grads, shared grads, loss sum * scale, executed codes [T]): gradients in fp32
+  for this stage's chunks and, nonzero only on the first / last stage, the shared weights;
+  the loss is nonzero only on the last stage.
+  """
+  table = program.table
+  p, v, train = table.p, table.v, table.backward
+  s = jax.lax.axis_index(stage_axis)
+  cols = {name: jnp.asarray(getattr(program, name))[:, s] for name in
+          ("code", "mb", "local", "res_write", "res_read", "stash_write", "read_f", "read_b",
+           "file_f", "file_b", "self_b")}
+  chunks = jax.tree.map(lambda x: x.reshape(v, x.shape[0] // v, *x.shape[1:]), blocks)
+  one_chunk = jax.tree.map(lambda x: x[0], chunks)
+  mb0 = jax.tree.map(lambda x: x[0], microbatches)
+  act = jax.eval_shape(fns.embed, shared, mb0["tokens"])
+  res_shapes = (jax.eval_shape(lambda c, x, pos: _forward_with_residuals(fns, c, x, pos)[1],
+                               one_chunk, act, mb0["positions"]) if train else [])
+  buffer = lambda n, a: jnp.zeros((n + 1, *a.shape), a.dtype)  # + the scratch slot
+  zero_act = jnp.zeros(act.shape, act.dtype)
+  carry0 = dict(
+      inbox_f=buffer(program.n_in_f, act), inbox_b=buffer(program.n_in_b, act),
+      res=[buffer(program.n_res, r) for r in res_shapes],
+      stash=buffer(program.n_res if table.split else 0, act),
+      dblocks=_zeros(chunks) if train else None, dshared=_zeros(shared) if train else None,
+      loss=jnp.zeros((), jnp.float32), msg_f=zero_act, msg_b=zero_act)
+  nothing = dict(out_f=zero_act, out_b=zero_act, res=[jnp.zeros(r.shape, r.dtype)
+                                                       for r in res_shapes],
+                 stash=zero_act, dchunk=_zeros(one_chunk) if train else None,
+                 dshared=_zeros(shared) if train else None, loss=jnp.zeros((), jnp.float32))
+
+  def branches(chunk, mb, x_in, dy_in, stored, stash):
+    def forward(x, first, last):
+      if first:
+        x = fns.embed(shared, mb["tokens"])
+      out = dict(nothing)
+      if train:
+        y, out["res"], _, _ = _forward_with_residuals(fns, chunk, x, mb["positions"])
+      else:
+        y = fns.layers(chunk, x, mb["positions"])
+      if not last:
+        return {**out, "out_f": y}
+      if not train:
+        return {**out, "loss": fns.head_loss(shared, y, mb["labels"], mb["loss_mask"])}
+      head = lambda sh, y: fns.head_loss(sh, y, mb["labels"], mb["loss_mask"]) * scale
+      loss, (dshared, dy) = jax.value_and_grad(head, argnums=(0, 1))(shared, y)
+      return {**out, "loss": loss, "dshared": _f32(dshared), "out_b": dy.astype(act.dtype)}
+
+    def backward(first, need_dx, need_dw, dy):
+      if not train:  # forward-only programs never take these branches
+        return dict(nothing)
+      pullback = _pullback(fns, chunk, x_in, mb["positions"], stored)
+      dchunk, dx = pullback(dy)
+      out = dict(nothing)
+      if need_dw:
+        out["dchunk"] = _f32(dchunk)
+      if need_dx and first:  # the embedding's gradient (a scatter-add of dx)
+        _, embed_vjp = jax.vjp(lambda sh: fns.embed(sh, mb["tokens"]), shared)
+        out["dshared"] = _f32(embed_vjp(dx.astype(act.dtype))[0])
+      elif need_dx:
+        out["out_b"] = dx.astype(act.dtype)
+      if need_dx and not need_dw:
+        out["stash"] = dy
+      return out
+
+    return [lambda: dict(nothing),
+            lambda: forward(x_in, False, False), lambda: forward(x_in, True, False),
+            lambda: forward(x_in, False, True),
+            lambda: backward(False, True, False, dy_in), lambda: backward(True, True, False, dy_in),
+            lambda: backward(False, True, True, dy_in), lambda: backward(True, True, True, dy_in),
+            lambda: backward(False, False, True, stash)]
+
+  fwd_perm = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
+  bwd_perm = [(j, i) for i, j in fwd_perm]
+
+  def tick(carry, col):
+    inbox_f = carry["inbox_f"].at[col["file_f"]].set(carry["msg_f"])
+    inbox_b = carry["inbox_b"].at[col["file_b"]].set(carry["msg_b"])
+    chunk = jax.tree.map(lambda x: x[col["local"]], chunks)
+    mb = jax.tree.map(lambda x: x[col["mb"]], microbatches)
+    stored = [r[col["res_read"]] for r in carry["res"]]
+    out = jax.lax.switch(col["code"], branches(chunk, mb, inbox_f[col["read_f"]],
+                                               inbox_b[col["read_b"]], stored,
+                                               carry["stash"][col["res_read"]]))
+    new = dict(carry, inbox_f=inbox_f, loss=carry["loss"] + out["loss"])
+    new["res"] = [r.at[col["res_write"]].set(o) for r, o in zip(carry["res"], out["res"])]
+    if train:
+      # The last chunk's own head gradient is filed like a received one (the F's out_b).
+      is_last_f = col["code"] == prog_lib.C_F_LAST
+      new["inbox_b"] = inbox_b.at[col["self_b"]].set(out["out_b"])
+      new["stash"] = carry["stash"].at[col["stash_write"]].set(out["stash"])
+      new["dblocks"] = jax.tree.map(lambda a, g: a.at[col["local"]].add(g), carry["dblocks"],
+                                    out["dchunk"])
+      new["dshared"] = jax.tree.map(jnp.add, carry["dshared"], out["dshared"])
+      send_b = jnp.where(is_last_f, jnp.zeros_like(out["out_b"]), out["out_b"])
+      new["msg_b"] = jax.lax.ppermute(send_b, stage_axis, bwd_perm)
+    new["msg_f"] = jax.lax.ppermute(out["out_f"], stage_axis, fwd_perm)
+    return new, col["code"]
+
+  final, codes = jax.lax.scan(tick, carry0, cols)
+  dblocks = (jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), final["dblocks"])
+             if train else None)
+  return dblocks, final["dshared"], final["loss"], codes
+
+
+def split_microbatches(batch: dict[str, jax.Array], m: int) -> dict[str, jax.Array]:
+  """[B, ...] -> [m, B/m, ...]; micro-batch j takes rows j, j+m, ... (as gradient accumulation
+  does, so every device keeps its own rows)."""
+  return jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1),
+                      batch)
+
+
+def executed_kinds(program: prog_lib.Program, codes: np.ndarray) -> np.ndarray:
+  """[T, p] IDLE/F/B/W from the executor's codes (gathered over stages)."""
+  return program.executed(np.asarray(codes))

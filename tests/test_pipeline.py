@@ -1,0 +1,141 @@
+"""Pipeline parallelism on simulated CPU devices: every schedule's loss and gradients against
+the single-device reference, the executed schedule against the table, what communicates,
+compiled memory against m, and config errors before compile."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import small_config
+from jscale import introspect, runtime
+from jscale.config import ConfigError
+from jscale.parallel.pipeline import step as pipeline_step
+from pipeline_harness import max_rel_err, pipeline_grads, reference
+
+SCHEDULE = {"afab": (), "1f1b": (), "zero_bubble": (),
+            "interleaved": ("pipeline.virtual_stages=2",)}
+
+# (mode, schedule, p, m, extra): every schedule at p=2 and p=4 and at m=4 and m=8 in each mode,
+# with data=2, tensor=2 (+SP) and ZeRO-1 (fsdp=2) mixed in.
+CASES = [
+    ("manual", "afab", 2, 4, ()), ("manual", "1f1b", 4, 8, ()),
+    ("manual", "interleaved", 2, 4, ()), ("manual", "zero_bubble", 4, 8, ()),
+    ("manual", "afab", 4, 8, ("mesh.data=2",)), ("manual", "1f1b", 2, 4, ("mesh.data=2",)),
+    ("manual", "interleaved", 4, 8, ("mesh.tensor=2",)),
+    ("manual", "zero_bubble", 2, 8, ("mesh.data=2", "mesh.tensor=2",
+                                     "parallel.sequence_parallel=true")),
+    ("manual", "1f1b", 2, 4, ("mesh.fsdp=2", "parallel.zero_stage=1", "mesh.tensor=2")),
+    ("xla", "afab", 4, 4, ()), ("xla", "1f1b", 2, 8, ()),
+    ("xla", "interleaved", 4, 4, ()), ("xla", "zero_bubble", 2, 4, ()),
+    ("xla", "zero_bubble", 4, 8, ("mesh.data=2",)), ("xla", "interleaved", 2, 8, ("mesh.data=2",)),
+    ("xla", "afab", 2, 8, ("mesh.tensor=2", "mesh.data=2")),
+    ("xla", "1f1b", 4, 4, ("mesh.tensor=2", "parallel.sequence_parallel=true")),
+    ("xla", "zero_bubble", 2, 4, ("mesh.fsdp=2", "parallel.zero_stage=1")),
+]
+
+
+def _overrides(mode, schedule, p, m, extra):
+  data = () if any(e.startswith("mesh.data") for e in extra) else ("mesh.data=1",)
+  return (f"parallel.collectives={mode}", f"pipeline.schedule={schedule}", f"mesh.stage={p}",
+          f"pipeline.microbatches={m}", *SCHEDULE[schedule], *data, *extra)
+
+
+def _ids(case):
+  mode, schedule, p, m, extra = case
+  return "-".join([mode, schedule, f"p{p}", f"m{m}", *(e.split(".")[-1] for e in extra)])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_loss_and_grads_equal_no_pipeline(case):
+  ref_loss, ref_grads = reference()
+  loss, grads, codes, rt = pipeline_grads(*_overrides(*case), with_codes=True)
+  assert loss == pytest.approx(ref_loss, rel=1e-5)
+  assert max_rel_err(grads, ref_grads) <= 1e-5
+  # The executor ran exactly the table: F, B, W per tick and stage (a fused full backward does
+  # the W with its B and idles on the W's tick).
+  prog = pipeline_step.program_for(rt.cfg, rt.mesh.shape["stage"])
+  per_stage = codes.reshape(rt.mesh.shape["stage"], -1, codes.shape[-1])[:, 0]
+  np.testing.assert_array_equal(prog.executed(per_stage.T), prog.table.kind)
+
+
+def _compiled_text(*overrides):
+  cfg = small_config(None, "model.n_layers=8", "model.n_kv_heads=4", "train.batch_size=16",
+                     "train.seq_len=16", *overrides)
+  n = int(np.prod([int(o.split("=")[1]) for o in overrides
+                   if o.split("=")[0] in ("mesh.stage", "mesh.data", "mesh.tensor", "mesh.fsdp")]))
+  compiled, _ = introspect.compile_train_step(cfg, jax.devices()[:n])
+  return compiled.as_text()
+
+
+@pytest.mark.parametrize("mode", ["manual", "xla"])
+def test_only_the_stage_ppermutes_move_between_stages(mode):
+  # Every collective-permute is the executor's ppermute over `stage` (one each way per tick,
+  # outside the per-stage branches); none is inserted by XLA inside a branch, which only one
+  # stage's devices would run.
+  text = _compiled_text(*_overrides(mode, "1f1b", 2, 4, ("mesh.data=2", "mesh.tensor=2")))
+  permutes = [l for l in text.splitlines() if re.search(r"collective-permute(-start)?\(", l)]
+  assert permutes and all("ppermute" in l for l in permutes)
+  pairs = {re.search(r"source_target_pairs=(\{[^ ]*\}),", l).group(1) for l in permutes}
+  # Mesh order (data, stage, ..., tensor): stage s of device d*4 + s*2 + t.
+  assert pairs == {"{{0,2},{1,3},{4,6},{5,7}}", "{{2,0},{3,1},{6,4},{7,5}}"}
+
+
+# Activations dominate: tiny weights, long sequences, fixed micro-batch size (2 sequences).
+MEMORY_SHAPE = ("model.preset=tiny", "model.d_model=64", "model.n_layers=4", "model.n_heads=4",
+                "model.n_kv_heads=4", "model.d_ff=128", "model.dtype=float32",
+                "train.seq_len=256", "mesh.data=1", "mesh.stage=2")
+
+
+@pytest.fixture(scope="module")
+def temp_memory():
+  out = {}
+  for schedule in ("1f1b", "afab"):
+    for m in (4, 16):
+      cfg = small_config(None, *MEMORY_SHAPE, f"pipeline.schedule={schedule}",
+                         f"pipeline.microbatches={m}", f"train.batch_size={2 * m}")
+      compiled, _ = introspect.compile_train_step(cfg, jax.devices()[:2])
+      out[schedule, m] = introspect.memory(compiled)["temp"]
+  return out
+
+
+def test_1f1b_memory_is_flat_in_m_while_afab_grows(temp_memory):
+  assert temp_memory["1f1b", 16] <= 1.02 * temp_memory["1f1b", 4]
+  assert temp_memory["afab", 16] >= 2 * temp_memory["afab", 4]
+  assert temp_memory["afab", 4] > temp_memory["1f1b", 4]
+
+
+def test_train_and_eval_steps_match_one_device():
+  from parity import losses, reference as parity_reference  # 5 optimizer steps
+  pp = ("mesh.stage=2", "pipeline.microbatches=4", "parallel.collectives=manual",
+        "mesh.fsdp=2", "parallel.zero_stage=1", "mesh.data=1")
+  np.testing.assert_allclose(losses(pp, jax.devices()[:4]), parity_reference(), rtol=1e-5)
+  cfg = small_config(None, *pp, "train.batch_size=16")
+  rt = runtime.build(cfg, jax.devices()[:4])
+  one = runtime.build(small_config(None, "mesh.data=1", "train.batch_size=16"),
+                      jax.devices()[:1])
+  b = {"tokens": np.arange(16 * 32, dtype=np.int32).reshape(16, 32) % 200,
+       "labels": np.ones((16, 32), np.int32), "loss_mask": np.ones((16, 32), np.float32)}
+  got = rt.eval_step()(rt.init_state()["params"], jax.device_put(b, rt.layouts.batch()))
+  want = one.eval_step()(one.init_state()["params"], b)
+  np.testing.assert_allclose([float(x) for x in got], [float(x) for x in want], rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (("model.n_layers=6", "mesh.stage=4"), r"model.n_layers=6 is not divisible by mesh.stage"),
+    (("mesh.stage=4", "model.n_layers=8", "pipeline.microbatches=2"), r">= mesh.stage"),
+    (("mesh.stage=2", "model.n_layers=8", "pipeline.schedule=interleaved",
+      "pipeline.virtual_stages=2", "pipeline.microbatches=3"), r"multiple of mesh.stage"),
+    (("mesh.stage=2", "pipeline.virtual_stages=2"), r"only for pipeline.schedule=interleaved"),
+    (("mesh.stage=2", "train.microbatches=2"), r"set pipeline.microbatches instead"),
+    (("mesh.stage=2", "mesh.fsdp=2", "parallel.zero_stage=2"), r"use parallel.zero_stage=1"),
+    (("mesh.stage=2", "mesh.sequence=2"), r"context parallelism inside pipeline stages"),
+    (("mesh.stage=2", "mesh.data=2", "mesh.tensor=2", "parallel.sequence_parallel=true"),
+     r"use parallel.collectives=manual"),
+])
+def test_bad_pipeline_configs_fail_before_compile(overrides, match):
+  data = () if any(o.startswith("mesh.data") for o in overrides) else ("mesh.data=-1",)
+  cfg = small_config(None, "model.n_kv_heads=4", "train.batch_size=16", *data, *overrides)
+  with pytest.raises(ConfigError, match=match):
+    runtime.build(cfg)
