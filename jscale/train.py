@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jscale import checkpoint as ckpt_lib
+from jscale.parallel.pipeline import layout
 from jscale import distributed
 from jscale import metrics as metrics_lib
 from jscale import params_io
@@ -74,6 +75,10 @@ def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer,
     model = nnx.merge(rt.graphdef, state["params"])
     params_io.load_params_into(cfg.checkpoint.init_from, model)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    # init_from params are in model layer order; interleaved pipelines store chunk order.
+    p = rt.mesh.shape["stage"]
+    params["blocks"] = layout.to_storage(params["blocks"], cfg.model.n_layers, p,
+                                         cfg.pipeline.virtual_stages if p > 1 else 1)
     optimizer = make_optimizer(cfg.train)
     state = jax.jit(lambda p: ts.state_from_params(p, optimizer, cfg.train.seed),
                     out_shardings=rt.state_shardings)(params)
