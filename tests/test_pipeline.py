@@ -106,15 +106,21 @@ def test_1f1b_memory_is_flat_in_m_while_afab_grows(temp_memory):
   assert temp_memory["afab", 4] > temp_memory["1f1b", 4]
 
 
-def test_train_and_eval_steps_match_one_device():
+def test_train_steps_match_one_device():
   from parity import losses, reference as parity_reference  # 5 optimizer steps
   pp = ("mesh.stage=2", "pipeline.microbatches=4", "parallel.collectives=manual",
         "mesh.fsdp=2", "parallel.zero_stage=1", "mesh.data=1")
   np.testing.assert_allclose(losses(pp, jax.devices()[:4]), parity_reference(), rtol=1e-5)
-  cfg = small_config(None, *pp, "train.batch_size=16")
-  rt = runtime.build(cfg, jax.devices()[:4])
-  one = runtime.build(small_config(None, "mesh.data=1", "train.batch_size=16"),
-                      jax.devices()[:1])
+
+
+@pytest.mark.parametrize("mode", ["manual", "xla"])
+def test_eval_step_matches_one_device(mode):
+  pp = ("mesh.stage=2", "pipeline.microbatches=4", f"parallel.collectives={mode}",
+        "pipeline.schedule=interleaved", "pipeline.virtual_stages=2", "model.n_layers=4",
+        "mesh.data=2", "train.batch_size=16")
+  rt = runtime.build(small_config(None, *pp), jax.devices()[:4])
+  one = runtime.build(small_config(None, "mesh.data=1", "train.batch_size=16",
+                                   "model.n_layers=4"), jax.devices()[:1])
   b = {"tokens": np.arange(16 * 32, dtype=np.int32).reshape(16, 32) % 200,
        "labels": np.ones((16, 32), np.int32), "loss_mask": np.ones((16, 32), np.float32)}
   got = rt.eval_step()(rt.init_state()["params"], jax.device_put(b, rt.layouts.batch()))

@@ -107,9 +107,11 @@ class Comms:
     """The seam to use inside `over_stages` (xla mode: constraints as bare specs)."""
     return self
 
-  def over_stages(self, fn: Callable, params: Any, microbatches: Any, scale: jax.Array):
+  def over_stages(self, fn: Callable, params: Any, microbatches: Any, scale: jax.Array,
+                  grads: bool = True):
     """Runs `fn(params, microbatches, scale) -> (grads, loss, codes)` on each stage's shards:
-    layer weights and their gradients split over `stage` (the pipeline's executor runs in it)."""
+    layer weights and their gradients split over `stage` (the pipeline's executor runs in it).
+    `grads=False`: forward only, `fn` returns None for the gradients."""
     raise NotImplementedError("pipeline parallelism needs a mesh with a stage axis")
 
   def batch_sum(self, x: jax.Array) -> jax.Array:

@@ -111,7 +111,9 @@ class ManualComms(Comms):
   def stages(self) -> int:
     return self.mesh.shape["stage"]
 
-  def over_stages(self, fn: Callable, params: Any, microbatches: Any, scale: jax.Array):
+  def over_stages(self, fn: Callable, params: Any, microbatches: Any, scale: jax.Array,
+                  grads: bool = True):
+    del grads
     return fn(params, microbatches, scale)  # already on this device's shards
 
   # ---------------------------------------------------------------- parameters

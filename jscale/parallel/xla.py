@@ -42,14 +42,16 @@ class XlaComms(Comms):
   def in_pipeline(self) -> "XlaComms":
     return XlaComms(self.layouts, in_stage_region=True)
 
-  def over_stages(self, fn: Callable, params: Any, microbatches: Any, scale: jax.Array):
+  def over_stages(self, fn: Callable, params: Any, microbatches: Any, scale: jax.Array,
+                  grads: bool = True):
     # Manual over `stage` only: XLA still partitions data / fsdp / tensor inside each stage.
     blocks = lambda tree: {k: jax.tree.map(lambda _: P("stage") if k == "blocks" else P(), v)
                            for k, v in tree.items()}
     region = jax.shard_map(
         lambda *a: (lambda g, loss, codes: (g, loss, codes[None]))(*fn(*a)),
         mesh=self.layouts.mesh, in_specs=(blocks(params), P(), P()),
-        out_specs=(blocks(params), P(), P("stage")), axis_names={"stage"}, check_vma=False)
+        out_specs=(blocks(params) if grads else None, P(), P("stage")), axis_names={"stage"},
+        check_vma=False)
     return region(params, microbatches, scale)
 
   def gather_params(self, layer_params: Any, dtype: Any) -> Any:
