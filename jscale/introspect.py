@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,20 @@ def compile_train_step(cfg: Config, devices: Sequence[jax.Device] | None = None
   compiled = lowered.compile()
   t2 = time.perf_counter()
   return compiled, {"lower_s": t1 - t0, "compile_s": t2 - t1}
+
+
+def time_steps(step: Callable, state: Any, batch: Any, steps: int) -> tuple[float, float]:
+  """(median seconds per step, loss of the first step) over `steps` runs after one warm-up
+  run; the state is threaded through (donated buffers stay valid)."""
+  times, loss = [], None
+  for i in range(steps + 1):
+    t0 = time.perf_counter()
+    state, m = step(state, batch)
+    jax.block_until_ready(m)
+    loss = float(m["loss"]) if loss is None else loss
+    if i:
+      times.append(time.perf_counter() - t0)
+  return statistics.median(times), loss
 
 
 def memory(compiled: jax.stages.Compiled) -> dict[str, int]:

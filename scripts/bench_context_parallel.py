@@ -12,8 +12,6 @@ on GPUs for step times that mean something. Writes a markdown table, a CSV and a
 
 import argparse
 import os
-import statistics
-import time
 
 SHAPE = ["model.preset=tiny", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
          "model.n_kv_heads=2", "model.d_ff=128", "model.dtype=float32", "train.batch_size=1",
@@ -38,15 +36,8 @@ def _measure(cfg, devices, steps):
   batch = {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": np.ones((1, l), np.float32)}
   reorder = rt.reorder()
   batch = jax.device_put(reorder(batch) if reorder else batch, rt.layouts.batch())
-  state, times, loss = rt.init_state(), [], None
-  for i in range(steps + 1):  # the first run warms up
-    t0 = time.perf_counter()
-    state, m = compiled(state, batch)
-    jax.block_until_ready(m)
-    loss = float(m["loss"]) if loss is None else loss
-    if i:
-      times.append(time.perf_counter() - t0)
-  return statistics.median(times), mem["temp"] + mem["argument"], mem["temp"], loss
+  step_s, loss = introspect.time_steps(compiled, rt.init_state(), batch, steps)
+  return step_s, mem["temp"] + mem["argument"], mem["temp"], loss
 
 
 def _chart(rows, path):

@@ -13,8 +13,6 @@ PNGs (results/pipeline_<schedule>.png).
 
 import argparse
 import os
-import statistics
-import time
 
 SHAPE = ["model.preset=tiny", "model.d_model=64", "model.n_layers=8", "model.n_heads=4",
          "model.n_kv_heads=4", "model.d_ff=128", "model.dtype=float32", "train.seq_len=256",
@@ -34,15 +32,8 @@ def _measure(cfg, devices, steps):
   t = rng.integers(0, cfg.model.vocab_size, (b, l + 1)).astype(np.int32)
   batch = jax.device_put({"tokens": t[:, :-1], "labels": t[:, 1:],
                           "loss_mask": np.ones((b, l), np.float32)}, rt.layouts.batch())
-  state, times, loss = rt.init_state(), [], None
-  for i in range(steps + 1):  # the first run warms up
-    t0 = time.perf_counter()
-    state, m = compiled(state, batch)
-    jax.block_until_ready(m)
-    loss = float(m["loss"]) if loss is None else loss
-    if i:
-      times.append(time.perf_counter() - t0)
-  return statistics.median(times), introspect.memory(compiled)["temp"], loss
+  step_s, loss = introspect.time_steps(compiled, rt.init_state(), batch, steps)
+  return step_s, introspect.memory(compiled)["temp"], loss
 
 
 def main():

@@ -20,7 +20,6 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jscale.parallel.pipeline import program as prog_lib
 
@@ -177,7 +176,3 @@ def split_microbatches(batch: dict[str, jax.Array], m: int) -> dict[str, jax.Arr
   return jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1),
                       batch)
 
-
-def executed_kinds(program: prog_lib.Program, codes: np.ndarray) -> np.ndarray:
-  """[T, p] IDLE/F/B/W from the executor's codes (gathered over stages)."""
-  return program.executed(np.asarray(codes))
