@@ -20,7 +20,7 @@ from jscale.loss import cross_entropy_sums
 from jscale.model import llama
 from jscale.optim import lr_schedule, make_optimizer
 from jscale.parallel.comms import LOCAL, Comms
-from jscale.parallel.pipeline import layout, step as pipeline_step
+from jscale.parallel.pipeline import executor, layout, step as pipeline_step
 
 State = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -76,13 +76,6 @@ def _check_positions(batch: Batch, batch_sharding: Any) -> None:
                      "apply Runtime.reorder() to each batch (the train loop does)")
 
 
-def _split_microbatches(batch: Batch, m: int) -> Batch:
-  # Micro-batch j takes rows j, j+m, j+2m, ...: with the batch split over devices in blocks,
-  # every device keeps its own rows (no data moves), each micro-batch drawing from all devices.
-  return jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1),
-                      batch)
-
-
 def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int,
                      comms: Comms = LOCAL):
   """Gradient of the mean token loss over the whole batch, summed over micro-batches (a scan).
@@ -114,7 +107,7 @@ def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int,
         return jax.tree.map(jnp.add, carry, one(mb)), None
 
       zeros = (comms.zero_grads(params), jnp.zeros((), jnp.float32))
-      (grads, loss), _ = jax.lax.scan(body, zeros, _split_microbatches(batch, microbatches))
+      (grads, loss), _ = jax.lax.scan(body, zeros, executor.split_microbatches(batch, microbatches))
   return grads, comms.batch_sum(loss), count
 
 
