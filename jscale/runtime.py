@@ -121,10 +121,11 @@ def check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
         "between data and tensor ranks with collective-permutes inside the pipeline's per-stage "
         "branches, which only one stage's devices run (a deadlock); use "
         "parallel.collectives=manual, or sequence_parallel=false")
-  if cfg.parallel.zero_stage > 1:
-    raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage} with mesh.stage={p}: ZeRO-2/3 "
-                      "shard gradients / weights per micro-batch, which a pipeline would "
-                      "re-gather every tick; use parallel.zero_stage=1 (optimizer state sharded)")
+  if cfg.parallel.zero_stage > 2:
+    raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage} with mesh.stage={p}: ZeRO-3 "
+                      "would all-gather every chunk's weights again at each of its forward and "
+                      "backward ticks; use parallel.zero_stage=2 (gradients and optimizer state "
+                      "sharded over fsdp)")
 
 
 def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:

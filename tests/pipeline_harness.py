@@ -48,7 +48,7 @@ def pipeline_grads(*overrides, with_codes=False):
     return comms.sync_grads(grads), loss, codes
 
   codes_sh = NamedSharding(rt.mesh, P("stage"))
-  # Synced gradients: whole, or (manual ZeRO-1) reduce-scattered to the optimizer's shards.
+  # Synced gradients: whole, or (manual ZeRO-1/2) reduce-scattered to the optimizer's shards.
   grads_sh = (rt.layouts.named(rt.layouts.opt) if comms.mode == "manual" and
               cfg.parallel.zero_stage >= 1 else params_sh)
   ins, outs = (params_sh, rt.layouts.batch()), (grads_sh, repl, codes_sh)

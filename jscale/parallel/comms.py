@@ -126,6 +126,12 @@ class Comms:
     """One micro-batch's gradient, in the accumulator's layout (ZeRO-2: reduced to a shard)."""
     return grads
 
+  def stage_grads(self, grads: Any) -> Any:
+    """One pipeline (micro-batch, chunk) gradient in the stage accumulator's layout: a dict with
+    some of the parameters' top-level keys, stacked leaves holding one chunk's layers (ZeRO-2:
+    reduced to this device's fsdp shard, so the accumulators are shard-sized)."""
+    return grads
+
   def sync_grads(self, grads: Any) -> Any:
     """Reduces gradients over the data-parallel axes, once per optimizer step."""
     return grads

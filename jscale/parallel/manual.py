@@ -75,16 +75,18 @@ class ManualComms(Comms):
     self.step_plans = jax.tree_util.tree_map_with_path(
         lambda path, names, d, c: self._plan(path, names, d, c, microbatch=False),
         layouts.names, self.dims, layouts.compute, is_leaf=is_names)
-    self.microbatch_plans = jax.tree_util.tree_map_with_path(
-        lambda path, names, d, c: self._plan(path, names, d, c, microbatch=True),
-        layouts.names, self.dims, layouts.compute, is_leaf=is_names)
+    self.microbatch_plans, self.chunk_plans = (jax.tree_util.tree_map_with_path(
+        lambda path, names, d, c: self._plan(path, names, d, c, microbatch=True, chunk=chunk),
+        layouts.names, self.dims, layouts.compute, is_leaf=is_names) for chunk in (False, True))
 
-  def _plan(self, path, names, dim: int, compute: P, microbatch: bool) -> Plan:
+  def _plan(self, path, names, dim: int, compute: P, microbatch: bool,
+            chunk: bool = False) -> Plan:
     stacked = names[0] == "layers"
     position = 1 if stacked else 0 if getattr(path[0], "key", None) == "embed" else _POST
     split = self.fsdp > 1 and dim >= 0  # this leaf has an fsdp shard
-    if microbatch:  # ZeRO-2: reduce-scatter each micro-batch's gradient (layers: already done)
-      scatter = self.zero == 2 and split and not stacked
+    if microbatch:  # ZeRO-2: reduce-scatter each micro-batch's gradient (layers: already done
+      # in the backward scan, except for a pipeline chunk's, reduced once per chunk)
+      scatter = self.zero == 2 and split and (chunk or not stacked)
       return Plan(scatter="fsdp" if scatter else None, dim=dim, n=self.fsdp if scatter else 1,
                   stacked=stacked, position=position)
     axes = list(self.dp_axes)
@@ -246,6 +248,11 @@ class ManualComms(Comms):
     if self.zero != 2 or self.fsdp == 1:
       return grads
     return reduce_buckets(grads, self.microbatch_plans, self.bucket_bytes)
+
+  def stage_grads(self, grads: Any) -> Any:
+    if self.zero != 2 or self.fsdp == 1:
+      return grads
+    return reduce_buckets(grads, {k: self.chunk_plans[k] for k in grads}, self.bucket_bytes)
 
   def sync_grads(self, grads: Any) -> Any:
     return reduce_buckets(grads, self.step_plans, self.bucket_bytes)

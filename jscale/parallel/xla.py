@@ -59,7 +59,8 @@ class XlaComms(Comms):
     # to its fsdp shard, so it is reduce-scattered as soon as it is computed and the scan never
     # stacks full-size gradients. ZeRO-3 forward: weights are stored split over fsdp; ask for the
     # compute layout right before use, so XLA all-gathers one layer at a time (and frees it).
-    if self.layouts.zero_stage < 2:
+    # In a pipeline stage (ZeRO-2 at most) each chunk's gradient is sharded by `stage_grads`.
+    if self.layouts.zero_stage < 2 or self.in_stage_region:
       return layer_params
     rules, fsdp = self.layouts.rules, self.layouts.mesh.shape["fsdp"]
 
@@ -133,8 +134,22 @@ class XlaComms(Comms):
   def grad_accumulator(self, grads: Any) -> Any:
     return jax.lax.with_sharding_constraint(grads, self.layouts.named(self.layouts.grads))
 
+  def stage_grads(self, grads: Any) -> Any:
+    # Inside the stage region (manual over `stage`): the ZeRO-2 shard layout minus `stage`.
+    if self.layouts.zero_stage < 2:
+      return grads
+    specs = {k: self.layouts.grads[k] for k in grads}
+    return jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, self._sharding(_without_stage(s))),
+                        grads, specs, is_leaf=lambda x: isinstance(x, P))
+
   def sync_grads(self, grads: Any) -> Any:
     return self.grad_accumulator(grads)
+
+
+def _without_stage(s: P) -> P:
+  drop = lambda e: (None if e == "stage" else
+                    tuple(a for a in e if a != "stage") or None if isinstance(e, tuple) else e)
+  return P(*(drop(e) for e in s))
 
 
 def _shard_cotangent(x: jax.Array, sharding: NamedSharding) -> jax.Array:

@@ -62,10 +62,13 @@ def _pullback(fns: StageFns, chunk: Tree, x_like, pos, stored):
 
 
 def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
-        microbatches: dict[str, jax.Array], scale: jax.Array, stage_axis: str = "stage"):
+        microbatches: dict[str, jax.Array], scale: jax.Array, stage_axis: str = "stage",
+        shard_grads: Callable[[Tree], Tree] = lambda g: g):
   """Executes `program` on this stage. `blocks`: this stage's layers [v * k, ...] (its chunks
   in order); `shared`: the other weights; `microbatches`: tokens, labels, loss_mask, positions
-  as [m, b, L]; `scale` multiplies the loss (1 / global token count).
+  as [m, b, L]; `scale` multiplies the loss (1 / global token count). `shard_grads` puts each
+  gradient a branch computes ({"blocks": chunk grads} or the shared grads) in the
+  accumulators' layout (ZeRO-2: its fsdp shard), so only that layout is accumulated.
 
   Returns (block grads, shared grads, loss sum * scale, executed codes [T]): gradients in fp32
   for this stage's chunks and, nonzero only on the first / last stage, the shared weights;
@@ -84,17 +87,22 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
   res_shapes = (jax.eval_shape(lambda c, x, pos: _forward_with_residuals(fns, c, x, pos)[1],
                                one_chunk, act, mb0["positions"]) if train else [])
   buffer = lambda n, a: jnp.zeros((n + 1, *a.shape), a.dtype)  # + the scratch slot
+  dchunk_of = lambda g: shard_grads({"blocks": _f32(g)})["blocks"]
+  dshared_of = lambda g: shard_grads(_f32(g))
+  acc_chunk = jax.eval_shape(dchunk_of, one_chunk) if train else None
+  acc_shared = jax.eval_shape(dshared_of, shared) if train else None
   zero_act = jnp.zeros(act.shape, act.dtype)
   carry0 = dict(
       inbox_f=buffer(program.n_in_f, act), inbox_b=buffer(program.n_in_b, act),
       res=[buffer(program.n_res, r) for r in res_shapes],
       stash=buffer(program.n_res if table.split else 0, act),
-      dblocks=_zeros(chunks) if train else None, dshared=_zeros(shared) if train else None,
+      dblocks=jax.tree.map(lambda a: jnp.zeros((v, *a.shape), a.dtype), acc_chunk),
+      dshared=_zeros(acc_shared),
       loss=jnp.zeros((), jnp.float32), msg_f=zero_act, msg_b=zero_act)
   nothing = dict(out_f=zero_act, out_b=zero_act, res=[jnp.zeros(r.shape, r.dtype)
                                                        for r in res_shapes],
-                 stash=zero_act, dchunk=_zeros(one_chunk) if train else None,
-                 dshared=_zeros(shared) if train else None, loss=jnp.zeros((), jnp.float32))
+                 stash=zero_act, dchunk=_zeros(acc_chunk), dshared=_zeros(acc_shared),
+                 loss=jnp.zeros((), jnp.float32))
 
   def branches(chunk, mb, x_in, dy_in, stored, stash):
     def forward(x, first, last):
@@ -111,7 +119,7 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
         return {**out, "loss": fns.head_loss(shared, y, mb["labels"], mb["loss_mask"])}
       head = lambda sh, y: fns.head_loss(sh, y, mb["labels"], mb["loss_mask"]) * scale
       loss, (dshared, dy) = jax.value_and_grad(head, argnums=(0, 1))(shared, y)
-      return {**out, "loss": loss, "dshared": _f32(dshared), "out_b": dy.astype(act.dtype)}
+      return {**out, "loss": loss, "dshared": dshared_of(dshared), "out_b": dy.astype(act.dtype)}
 
     def backward(first, need_dx, need_dw, dy):
       if not train:  # forward-only programs never take these branches
@@ -120,10 +128,10 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
       dchunk, dx = pullback(dy)
       out = dict(nothing)
       if need_dw:
-        out["dchunk"] = _f32(dchunk)
+        out["dchunk"] = dchunk_of(dchunk)
       if need_dx and first:  # the embedding's gradient (a scatter-add of dx)
         _, embed_vjp = jax.vjp(lambda sh: fns.embed(sh, mb["tokens"]), shared)
-        out["dshared"] = _f32(embed_vjp(dx.astype(act.dtype))[0])
+        out["dshared"] = dshared_of(embed_vjp(dx.astype(act.dtype))[0])
       elif need_dx:
         out["out_b"] = dx.astype(act.dtype)
       if need_dx and not need_dw:

@@ -75,8 +75,10 @@ def grads(cfg: Config, graphdef: nnx.GraphDef, comms: Comms, params: Any,
 
   def on_stage(params, mbs, scale):
     blocks, shared = _split(params)
-    fns = stage_fns(cfg, graphdef, comms.in_pipeline(), params)
-    dblocks, dshared, loss, codes = executor.run(program, fns, blocks, shared, mbs, scale)
+    inner = comms.in_pipeline()
+    fns = stage_fns(cfg, graphdef, inner, params)
+    dblocks, dshared, loss, codes = executor.run(program, fns, blocks, shared, mbs, scale,
+                                                 shard_grads=inner.stage_grads)
     # Embedding and head gradients come from the first and the last stage (both to a tied
     # embedding); every stage keeps the shared weights, so they are summed over stages.
     dshared = jax.lax.psum(dshared, "stage")
