@@ -32,6 +32,19 @@ class RopeScalingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  """Mixture-of-experts MLPs (jscale.model.moe): every layer's MLP is a routed set of experts."""
+  n_experts: int = 8
+  top_k: int = 2  # experts per token; gates are the renormalised top-k softmax (Mixtral)
+  d_ff: int | None = None  # each expert's hidden size; None: model.d_ff
+  shared_d_ff: int = 0  # hidden size of an always-on shared expert; 0: none
+  dispatch: str = "dropless"  # dropless (sort + grouped matmul) | capacity (drop overflow)
+  capacity_factor: float = 1.25  # capacity: slots per expert = factor * tokens * top_k / experts
+  aux_loss_weight: float = 0.01  # Switch load-balancing loss
+  z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Llama shape and numerics. `preset` fills every field not given explicitly.
 
@@ -52,6 +65,7 @@ class ModelConfig:
   tie_embeddings: bool = False
   init_std: float = 0.02
   attention_impl: str = "xla"  # xla | cudnn | ring (context parallelism over mesh.sequence)
+  moe: MoeConfig | None = None  # None: dense SwiGLU MLPs
   dtype: str = "bfloat16"  # compute dtype
   param_dtype: str = "float32"  # master weights (and optimizer state)
 
@@ -350,6 +364,8 @@ def validate(cfg: Config) -> None:
     if rs.factor < 1 or rs.low_freq_factor <= 0 or rs.high_freq_factor <= rs.low_freq_factor:
       raise ConfigError("model.rope_scaling needs factor >= 1 and 0 < low_freq_factor < "
                         f"high_freq_factor, got {rs}")
+  if m.moe is not None:
+    _validate_moe(m)
   if t.batch_size % t.microbatches:
     raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.microbatches="
                       f"{t.microbatches}: pick a batch size that is a multiple of microbatches")
@@ -378,3 +394,19 @@ def validate(cfg: Config) -> None:
                         ("" if name.startswith("dcn_") else ", or -1 for the rest"))
   if list(sizes.values()).count(-1) > 1:
     raise ConfigError("mesh: at most one axis may be -1; give explicit sizes to the others")
+
+
+def _validate_moe(m: ModelConfig) -> None:
+  e = m.moe
+  if e.dispatch not in ("dropless", "capacity"):
+    raise ConfigError(f"model.moe.dispatch={e.dispatch!r}: choose dropless or capacity")
+  if e.n_experts < 1 or not 1 <= e.top_k <= e.n_experts:
+    raise ConfigError(f"model.moe.top_k={e.top_k} with model.moe.n_experts={e.n_experts}: need "
+                      "1 <= top_k <= n_experts")
+  if (e.d_ff is not None and e.d_ff <= 0) or e.shared_d_ff < 0:
+    raise ConfigError(f"model.moe.d_ff={e.d_ff} / shared_d_ff={e.shared_d_ff}: give positive "
+                      "sizes (d_ff null: model.d_ff; shared_d_ff 0: no shared expert)")
+  if e.capacity_factor <= 0:
+    raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} must be positive")
+  if e.aux_loss_weight < 0 or e.z_loss_weight < 0:
+    raise ConfigError("model.moe.aux_loss_weight and z_loss_weight must be >= 0 (0 disables)")

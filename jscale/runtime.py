@@ -84,9 +84,22 @@ def check_layout(cfg: Config, mesh: Mesh) -> None:
                         "index, not by token position; use model.attention_impl=ring (or xla)")
   if sizes["stage"] > 1:
     check_pipeline(cfg, sizes)
-  if sizes["expert"] > 1:
-    raise ConfigError(f"mesh.expert={sizes['expert']}: this parallelism is not implemented yet; "
-                      "set mesh.expert=1")
+  if cfg.model.moe is not None or sizes["expert"] > 1:
+    check_experts(cfg, sizes)
+
+
+def check_experts(cfg: Config, sizes: dict[str, int]) -> None:
+  """What expert parallelism over mesh.expert needs; ConfigError naming the key."""
+  moe, ep = cfg.model.moe, sizes["expert"]
+  if moe is None:
+    raise ConfigError(f"mesh.expert={ep} needs an MoE model: set model.moe.n_experts (or "
+                      "model.preset=tiny_moe), or use mesh.data for data parallelism")
+  if moe.n_experts % ep:
+    raise ConfigError(f"model.moe.n_experts={moe.n_experts} is not divisible by mesh.expert={ep}: "
+                      "each device must hold the same number of experts")
+  if sizes["stage"] > 1:
+    raise ConfigError(f"model.moe with mesh.stage={sizes['stage']}: the pipeline does not carry "
+                      "the router losses between stages yet; set mesh.stage=1")
 
 
 def check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:

@@ -33,6 +33,7 @@ RULES: Rules = {
     "mlp": ("tensor",),
     "layers": ("stage",),  # pipeline: each stage holds a contiguous block of the layer stack
     "experts": ("expert",),
+    "router": (),  # the router's expert dim: every device routes its own tokens
 }
 
 

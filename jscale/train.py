@@ -138,7 +138,8 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
       now = time.perf_counter()
       step_time = (now - last_time) / max(done - last_step, 1) if done > last_step else None
       last_time, last_step = now, done
-      row = {k: float(v) for k, v in m.items() if k != "tokens"}
+      row = {k: (v.tolist() if getattr(v, "ndim", 0) else float(v))
+             for k, v in m.items() if k != "tokens"}
       losses[done] = row["loss"]
       if step_time:
         row.update(step_time_s=step_time, tokens_per_sec=tokens_per_step / step_time,

@@ -57,13 +57,23 @@ def state_from_params(params, optimizer: optax.GradientTransformation, seed: int
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> Callable:
-  """(params, micro-batch, comms=comms) -> (sum of token losses, token count)."""
+  """(params, micro-batch, comms=comms) -> (sum of token losses, token count, MoE terms).
+
+  MoE terms ({} for a dense model): the router statistics averaged over layers and
+  "moe_loss", their weighted sum to add to the mean token loss (already a mean over tokens).
+  """
+  moe = cfg.model.moe
 
   def loss_fn(params, mb: Batch, comms: Comms = comms):
     with jax.named_scope("forward"):
       model = nnx.merge(graphdef, params)
-      logits = model(mb["tokens"], mb.get("positions"), comms=comms, remat=cfg.train.remat)
-      return cross_entropy_sums(logits, mb["labels"], mb["loss_mask"], comms)
+      logits, stats = model.forward(mb["tokens"], mb.get("positions"), comms=comms,
+                                    remat=cfg.train.remat)
+      loss_sum, count = cross_entropy_sums(logits, mb["labels"], mb["loss_mask"], comms)
+    if moe is not None:
+      stats["moe_loss"] = (moe.aux_loss_weight * stats["aux_loss"] +
+                           moe.z_loss_weight * stats["z_loss"])
+    return loss_sum, count, stats
 
   return loss_fn
 
@@ -83,32 +93,37 @@ def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int,
   The token count is known before the backward (it is the mask's sum), so each micro-batch
   differentiates its loss sum divided by the total count: the summed gradients are the
   full-batch mean gradient (up to summation order), with no extra pass over them to divide.
-  Returns (grads, mean loss, token count).
+  An MoE model's router losses are added per micro-batch, divided by their number.
+  Returns (grads, mean token loss, token count, MoE statistics averaged over micro-batches).
   """
   count = comms.batch_sum(jnp.sum(batch["loss_mask"].astype(jnp.float32)))
   scale = 1.0 / jnp.maximum(count, 1.0)
   step_comms, wrt = comms.bind(params), comms.params_for_grad(params)
 
   def scaled_loss(p, mb):
-    loss_sum, _ = loss_fn(p, mb, comms=step_comms)
-    return loss_sum * scale
+    loss_sum, _, stats = loss_fn(p, mb, comms=step_comms)
+    stats = jax.tree.map(lambda x: x / microbatches, stats)
+    return loss_sum * scale + stats.pop("moe_loss", 0.0), (loss_sum * scale, stats)
 
-  grad_fn = jax.value_and_grad(scaled_loss)
+  grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
 
   def one(mb):
-    loss, g = grad_fn(wrt, mb)
-    return comms.grad_accumulator(jax.tree.map(lambda x: x.astype(jnp.float32), g)), loss
+    (_, aux), g = grad_fn(wrt, mb)
+    return comms.grad_accumulator(jax.tree.map(lambda x: x.astype(jnp.float32), g)), aux
 
   with jax.named_scope("backward"):
     if microbatches == 1:
-      grads, loss = one(batch)
+      grads, (loss, stats) = one(batch)
     else:
       def body(carry, mb):
         return jax.tree.map(jnp.add, carry, one(mb)), None
 
-      zeros = (comms.zero_grads(params), jnp.zeros((), jnp.float32))
-      (grads, loss), _ = jax.lax.scan(body, zeros, executor.split_microbatches(batch, microbatches))
-  return grads, comms.batch_sum(loss), count
+      first = jax.tree.map(lambda x: x[0], executor.split_microbatches(batch, microbatches))
+      stats0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: one(first)[1][1]))
+      zeros = (comms.zero_grads(params), (jnp.zeros((), jnp.float32), stats0))
+      (grads, (loss, stats)), _ = jax.lax.scan(
+          body, zeros, executor.split_microbatches(batch, microbatches))
+  return grads, comms.batch_sum(loss), count, stats
 
 
 def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
@@ -127,8 +142,10 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
     params = state["params"]
     if comms.stages > 1:
       grads, loss, count = pipeline_step.grads(cfg, graphdef, comms, params, batch)
+      stats = {}
     else:
-      grads, loss, count = accumulate_grads(loss_fn, params, batch, cfg.train.microbatches, comms)
+      grads, loss, count, stats = accumulate_grads(loss_fn, params, batch,
+                                                   cfg.train.microbatches, comms)
     grads = comms.sync_grads(grads)
     with jax.named_scope("optimizer"):
       grad_norm = comms.grad_norm(grads)
@@ -136,7 +153,8 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
       updates, opt_state = optimizer.update(grads, state["opt_state"], mine, grad_norm=grad_norm)
       params = comms.gather_updated_params(optax.apply_updates(mine, updates), params)
     metrics = {"loss": loss, "grad_norm": grad_norm,
-               "lr": schedule(state["step"]), "tokens": count}
+               "lr": schedule(state["step"]), "tokens": count,
+               **{f"moe_{k}" if "loss" in k else k: v for k, v in stats.items()}}
     new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1,
                  "rng": state["rng"]}
     return new_state, metrics
@@ -159,7 +177,7 @@ def make_eval_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
     _check_positions(batch, batch_sharding)
     if comms.stages > 1:
       return pipeline_step.loss_sums(cfg, graphdef, comms, params, batch)
-    loss_sum, count = loss_fn(params, batch)
+    loss_sum, count, _ = loss_fn(params, batch)
     return comms.batch_sum(loss_sum), comms.batch_sum(count)
 
   if param_shardings is None:

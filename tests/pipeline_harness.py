@@ -71,7 +71,7 @@ def reference():
   b = jax.tree.map(jnp.asarray, batch(cfg))
 
   def mean_loss(params):
-    loss_sum, count = loss_fn(params, b)
+    loss_sum, count, _ = loss_fn(params, b)
     return loss_sum / count
 
   loss, grads = jax.jit(jax.value_and_grad(mean_loss))(params)

@@ -17,13 +17,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jscale.config import ModelConfig
 from jscale.model.layers import RMSNorm, einsum, param
+from jscale.model.moe import MoE
 from jscale.model.rope import apply_rope, inv_frequencies
 from jscale.parallel.comms import GATHERED, LOCAL, Comms
 
 # Matmul outputs kept by `remat: selective`; scores, softmax and pointwise ops are recomputed.
 # "attn_lse" (ring attention's log-sum-exp) lets the backward ring run without a forward ring.
 SELECTIVE_SAVE = ("q_proj", "k_proj", "v_proj", "attn_ctx", "attn_lse", "attn_out", "mlp_gate",
-                  "mlp_up", "mlp_out")
+                  "mlp_up", "mlp_out", "moe_out")
 
 
 class Block(nnx.Module):
@@ -38,9 +39,12 @@ class Block(nnx.Module):
     self.wv = param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), std, pd)
     self.wo = param(rngs, (h, k, d), ("heads", "head_dim", "embed"), std, pd)
     self.mlp_norm = RMSNorm(d, cfg.norm_eps, cfg.dtype, pd)
-    self.w_gate = param(rngs, (d, f), ("embed", "mlp"), std, pd)
-    self.w_up = param(rngs, (d, f), ("embed", "mlp"), std, pd)
-    self.w_down = param(rngs, (f, d), ("mlp", "embed"), std, pd)
+    if cfg.moe is not None:
+      self.moe = MoE(cfg, rngs)
+    else:
+      self.w_gate = param(rngs, (d, f), ("embed", "mlp"), std, pd)
+      self.w_up = param(rngs, (d, f), ("embed", "mlp"), std, pd)
+      self.w_down = param(rngs, (f, d), ("mlp", "embed"), std, pd)
     self.dtype = cfg.dtype
     self.attention_impl = cfg.attention_impl
 
@@ -59,13 +63,16 @@ class Block(nnx.Module):
     x_BLD = x_BLD + comms.leave_tensor_parallel(out)
 
     h_BLD = comms.enter_tensor_parallel(self.mlp_norm(x_BLD))
+    if hasattr(self, "moe"):
+      out, stats = self.moe(h_BLD, comms)
+      return x_BLD + comms.leave_tensor_parallel(out), stats
     gate_BLF = checkpoint_name(einsum("BLD,DF->BLF", h_BLD, self.w_gate, dt), "mlp_gate")
     up_BLF = checkpoint_name(einsum("BLD,DF->BLF", h_BLD, self.w_up, dt), "mlp_up")
     gate_BLF = comms.activation(gate_BLF, ("batch", "seq", "mlp"))
     up_BLF = comms.activation(up_BLF, ("batch", "seq", "mlp"))
     out = checkpoint_name(einsum("BLF,FD->BLD", jax.nn.silu(gate_BLF) * up_BLF, self.w_down, dt),
                           "mlp_out")
-    return x_BLD + comms.leave_tensor_parallel(out)
+    return x_BLD + comms.leave_tensor_parallel(out), {}
 
 
 def _save_all_but_gathered(prim, *_, **params) -> bool:
@@ -116,6 +123,11 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
                comms: Comms = LOCAL, remat: str = "none") -> jax.Array:
+    return self.forward(tokens_BL, positions_BL, comms=comms, remat=remat)[0]
+
+  def forward(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
+              comms: Comms = LOCAL, remat: str = "none") -> tuple[jax.Array, dict]:
+    """(fp32 logits [B, L, V], MoE router statistics averaged over layers; {} if dense)."""
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
     # Weights outside the layer stack also go through the seam (ZeRO-3 stores them as shards).
@@ -123,8 +135,9 @@ class Llama(nnx.Module):
     # the table, and the head's backward runs right after its forward.
     embed_VD = comms.gather_params(self.embed, self.cfg.dtype)[...]
     x_BLD = self.embed_tokens(tokens_BL, comms, embed_VD)
-    x_BLD = run_layers(*nnx.split(self.blocks), x_BLD, positions_BL, self.cfg, comms, remat)
-    return self.logits(x_BLD, comms, embed_VD)
+    x_BLD, stats = run_layers(*nnx.split(self.blocks), x_BLD, positions_BL, self.cfg, comms,
+                              remat, with_stats=True)
+    return self.logits(x_BLD, comms, embed_VD), stats
 
   def embed_tokens(self, tokens_BL: jax.Array, comms: Comms = LOCAL,
                    embed_VD: jax.Array | None = None) -> jax.Array:
@@ -156,20 +169,24 @@ class Llama(nnx.Module):
 
 
 def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, positions_BL: jax.Array,
-               cfg: ModelConfig, comms: Comms = LOCAL, remat: str = "none") -> jax.Array:
+               cfg: ModelConfig, comms: Comms = LOCAL, remat: str = "none",
+               with_stats: bool = False):
   """The blocks of `stacked` (state with a leading layers axis: the whole stack, or one
-  pipeline chunk of it) applied in order, as a scan of rematerialised layers."""
+  pipeline chunk of it) applied in order, as a scan of rematerialised layers. With
+  `with_stats`, also the blocks' MoE router statistics averaged over the layers."""
   dt = jnp.dtype(cfg.dtype)
   inv_freq = inv_frequencies(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
 
   def layer(x_BLD, layer_state):
     block = nnx.merge(block_graphdef, comms.gather_params(layer_state, dt))
-    return block(x_BLD, positions_BL, inv_freq, comms), None
+    return block(x_BLD, positions_BL, inv_freq, comms)
 
   layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
   with jax.named_scope("layers"):
-    x_BLD, _ = jax.lax.scan(layer, x_BLD, comms.layer_inputs(stacked))
-  return x_BLD
+    x_BLD, stats = jax.lax.scan(layer, x_BLD, comms.layer_inputs(stacked))
+  if not with_stats:
+    return x_BLD
+  return x_BLD, jax.tree.map(lambda v: jnp.mean(v, axis=0), stats)
 
 
 def create(cfg: ModelConfig, seed: int = 0) -> Llama:

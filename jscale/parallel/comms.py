@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jscale.model import attention as attn_lib
+from jscale.model import moe_dispatch
 from jscale.optim import global_norm
 
 Names = Sequence[str | None]
@@ -78,6 +79,32 @@ class Comms:
   def embed(self, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
     """Token embedding lookup (vocab-parallel when the table is sharded over vocab)."""
     return jnp.take(table_VD, tokens_BL, axis=0)
+
+  def expert_groups(self, batch: int) -> int:
+    """How many groups the batch's tokens are routed in (capacity is per group): one per
+    batch shard, so a group is one device's tokens."""
+    del batch
+    return 1
+
+  def token_sum(self, x: jax.Array) -> jax.Array:
+    """Sums a per-token statistic over the devices holding other tokens, inside the
+    differentiated loss: each device's gradient stays its own tokens' share."""
+    return x
+
+  def experts(self, x_GTD: jax.Array, ids_GTK: jax.Array, gates_GTK: jax.Array,
+              w: moe_dispatch.ExpertWeights, moe: Any, dtype: Any):
+    """Applies each token's chosen experts, weighted by its gates, per group:
+    (output [G, T, D], number of dropped assignments). `moe`: the model's MoeConfig."""
+    outs, dropped = [], 0
+    for g in range(x_GTD.shape[0]):
+      if moe.dispatch == "dropless":
+        outs.append(moe_dispatch.dropless(x_GTD[g], ids_GTK[g], gates_GTK[g], w, dtype))
+      else:
+        y, d = moe_dispatch.with_capacity(x_GTD[g], ids_GTK[g], gates_GTK[g], w, dtype,
+                                          moe.capacity_factor)
+        outs.append(y)
+        dropped = dropped + d
+    return jnp.stack(outs), jnp.asarray(dropped, jnp.int32)
 
   def vocab_max(self, x: jax.Array) -> jax.Array:
     """Max over the (possibly sharded) vocab axis, the last one, keeping dims."""

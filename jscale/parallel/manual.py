@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jscale.model import attention as attn_lib
 from jscale.optim import sumsq
-from jscale.parallel import tensor
+from jscale.parallel import expert, tensor
 from jscale.parallel.ring_attention import ring_attention
 from jscale.parallel.buckets import Plan, reduce_buckets
 from jscale.parallel.comms import GATHERED, Comms, Names, gather_layers_in_place
@@ -89,7 +89,9 @@ class ManualComms(Comms):
       scatter = self.zero == 2 and split and (chunk or not stacked)
       return Plan(scatter="fsdp" if scatter else None, dim=dim, n=self.fsdp if scatter else 1,
                   stacked=stacked, position=position)
-    axes = list(self.dp_axes)
+    # Summed over the axes that split the tokens, except those the leaf itself is split over
+    # (experts over `expert`: each device's gradient is already its experts' whole).
+    axes = [a for a in self.dp_axes if a not in spec_axes(compute)]
     if self.fsdp > 1 and not (split and self.zero >= 1):
       axes.append("fsdp")  # replicated over fsdp: a plain data-parallel axis for this leaf
     if self.sp and "tensor" not in spec_axes(compute):
@@ -192,6 +194,23 @@ class ManualComms(Comms):
     # Context parallelism is always the ring here; the block math is plain jnp.
     return attn_lib.named(ring_attention(q_BLHK, k_BSGK, v_BSGK, "sequence",
                                          layout=self.layouts.context_layout))
+
+  # ---------------------------------------------------------------- expert parallelism
+
+  def token_sum(self, x: jax.Array) -> jax.Array:
+    return tensor.reduce_from_tp(x, self.batch_axes) if self.batch_axes else x
+
+  def experts(self, x_GTD, ids_GTK, gates_GTK, w, moe, dtype):
+    n_ep = self.mesh.shape["expert"]
+    if n_ep == 1:
+      return super().experts(x_GTD, ids_GTK, gates_GTK, w, moe, dtype)
+    if moe.dispatch == "dropless":
+      y_TD = expert.dropless_exchange(x_GTD[0], ids_GTK[0], gates_GTK[0], w, dtype, "expert",
+                                      n_ep)
+      return y_TD[None], jnp.zeros((), jnp.int32)
+    y_TD, dropped = expert.capacity_exchange(x_GTD[0], ids_GTK[0], gates_GTK[0], w, dtype,
+                                             moe.capacity_factor, "expert", n_ep)
+    return y_TD[None], dropped
 
   # ---------------------------------------------------------------- tensor parallelism
 

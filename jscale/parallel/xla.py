@@ -5,14 +5,17 @@ the collectives. Arrays are global; the mesh and the logical rules decide every 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jscale.model import attention as attn_lib
+from jscale.model import moe_dispatch as md
 from jscale.parallel.comms import GATHERED, Comms, Names, gather_layers_in_place
 from jscale.parallel.ring_attention import ring_attention
 from jscale.sharding import Layouts, add_fsdp, spec
@@ -123,6 +126,28 @@ class XlaComms(Comms):
     # layout for the backward's score matmuls that it can only reach by replicating (with SP).
     return self.activation(ctx_BLHK, ("batch", "seq", "heads", "head_dim"))
 
+  def expert_groups(self, batch: int) -> int:
+    size = self.layouts.mesh.shape
+    return math.prod(size[a] for a in self.layouts.rules["batch"])
+
+  def experts(self, x_GTD, ids_GTK, gates_GTK, w, moe, dtype):
+    # GShard: a per-group [E, C, D] slot buffer (dropless: C = T, so nothing overflows); the
+    # constraint moving its expert dim onto `expert` (and groups off it) is an all-to-all.
+    rules = self.layouts.rules
+    e, (t, k) = w.gate_EDF.shape[0], ids_GTK.shape[1:]
+    cap = t if moe.dispatch == "dropless" else md.capacity(t, k, e, moe.capacity_factor)
+    by_group = P(_axes(rules["batch"]), None, None, None)
+    by_expert = P(_axes([a for a in rules["batch"] if a not in rules["experts"]]),
+                  _axes(rules["experts"]), None, None)
+    pin = lambda x, s: jax.lax.with_sharding_constraint(x, self._sharding(s))
+    pos_GTK = jax.vmap(md.slots, in_axes=(0, None))(ids_GTK, e)
+    buf = jax.vmap(md.dispatch, in_axes=(0, 0, 0, None, None))(x_GTD.astype(dtype), ids_GTK,
+                                                               pos_GTK, e, cap)
+    buf = pin(pin(buf, by_group), by_expert)
+    y = pin(jax.vmap(md.dense_ffn, in_axes=(0, None, None))(buf, w, dtype), by_expert)
+    y_GTD = jax.vmap(md.combine)(pin(y, by_group), ids_GTK, pos_GTK, gates_GTK)
+    return y_GTD, jnp.sum(pos_GTK >= cap)
+
   def enter_tensor_parallel(self, x_BLD: jax.Array) -> jax.Array:
     # With sequence parallelism this is the all-gather along the sequence (playbook's g).
     return self.activation(x_BLD, ("batch", "seq", "embed"))
@@ -144,6 +169,11 @@ class XlaComms(Comms):
 
   def sync_grads(self, grads: Any) -> Any:
     return self.grad_accumulator(grads)
+
+
+def _axes(axes) -> str | tuple[str, ...] | None:
+  axes = tuple(axes)
+  return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def _without_stage(s: P) -> P:

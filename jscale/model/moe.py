@@ -1,0 +1,89 @@
+"""Mixture-of-experts MLP: a softmax top-k router over SwiGLU experts (Mixtral), optionally with
+an always-on shared expert, plus the router's load-balancing and z losses.
+
+Tokens are routed in groups (`Comms.expert_groups`: one per batch shard), and the experts run
+through the comms seam (`Comms.experts`): on one device and in manual mode the dropless path
+sorts assignments and runs grouped matmuls; in manual mode with `mesh.expert` > 1 the rows go
+to the devices holding their experts by all-to-all; in xla mode the dispatch is a slot buffer
+whose expert dim is resharded over `expert` by XLA.
+
+Shape suffixes: B batch, L sequence, D model, F expert hidden, E experts, K experts per token,
+G token groups, T tokens per group.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jscale.config import ModelConfig
+from jscale.model.layers import einsum, param
+from jscale.model.moe_dispatch import ExpertWeights
+from jscale.parallel.comms import GATHERED, Comms
+
+
+def route(logits_GTE: jax.Array, k: int):
+  """(router probabilities, top-k expert ids, gates): the softmax over all experts, its k
+  largest entries, renormalised to sum to one (Mixtral's routing)."""
+  probs_GTE = jax.nn.softmax(logits_GTE, axis=-1)
+  top_GTK, ids_GTK = jax.lax.top_k(probs_GTE, k)
+  return probs_GTE, ids_GTK, top_GTK / jnp.sum(top_GTK, axis=-1, keepdims=True)
+
+
+def router_losses(logits_GTE, probs_GTE, ids_GTK, comms: Comms) -> dict[str, jax.Array]:
+  """Switch load-balancing loss E · Σ_e f_e · P_e (f_e: share of the T·K assignments routed to
+  e, P_e: mean router probability of e; 1.0 when perfectly balanced), the ST-MoE z-loss
+  mean(logsumexp(logits)²), and the per-expert load f_e, all over every token of the batch
+  (`comms.token_sum` adds the other devices' tokens)."""
+  e, k = logits_GTE.shape[-1], ids_GTK.shape[-1]
+  n = comms.token_sum(jnp.asarray(probs_GTE.shape[0] * probs_GTE.shape[1], jnp.float32))
+  counts_E = jnp.sum(jax.nn.one_hot(ids_GTK, e, dtype=jnp.float32), axis=(0, 1, 2))
+  load_E = jax.lax.stop_gradient(comms.token_sum(counts_E)) / (n * k)
+  mean_prob_E = comms.token_sum(jnp.sum(probs_GTE, axis=(0, 1))) / n
+  lse_GT = jax.nn.logsumexp(logits_GTE, axis=-1)
+  return {"aux_loss": e * jnp.sum(load_E * mean_prob_E),
+          "z_loss": comms.token_sum(jnp.sum(jnp.square(lse_GT))) / n, "expert_load": load_E}
+
+
+class MoE(nnx.Module):
+  """Routed SwiGLU experts (stacked on a logical `experts` axis) and an optional shared one."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    m, d = cfg.moe, cfg.d_model
+    e, f = m.n_experts, m.d_ff or cfg.d_ff
+    pd, std = jnp.dtype(cfg.param_dtype), cfg.init_std
+    self.router = param(rngs, (d, e), ("embed", "router"), std, pd)
+    self.w_gate = param(rngs, (e, d, f), ("experts", "embed", "mlp"), std, pd)
+    self.w_up = param(rngs, (e, d, f), ("experts", "embed", "mlp"), std, pd)
+    self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), std, pd)
+    if m.shared_d_ff:
+      fs = m.shared_d_ff
+      self.shared_gate = param(rngs, (d, fs), ("embed", "mlp"), std, pd)
+      self.shared_up = param(rngs, (d, fs), ("embed", "mlp"), std, pd)
+      self.shared_down = param(rngs, (fs, d), ("mlp", "embed"), std, pd)
+    self.cfg, self.dtype = m, cfg.dtype
+
+  def __call__(self, h_BLD: jax.Array, comms: Comms) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`h_BLD`: the normed input (inside the tensor-parallel region). Returns the experts'
+    partial output (to leave the region like a row-parallel linear's) and router statistics."""
+    b, l, d = h_BLD.shape
+    g = comms.expert_groups(b)
+    h_GTD = comms.activation(h_BLD.reshape(g, b // g * l, d), ("batch", None, "embed"))
+    logits_GTE = jnp.einsum("GTD,DE->GTE", h_GTD.astype(jnp.float32),
+                            self.router[...].astype(jnp.float32))
+    probs_GTE, ids_GTK, gates_GTK = route(logits_GTE, self.cfg.top_k)
+    stats = router_losses(logits_GTE, probs_GTE, ids_GTK, comms)
+    # Cast in the seam's view (not saved by remat policies, like the dense layers' weights).
+    w = ExpertWeights(*(checkpoint_name(x[...].astype(self.dtype), GATHERED)
+                        for x in (self.w_gate, self.w_up, self.w_down)))
+    y_GTD, dropped = comms.experts(h_GTD, ids_GTK, gates_GTK, w, self.cfg, self.dtype)
+    n = comms.token_sum(jnp.asarray(g * b // g * l * self.cfg.top_k, jnp.float32))
+    stats["dropped_fraction"] = comms.token_sum(dropped.astype(jnp.float32)) / n
+    y_BLD = checkpoint_name(y_GTD.reshape(b, l, d), "moe_out")
+    if self.cfg.shared_d_ff:
+      gate = einsum("BLD,DF->BLF", h_BLD, self.shared_gate, self.dtype)
+      up = einsum("BLD,DF->BLF", h_BLD, self.shared_up, self.dtype)
+      y_BLD = y_BLD + einsum("BLF,FD->BLD", jax.nn.silu(gate) * up, self.shared_down, self.dtype)
+    return y_BLD, stats

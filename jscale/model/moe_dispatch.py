@@ -1,0 +1,117 @@
+"""Token-to-expert dispatch math for one group of tokens (pure jnp, no communication).
+
+Two ways to get each token's k chosen experts applied:
+  * dropless: sort the T·k assignments by expert and run the experts as grouped matmuls
+    (`jax.lax.ragged_dot`) over the sorted rows; nothing is dropped, no padding is computed.
+  * capacity: every expert has C slots; assignments are queued in a fixed order (all tokens'
+    first choices, then all second choices, ..., each in token order) and those past slot C
+    are dropped. The [E, C, D] buffer is a dense batched matmul (GShard / Switch), and the
+    layout expert parallelism exchanges with a fixed-size all-to-all.
+
+Shape suffixes: T tokens, D model dim, F expert hidden, E experts, K experts per token,
+A = T·K assignments, C slots per expert.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class ExpertWeights(NamedTuple):
+  """SwiGLU experts stacked on a leading expert dim (all experts, or this device's)."""
+  gate_EDF: jax.Array
+  up_EDF: jax.Array
+  down_EFD: jax.Array
+
+
+def capacity(tokens: int, k: int, n_experts: int, factor: float) -> int:
+  """Slots per expert for a group of `tokens`: ceil(factor · tokens · k / experts), at most
+  `tokens` (a token picks an expert at most once, so more slots are never used)."""
+  return max(1, min(tokens, math.ceil(factor * tokens * k / n_experts)))
+
+
+def ragged_ffn(x_AD: jax.Array, sizes_E: jax.Array, w: ExpertWeights, dtype) -> jax.Array:
+  """SwiGLU of rows sorted by expert (`sizes_E` rows each, in order); rows past sum(sizes_E)
+  come out zero. fp32 accumulation, output in `dtype`."""
+  dot = lambda x, m: jax.lax.ragged_dot(x.astype(dtype), m.astype(dtype), sizes_E,
+                                        preferred_element_type=jnp.float32).astype(dtype)
+  h_AF = jax.nn.silu(dot(x_AD, w.gate_EDF)) * dot(x_AD, w.up_EDF)
+  return dot(h_AF, w.down_EFD)
+
+
+def dense_ffn(x_ECD: jax.Array, w: ExpertWeights, dtype) -> jax.Array:
+  """SwiGLU of every expert's slot buffer (a batched matmul over experts)."""
+  dot = lambda spec, x, m: jnp.einsum(spec, x.astype(dtype), m.astype(dtype),
+                                      preferred_element_type=jnp.float32).astype(dtype)
+  h_ECF = jax.nn.silu(dot("ECD,EDF->ECF", x_ECD, w.gate_EDF)) * dot("ECD,EDF->ECF", x_ECD,
+                                                                     w.up_EDF)
+  return dot("ECF,EFD->ECD", h_ECF, w.down_EFD)
+
+
+class Sorted(NamedTuple):
+  """The assignments sorted by expert: source token, gate and expert of each row."""
+  token_A: jax.Array
+  gate_A: jax.Array
+  expert_A: jax.Array
+  sizes_E: jax.Array
+
+
+def sort_by_expert(ids_TK: jax.Array, gates_TK: jax.Array, n_experts: int) -> Sorted:
+  """Stable sort of the T·K assignments by expert (ties keep token order)."""
+  k = ids_TK.shape[1]
+  flat_A = ids_TK.reshape(-1)
+  order_A = jnp.argsort(flat_A, stable=True)
+  sizes_E = jnp.zeros((n_experts,), jnp.int32).at[flat_A].add(1)
+  return Sorted(order_A // k, gates_TK.reshape(-1)[order_A], flat_A[order_A], sizes_E)
+
+
+def combine_sorted(out_AD: jax.Array, s: Sorted, n_tokens: int) -> jax.Array:
+  """Σ_k gate · expert output back onto the tokens (fp32 sum, in `out_AD`'s dtype)."""
+  y_TD = jnp.zeros((n_tokens, out_AD.shape[-1]), jnp.float32)
+  y_TD = y_TD.at[s.token_A].add(out_AD.astype(jnp.float32) * s.gate_A[:, None])
+  return y_TD.astype(out_AD.dtype)
+
+
+def dropless(x_TD: jax.Array, ids_TK, gates_TK, w: ExpertWeights, dtype) -> jax.Array:
+  """All experts on this group's tokens, nothing dropped."""
+  s = sort_by_expert(ids_TK, gates_TK, w.gate_EDF.shape[0])
+  return combine_sorted(ragged_ffn(x_TD[s.token_A], s.sizes_E, w, dtype), s, x_TD.shape[0])
+
+
+def slots(ids_TK: jax.Array, n_experts: int) -> jax.Array:
+  """Queue position of each assignment at its expert: first choices of every token (in token
+  order) first, then second choices, and so on. Positions >= capacity are dropped."""
+  onehot_KTE = jax.nn.one_hot(ids_TK.T, n_experts, dtype=jnp.int32)
+  pos_KTE = jnp.cumsum(onehot_KTE.reshape(-1, n_experts), axis=0).reshape(onehot_KTE.shape) - 1
+  return jnp.sum(pos_KTE * onehot_KTE, axis=-1).T
+
+
+def dispatch(x_TD: jax.Array, ids_TK, pos_TK, n_experts: int, cap: int) -> jax.Array:
+  """[E, C, D] slot buffer: token t's row at (expert, slot) for every kept assignment."""
+  k = ids_TK.shape[1]
+  rows_TKD = jnp.broadcast_to(x_TD[:, None], (x_TD.shape[0], k, x_TD.shape[1]))
+  buf_ECD = jnp.zeros((n_experts, cap, x_TD.shape[1]), x_TD.dtype)
+  return buf_ECD.at[ids_TK, pos_TK].add(rows_TKD, mode="drop")  # slot >= C: dropped
+
+
+def combine(y_ECD: jax.Array, ids_TK, pos_TK, gates_TK) -> jax.Array:
+  """Σ_k gate · y[expert, slot] for the kept assignments; dropped ones add nothing."""
+  cap = y_ECD.shape[1]
+  kept_TK = pos_TK < cap
+  rows_TKD = y_ECD[ids_TK, jnp.minimum(pos_TK, cap - 1)].astype(jnp.float32)
+  w_TK = jnp.where(kept_TK, gates_TK, 0.0)
+  return jnp.einsum("TKD,TK->TD", rows_TKD, w_TK).astype(y_ECD.dtype)
+
+
+def with_capacity(x_TD: jax.Array, ids_TK, gates_TK, w: ExpertWeights, dtype,
+                  factor: float) -> tuple[jax.Array, jax.Array]:
+  """Experts with C slots each (one group): (output, number of dropped assignments)."""
+  e = w.gate_EDF.shape[0]
+  cap = capacity(x_TD.shape[0], ids_TK.shape[1], e, factor)
+  pos_TK = slots(ids_TK, e)
+  y_ECD = dense_ffn(dispatch(x_TD.astype(dtype), ids_TK, pos_TK, e, cap), w, dtype)
+  return combine(y_ECD, ids_TK, pos_TK, gates_TK), jnp.sum(pos_TK >= cap)
