@@ -28,13 +28,21 @@ PEAK_FLOPS: dict[str, dict[str, float | None]] = {
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
-  """Parameter counts: total, and the matmul-participating part used for MFU."""
+  """Parameter counts: total, and the matmul-participating part used for MFU (for MoE, the
+  active part: the router, top_k experts and the shared expert, as each token sees them)."""
   d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.d_ff
-  block = 2 * d * h * k + 2 * d * g * k + 3 * d * f + 2 * d
+  attn = 2 * d * h * k + 2 * d * g * k
+  mlp = active = 3 * d * f
+  if cfg.moe is not None:
+    m = cfg.moe
+    expert, shared = 3 * d * (m.d_ff or f), 3 * d * m.shared_d_ff
+    mlp = d * m.n_experts + m.n_experts * expert + shared
+    active = d * m.n_experts + m.top_k * expert + shared
+  block = attn + mlp + 2 * d
   embed = cfg.vocab_size * d
   head = 0 if cfg.tie_embeddings else d * cfg.vocab_size
   total = embed + cfg.n_layers * block + d + head
-  matmul = cfg.n_layers * (block - 2 * d) + d * cfg.vocab_size
+  matmul = cfg.n_layers * (attn + active) + d * cfg.vocab_size
   return {"total": total, "matmul": matmul}
 
 

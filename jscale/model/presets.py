@@ -16,6 +16,14 @@ PRESETS: dict[str, dict] = {
     # ~3M parameters: trains on a 2-core CPU in minutes on byte-level text.
     "tiny": dict(vocab_size=256, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=768,
                  max_seq_len=2048, rope_theta=10000.0, tie_embeddings=False),
+    # tiny with 8 SwiGLU experts of half the width, top-2: the same active MLP width as tiny.
+    "tiny_moe": dict(vocab_size=256, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4,
+                     d_ff=768, max_seq_len=2048, rope_theta=10000.0, tie_embeddings=False,
+                     moe=dict(n_experts=8, top_k=2, d_ff=384)),
+    # Mixtral 8x7B (HF mistralai/Mixtral-8x7B-v0.1 config).
+    "mixtral_8x7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                         d_ff=14336, max_seq_len=32768, rope_theta=1e6, norm_eps=1e-5,
+                         tie_embeddings=False, moe=dict(n_experts=8, top_k=2)),
     "llama3_1b": dict(_LLAMA3_ROPE, d_model=2048, n_layers=16, n_heads=32, head_dim=64,
                       d_ff=8192, tie_embeddings=True, rope_scaling=_scaling(32.0)),
     "llama3_3b": dict(_LLAMA3_ROPE, d_model=3072, n_layers=28, n_heads=24, head_dim=128,
