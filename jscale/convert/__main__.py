@@ -1,4 +1,4 @@
-"""`python -m jscale.convert`: Hugging Face Llama <-> jscale params checkpoints.
+"""`python -m jscale.convert`: Hugging Face Llama / Mixtral <-> jscale params checkpoints.
 
   hf-to-jscale --hf DIR --out DIR    HF dir -> params checkpoint for `checkpoint.init_from`
   jscale-to-hf --ckpt DIR --out DIR  params checkpoint -> HF dir (`from_pretrained` loads it)
@@ -18,7 +18,8 @@ _DTYPES = ("float32", "bfloat16")
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog="python -m jscale.convert",
-      description="Convert Llama weights between Hugging Face (safetensors) and jscale.",
+      description="Convert Llama and Mixtral weights between Hugging Face (safetensors) "
+      "and jscale.",
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog="examples:\n"
       "  python -m jscale.convert hf-to-jscale --hf ~/Llama-3.2-1B --out ckpt/llama1b\n"
@@ -26,8 +27,9 @@ def _parser() -> argparse.ArgumentParser:
       "--dtype bfloat16\n"
       "run `python -m jscale.convert COMMAND --help` for a command's options")
   sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-  a = sub.add_parser("hf-to-jscale", help="HF Llama dir -> jscale params checkpoint",
-                     description="Read a transformers Llama dir (config.json + safetensors) and "
+  a = sub.add_parser("hf-to-jscale", help="HF Llama/Mixtral dir -> jscale params checkpoint",
+                     description="Read a transformers Llama or Mixtral dir (config.json + "
+                     "safetensors) and "
                      "write a jscale params checkpoint (params/ + model.yaml) that "
                      "checkpoint.init_from=DIR loads.")
   a.add_argument("--hf", required=True, metavar="DIR", help="HF checkpoint directory")
@@ -36,10 +38,11 @@ def _parser() -> argparse.ArgumentParser:
                  help="dtype the weights are stored in (default: float32 master weights)")
   a.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
                  help="compute dtype recorded in model.yaml (default: bfloat16)")
-  b = sub.add_parser("jscale-to-hf", help="jscale params checkpoint -> HF Llama dir",
+  b = sub.add_parser("jscale-to-hf", help="jscale params checkpoint -> HF Llama/Mixtral dir",
                      description="Read a jscale params checkpoint (params/ + model.yaml) and "
                      "write config.json + safetensors that transformers' "
-                     "LlamaForCausalLM.from_pretrained loads.")
+                     "LlamaForCausalLM.from_pretrained loads (MixtralForCausalLM for a model "
+                     "with model.moe).")
   b.add_argument("--ckpt", required=True, metavar="DIR", help="jscale params checkpoint dir")
   b.add_argument("--out", required=True, metavar="DIR", help="output directory (empty or new)")
   b.add_argument("--dtype", default=None, choices=_DTYPES,
@@ -56,8 +59,9 @@ def _hf_to_jscale(args) -> None:
     raise FileExistsError(f"--out {args.out} already holds a checkpoint; choose a new directory")
   cfg, model = load_hf(args.hf, dtype=args.dtype, param_dtype=args.param_dtype)
   params_io.save_params(args.out, model, cfg)
+  moe = "" if cfg.moe is None else f", {cfg.moe.n_experts} experts top-{cfg.moe.top_k}"
   print(f"wrote {args.out} ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab "
-        f"{cfg.vocab_size}); train from it with checkpoint.init_from={args.out}")
+        f"{cfg.vocab_size}{moe}); train from it with checkpoint.init_from={args.out}")
 
 
 def _jscale_to_hf(args) -> None:
@@ -76,7 +80,8 @@ def _jscale_to_hf(args) -> None:
   model = nnx.eval_shape(lambda: llama.create(cfg))  # shapes only: restore fills the values
   params_io.load_params_into(args.ckpt, model)
   save_hf(model, cfg, args.out, dtype=args.dtype)
-  print(f"wrote {args.out}; load it with transformers.LlamaForCausalLM.from_pretrained")
+  arch = "LlamaForCausalLM" if cfg.moe is None else "MixtralForCausalLM"
+  print(f"wrote {args.out}; load it with transformers.{arch}.from_pretrained")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""load_hf / save_hf: whole-model conversion between HF Llama directories and jscale models."""
+"""load_hf / save_hf: whole-model conversion between HF Llama / Mixtral dirs and jscale models."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def model_from_pure(cfg: ModelConfig, pure: dict) -> llama.Llama:
 
 def load_hf(path: str, *, dtype: str = "float32",
             param_dtype: str = "float32") -> tuple[ModelConfig, llama.Llama]:
-  """Reads a transformers Llama checkpoint dir (config.json + safetensors, sharded or not).
+  """Reads a transformers Llama or Mixtral checkpoint dir (config.json + safetensors, sharded
+  or not); a Mixtral one gives a model with `cfg.moe` set.
 
   `dtype` is the model's compute dtype and `param_dtype` the dtype weights are stored in (bf16
   checkpoints are upcast exactly). Returns (ModelConfig, model); raises ConfigError for configs
@@ -48,7 +49,8 @@ def load_hf(path: str, *, dtype: str = "float32",
 
 def save_hf(model: nnx.Module, config: ModelConfig, path: str, *, dtype: str | None = None,
             max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
-  """Writes `model` as a transformers Llama dir: config.json + model.safetensors (or shards).
+  """Writes `model` as a transformers dir: config.json + model.safetensors (or shards), for
+  LlamaForCausalLM, or MixtralForCausalLM when `config.moe` is set.
 
   `dtype` (e.g. "bfloat16") casts the stored weights; None keeps the parameters' own dtype.
   Refuses to write over an existing checkpoint in `path`, as stale shards would mix in.
@@ -62,9 +64,10 @@ def save_hf(model: nnx.Module, config: ModelConfig, path: str, *, dtype: str | N
                           "output directory")
   pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   stored = jnp.dtype(dtype) if dtype is not None else None
+  # Before any weights are written: a model HF cannot express fails with nothing left behind.
+  hf_config = config_to_hf(config, dtype=(stored or pure["embed"].dtype).name)
   hf_weights.write_safetensors(hf_weights.pure_to_hf(pure, config, stored), path,
                                max_shard_bytes)
-  stored_name = (stored or pure["embed"].dtype).name
   with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as fh:
-    json.dump(config_to_hf(config, dtype=stored_name), fh, indent=2)
+    json.dump(hf_config, fh, indent=2)
     fh.write("\n")

@@ -1,8 +1,21 @@
-"""HF Llama safetensors <-> jscale parameter pure dicts, in numpy (no torch).
+"""HF Llama / Mixtral safetensors <-> jscale parameter pure dicts, in numpy (no torch).
 
 HF stores every projection as a Linear weight [out, in] per layer; jscale keeps [in, ..., out]
-with heads split out and layers stacked on a leading axis. All conversions here are transposes
-and reshapes, so they are exact in either direction; dtype casts happen only where asked.
+with heads split out and layers stacked on a leading axis. All conversions here are transposes,
+reshapes and slices, so they are exact in either direction; dtype casts happen only where asked.
+
+Mixtral's experts come in two on-disk layouts, both read (transformers >= 5 loads either):
+  per expert (the published checkpoints, and what transformers 5's save_pretrained writes):
+    model.layers.{i}.block_sparse_moe.gate.weight          [E, D]
+    model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight [F, D]  (gate)
+    model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight [F, D]  (up)
+    model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight [D, F]  (down)
+  fused (transformers 5's module state dict, e.g. saved with safetensors' own save_file):
+    model.layers.{i}.mlp.gate.weight                       [E, D]
+    model.layers.{i}.mlp.experts.gate_up_proj              [E, 2F, D]  (gate rows, then up)
+    model.layers.{i}.mlp.experts.down_proj                 [E, D, F]
+As transformers does on load, `block_sparse_moe.` and `mlp.` are read as the same prefix.
+Exports use the per-expert layout, which transformers 4.x and 5.x both load.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 _Fn = Callable[[np.ndarray], np.ndarray]
+_MOE = "block_sparse_moe."  # Mixtral's MoE prefix on disk; transformers 5 renames it `mlp.`
 
 
 def _specs(cfg: ModelConfig) -> list[tuple[tuple[str, ...], str, tuple[int, ...], _Fn, _Fn]]:
@@ -42,11 +56,17 @@ def _specs(cfg: ModelConfig) -> list[tuple[tuple[str, ...], str, tuple[int, ...]
       (("blocks", "wo"), lay + "self_attn.o_proj.weight", (d, h * k),
        lambda w: w.T.reshape(h, k, d), lambda w: w.reshape(h * k, d).T),
       (("blocks", "mlp_norm", "scale"), lay + "post_attention_layernorm.weight", (d,), same, same),
-      (("blocks", "w_gate"), lay + "mlp.gate_proj.weight", (f, d), t, t),
-      (("blocks", "w_up"), lay + "mlp.up_proj.weight", (f, d), t, t),
-      (("blocks", "w_down"), lay + "mlp.down_proj.weight", (d, f), t, t),
-      (("final_norm", "scale"), "model.norm.weight", (d,), same, same),
   ]
+  if cfg.moe is None:
+    specs += [
+        (("blocks", "w_gate"), lay + "mlp.gate_proj.weight", (f, d), t, t),
+        (("blocks", "w_up"), lay + "mlp.up_proj.weight", (f, d), t, t),
+        (("blocks", "w_down"), lay + "mlp.down_proj.weight", (d, f), t, t),
+    ]
+  else:  # the experts themselves: _experts_from_hf / _experts_to_hf
+    specs.append((("blocks", "moe", "router"), lay + _MOE + "gate.weight",
+                  (cfg.moe.n_experts, d), t, t))
+  specs.append((("final_norm", "scale"), "model.norm.weight", (d,), same, same))
   if not cfg.tie_embeddings:
     specs.append((("lm_head",), "lm_head.weight", (cfg.vocab_size, d), t, t))
   return specs
@@ -87,35 +107,82 @@ class SafetensorsReader:
     return self._open[f].get_tensor(name)
 
 
+def _resolve(reader: SafetensorsReader, name: str) -> str:
+  """`name`, or its `mlp.` spelling where only that is in the checkpoint (transformers 5 reads
+  Mixtral's `block_sparse_moe.` as `mlp.`)."""
+  if name not in reader and "." + _MOE in name:
+    alt = name.replace("." + _MOE, ".mlp.")
+    if alt in reader:
+      return alt
+  return name
+
+
+def _get(reader: SafetensorsReader, name: str, shape: tuple[int, ...]) -> np.ndarray:
+  w = reader.get(name)
+  if tuple(w.shape) != shape:
+    raise ConfigError(f"tensor {name} has shape {tuple(w.shape)}, config.json implies {shape}")
+  return w
+
+
+def _experts_from_hf(reader: SafetensorsReader, cfg: ModelConfig, i: int, param_dtype
+                     ) -> tuple[list[np.ndarray], list[str]]:
+  """Layer i's experts as jscale's [w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D]], from
+  either on-disk layout, and the HF tensor names they came from."""
+  e, d, f = cfg.moe.n_experts, cfg.d_model, cfg.moe.d_ff or cfg.d_ff
+  pre = f"model.layers.{i}.{_MOE}experts."
+  fused = _resolve(reader, pre + "gate_up_proj")
+  if fused in reader:
+    down = _resolve(reader, pre + "down_proj")
+    gate_up = _get(reader, fused, (e, 2 * f, d))  # gate_up_proj[e] @ x = [gate; up]
+    ws = [gate_up[:, :f].transpose(0, 2, 1), gate_up[:, f:].transpose(0, 2, 1),
+          _get(reader, down, (e, d, f)).transpose(0, 2, 1)]
+    return [w.astype(param_dtype) for w in ws], [fused, down]
+  ws, names = [], []
+  for hf_name, shape in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f))):
+    experts = [_resolve(reader, f"{pre}{j}.{hf_name}.weight") for j in range(e)]
+    ws.append(np.stack([_get(reader, n, shape).T.astype(param_dtype) for n in experts]))
+    names += experts
+  return ws, names
+
+
 def hf_to_pure(reader: SafetensorsReader, cfg: ModelConfig, param_dtype) -> dict:
   """jscale's parameter pure dict, read tensor by tensor from `reader` and cast to param_dtype."""
   pure: dict = {}
   used: set[str] = set()
   for path, name, shape, to_jscale, _ in _specs(cfg):
-    names = [name.format(i) for i in range(cfg.n_layers)] if "{}" in name else [name]
-    arrays = []
-    for n in names:
-      w = reader.get(n)
-      if tuple(w.shape) != shape:
-        raise ConfigError(f"tensor {n} has shape {tuple(w.shape)}, config.json implies {shape}")
-      arrays.append(to_jscale(w).astype(param_dtype))
+    names = [_resolve(reader, name.format(i)) for i in range(cfg.n_layers)] if "{}" in name \
+        else [name]
+    arrays = [to_jscale(_get(reader, n, shape)).astype(param_dtype) for n in names]
     node = pure
     for key in path[:-1]:
       node = node.setdefault(key, {})
     node[path[-1]] = np.stack(arrays) if "{}" in name else arrays[0]
     used.update(names)
+  if cfg.moe is not None:
+    layers = []
+    for i in range(cfg.n_layers):
+      ws, names = _experts_from_hf(reader, cfg, i, param_dtype)
+      layers.append(ws)
+      used.update(names)
+    for key, ws in zip(("w_gate", "w_up", "w_down"), zip(*layers)):
+      pure["blocks"]["moe"][key] = np.stack(ws)
   # Tensors jscale has no place for mean a model it would not reproduce: refuse, naming them.
   # The rotary cache of old checkpoints and a duplicate head of tied models carry nothing.
   extra = sorted(n for n in reader.files if n not in used and not n.endswith("rotary_emb.inv_freq")
                  and not (cfg.tie_embeddings and n == "lm_head.weight"))
   if extra:
     more = f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""
-    raise ConfigError(f"checkpoint has tensors jscale's Llama lacks: {', '.join(extra[:5])}{more}")
+    raise ConfigError(f"checkpoint has tensors jscale's model lacks: {', '.join(extra[:5])}{more}")
   return pure
 
 
 def pure_to_hf(pure: dict, cfg: ModelConfig, dtype=None) -> Iterator[tuple[str, np.ndarray]]:
-  """(HF name, array) pairs for jscale's parameter pure dict; cast to `dtype` if given."""
+  """(HF name, array) pairs for jscale's parameter pure dict; cast to `dtype` if given.
+
+  Mixtral experts are written per expert (w1 / w2 / w3), the published layout."""
+  def out(w: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(w if dtype is None else w.astype(dtype))
+
   for path, name, _, _, to_hf in _specs(cfg):
     value = pure
     for key in path:
@@ -123,10 +190,13 @@ def pure_to_hf(pure: dict, cfg: ModelConfig, dtype=None) -> Iterator[tuple[str, 
     stack = np.asarray(value)
     layers = list(enumerate(stack)) if "{}" in name else [(None, stack)]
     for i, w in layers:
-      w = to_hf(w)
-      if dtype is not None:
-        w = w.astype(dtype)
-      yield name.format(i), np.ascontiguousarray(w)
+      yield name.format(i), out(to_hf(w))
+  if cfg.moe is not None:
+    moe = {k: np.asarray(pure["blocks"]["moe"][k]) for k in ("w_gate", "w_up", "w_down")}
+    for i in range(cfg.n_layers):
+      for j in range(cfg.moe.n_experts):
+        for hf_name, key in (("w1", "w_gate"), ("w2", "w_down"), ("w3", "w_up")):
+          yield f"model.layers.{i}.{_MOE}experts.{j}.{hf_name}.weight", out(moe[key][i, j].T)
 
 
 def write_safetensors(tensors: Iterable[tuple[str, np.ndarray]], path: str,

@@ -71,15 +71,16 @@ class MoE(nnx.Module):
     b, l, d = h_BLD.shape
     g = comms.expert_groups(b)
     h_GTD = comms.activation(h_BLD.reshape(g, b // g * l, d), ("batch", None, "embed"))
-    logits_GTE = jnp.einsum("GTD,DE->GTE", h_GTD.astype(jnp.float32),
+    logits_GTE = jnp.einsum("GTD,DE->GTE", comms.router_input(h_GTD).astype(jnp.float32),
                             self.router[...].astype(jnp.float32))
     probs_GTE, ids_GTK, gates_GTK = route(logits_GTE, self.cfg.top_k)
     stats = router_losses(logits_GTE, probs_GTE, ids_GTK, comms)
     # Cast in the seam's view (not saved by remat policies, like the dense layers' weights).
     w = ExpertWeights(*(checkpoint_name(x[...].astype(self.dtype), GATHERED)
                         for x in (self.w_gate, self.w_up, self.w_down)))
-    y_GTD, dropped = comms.experts(h_GTD, ids_GTK, gates_GTK, w, self.cfg, self.dtype)
-    n = comms.token_sum(jnp.asarray(g * b // g * l * self.cfg.top_k, jnp.float32))
+    y_GTD, dropped = comms.experts(h_GTD, ids_GTK, comms.expert_gates(gates_GTK), w, self.cfg,
+                                   self.dtype)
+    n = comms.token_sum(jnp.asarray(b * l * self.cfg.top_k, jnp.float32))
     stats["dropped_fraction"] = comms.token_sum(dropped.astype(jnp.float32)) / n
     y_BLD = checkpoint_name(y_GTD.reshape(b, l, d), "moe_out")
     if self.cfg.shared_d_ff:

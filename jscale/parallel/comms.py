@@ -91,6 +91,16 @@ class Comms:
     differentiated loss: each device's gradient stays its own tokens' share."""
     return x
 
+  def router_input(self, h_GTD: jax.Array) -> jax.Array:
+    """The MoE router's view of the (tensor-parallel region's) input: its gradient is whole
+    on every tensor rank, which the region's exit would otherwise count once per rank."""
+    return h_GTD
+
+  def expert_gates(self, gates_GTK: jax.Array) -> jax.Array:
+    """Gates as the experts' combine uses them: with experts split over `tensor` each rank's
+    gate gradient is a partial sum (of its hidden slice), summed here."""
+    return gates_GTK
+
   def experts(self, x_GTD: jax.Array, ids_GTK: jax.Array, gates_GTK: jax.Array,
               w: moe_dispatch.ExpertWeights, moe: Any, dtype: Any):
     """Applies each token's chosen experts, weighted by its gates, per group:

@@ -94,8 +94,10 @@ class ManualComms(Comms):
     axes = [a for a in self.dp_axes if a not in spec_axes(compute)]
     if self.fsdp > 1 and not (split and self.zero >= 1):
       axes.append("fsdp")  # replicated over fsdp: a plain data-parallel axis for this leaf
-    if self.sp and "tensor" not in spec_axes(compute):
-      axes.append("tensor")  # norm weights: each tensor rank saw a different sequence slice
+    if self.sp and "tensor" not in spec_axes(compute) and "router" not in names:
+      # Norm weights: each tensor rank saw a different sequence slice (the MoE router sees
+      # the gathered sequence: its gradient is already whole).
+      axes.append("tensor")
     scatter = split and self.zero == 1
     return Plan(tuple(axes), "fsdp" if scatter else None, dim, self.fsdp if scatter else 1,
                 stacked, position)
@@ -199,6 +201,12 @@ class ManualComms(Comms):
 
   def token_sum(self, x: jax.Array) -> jax.Array:
     return tensor.reduce_from_tp(x, self.batch_axes) if self.batch_axes else x
+
+  def router_input(self, h_GTD: jax.Array) -> jax.Array:
+    return tensor.scale_grad(h_GTD, 1.0 / self.tp) if self.tp > 1 else h_GTD
+
+  def expert_gates(self, gates_GTK: jax.Array) -> jax.Array:
+    return tensor.copy_to_tp(gates_GTK, "tensor") if self.tp > 1 else gates_GTK
 
   def experts(self, x_GTD, ids_GTK, gates_GTK, w, moe, dtype):
     n_ep = self.mesh.shape["expert"]

@@ -51,3 +51,13 @@ def gather_sequence(x_BLD: jax.Array, axis: str) -> jax.Array:
 def scatter_sequence(y_BLD: jax.Array, axis: str) -> jax.Array:
   """SP exit: partial sums [B, L, D] -> summed [B, L/tp, D] (reduce-scatter; grad: all-gather)."""
   return jax.lax.psum_scatter(y_BLD, axis, scatter_dimension=1, tiled=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def scale_grad(x: jax.Array, factor: float) -> jax.Array:
+  """Identity forward; backward multiplies the gradient by `factor` (a replicated computation
+  inside the TP region, whose whole gradient f would otherwise sum over the ranks)."""
+  return x
+
+
+scale_grad.defvjp(lambda x, factor: (x, None), lambda factor, _, g: (g * factor,))

@@ -1,0 +1,166 @@
+"""Mixture of experts: routing and dispatch against plain references, router losses against
+their formulas, expert parallelism (both modes) against one device, and what communicates."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import parity
+from conftest import small_config
+from jscale import hlo, introspect, runtime
+from jscale.config import ConfigError, MoeConfig
+from jscale.model import moe as moe_lib
+from jscale.model import moe_dispatch as md
+from jscale.parallel.comms import LOCAL
+
+MOE = ("model.moe.n_experts=8", "model.moe.top_k=2", "model.moe.d_ff=64")
+
+
+def _inputs(t=24, d=16, f=12, e=4, k=2, seed=0):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+  logits = jnp.asarray(rng.normal(size=(t, e)) * 2, jnp.float32)
+  w = md.ExpertWeights(*(jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)
+                         for s in ((e, d, f), (e, d, f), (e, f, d))))
+  _, ids, gates = moe_lib.route(logits[None], k)
+  return x, ids[0], gates[0], w, logits
+
+
+def _ffn(x_D, w, e):
+  h = jax.nn.silu(x_D @ w.gate_EDF[e]) * (x_D @ w.up_EDF[e])
+  return h @ w.down_EFD[e]
+
+
+def _reference(x, ids, gates, w, kept=None):
+  """y_t = Σ_k gate_tk · expert_{e_tk}(x_t), one token at a time (kept: drop mask)."""
+  rows = []
+  for t in range(x.shape[0]):
+    y = jnp.zeros(x.shape[1])
+    for j in range(ids.shape[1]):
+      if kept is None or kept[t, j]:
+        y = y + gates[t, j] * _ffn(x[t], w, int(ids[t, j]))
+    rows.append(y)
+  return jnp.stack(rows)
+
+
+def test_route_is_renormalised_softmax_top_k():
+  x, ids, gates, w, logits = _inputs()
+  probs = np.asarray(jax.nn.softmax(logits, -1))
+  want_ids = np.argsort(-probs, axis=1, kind="stable")[:, :2]
+  np.testing.assert_array_equal(np.sort(ids, 1), np.sort(want_ids, 1))
+  top = np.take_along_axis(probs, np.asarray(ids), 1)
+  np.testing.assert_allclose(gates, top / top.sum(1, keepdims=True), rtol=1e-6)
+
+
+def test_dropless_values_and_grads_equal_per_token_reference():
+  x, ids, gates, w, _ = _inputs()
+  got = md.dropless(x, ids, gates, w, jnp.float32)
+  np.testing.assert_allclose(got, _reference(x, ids, gates, w), rtol=1e-5, atol=1e-5)
+  loss = lambda fn: lambda x, w: jnp.sum(jnp.sin(fn(x, w)))
+  g = jax.grad(loss(lambda x, w: md.dropless(x, ids, gates, w, jnp.float32)), (0, 1))(x, w)
+  r = jax.grad(loss(lambda x, w: _reference(x, ids, gates, w)), (0, 1))(x, w)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _numpy_kept(ids, e, cap):
+  """Drops by hand: first choices of every token in token order, then second choices."""
+  ids = np.asarray(ids)
+  used, kept = np.zeros(e, int), np.zeros(ids.shape, bool)
+  for j in range(ids.shape[1]):
+    for t in range(ids.shape[0]):
+      if used[ids[t, j]] < cap:
+        kept[t, j] = True
+        used[ids[t, j]] += 1
+  return kept
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.25])
+def test_capacity_drops_exactly_the_reference_overflow(factor):
+  x, ids, gates, w, _ = _inputs(seed=1)
+  cap = md.capacity(24, 2, 4, factor)
+  assert cap == min(24, int(np.ceil(factor * 24 * 2 / 4)))
+  kept = _numpy_kept(ids, 4, cap)
+  np.testing.assert_array_equal(np.asarray(md.slots(ids, 4)) < cap, kept)
+  y, dropped = md.with_capacity(x, ids, gates, w, jnp.float32, factor)
+  assert int(dropped) == (~kept).sum() and (factor < 1.25) == bool((~kept).any())
+  np.testing.assert_allclose(y, _reference(x, ids, gates, w, kept), rtol=1e-5, atol=1e-5)
+
+
+def test_router_losses_equal_their_formulas():
+  _, ids, _, _, logits = _inputs()
+  probs = jax.nn.softmax(logits, -1)
+  got = moe_lib.router_losses(logits[None], probs[None], ids[None], LOCAL)
+  p, i, lg = np.asarray(probs, np.float64), np.asarray(ids), np.asarray(logits, np.float64)
+  f = np.bincount(i.ravel(), minlength=4) / i.size
+  np.testing.assert_allclose(got["expert_load"], f, rtol=1e-6)
+  np.testing.assert_allclose(got["aux_loss"], 4 * np.sum(f * p.mean(0)), rtol=1e-6)
+  lse = np.log(np.exp(lg).sum(1))
+  np.testing.assert_allclose(got["z_loss"], np.mean(lse ** 2), rtol=1e-6)
+  # Perfect balance gives 1: uniform probabilities and loads.
+  flat = jnp.zeros((1, 8, 4))
+  even = jnp.asarray([[0, 1], [2, 3]] * 4)[None]
+  assert float(moe_lib.router_losses(flat, jax.nn.softmax(flat), even, LOCAL)["aux_loss"]) == \
+      pytest.approx(1.0)
+
+
+# Dropless expert parallelism reproduces one device's first losses, both modes.
+EP_CASES = [(mode, ep, extra) for mode in ("xla", "manual")
+            for ep, extra in ((2, ()), (4, ()), (8, ()), (2, ("mesh.data=2",)))]
+EP_CASES += [("manual", 2, ("mesh.tensor=2", "mesh.fsdp=2", "parallel.zero_stage=3")),
+             ("manual", 2, ("mesh.tensor=2", "mesh.data=2", "parallel.sequence_parallel=true")),
+             ("xla", 2, ("mesh.tensor=2", "mesh.fsdp=2", "parallel.zero_stage=1"))]
+
+
+@pytest.mark.parametrize("mode,ep,extra", EP_CASES,
+                         ids=[f"{m}-ep{e}-" + "-".join(o.split(".")[-1] for o in x)
+                              for m, e, x in EP_CASES])
+def test_expert_parallel_losses_equal_one_device(mode, ep, extra):
+  data = () if any(e.startswith("mesh.data") for e in extra) else ("mesh.data=1",)
+  n = ep * int(np.prod([int(e.split("=")[1]) for e in extra if e.startswith("mesh.")]))
+  got = parity.losses((*MOE, f"mesh.expert={ep}", f"parallel.collectives={mode}", *data, *extra),
+                      jax.devices()[:n])
+  np.testing.assert_allclose(got, parity.reference(*MOE), rtol=1e-4)
+
+
+def _a2a_bytes(*overrides):
+  cfg = small_config(None, *MOE, "mesh.data=1", "parallel.collectives=manual", *overrides)
+  rt = runtime.build(cfg, jax.devices()[:4])
+  params = rt.abstract_state()["params"]
+  text = rt.eval_step().lower(params, introspect.abstract_batch(cfg)).compile().as_text()
+  stats = hlo.summary(text)
+  return stats, cfg
+
+
+def test_manual_ep_all_to_all_moves_tokens_not_weights():
+  # Capacity factor 1: each direction sends exactly the local tokens' k rows (one forward).
+  stats, cfg = _a2a_bytes("mesh.expert=4", "model.moe.dispatch=capacity",
+                          "model.moe.capacity_factor=1.0")
+  tokens = cfg.train.batch_size * cfg.train.seq_len // 4
+  want = cfg.model.n_layers * 2 * tokens * cfg.model.d_model * 2 * 4  # k=2, fp32
+  assert abs(stats["all-to-all"]["bytes"] - want) <= 0.1 * want
+  assert "all-gather" not in stats  # expert weights stay where they are
+  # Dropless pads each destination's block to the most it can receive, T·min(k, E_l) rows:
+  # n_ep·min(k, E_l)/k = 4x the minimum here (plus the per-expert counts).
+  stats, _ = _a2a_bytes("mesh.expert=4")
+  assert abs(stats["all-to-all"]["bytes"] - 4 * want) <= 0.1 * 4 * want
+  assert "all-gather" not in stats
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (("mesh.expert=2", "mesh.data=1"), r"mesh.expert=2 needs an MoE model"),
+    ((*MOE, "mesh.expert=3", "mesh.data=1", "train.batch_size=6"), r"not divisible by mesh.expert=3"),
+    ((*MOE, "mesh.stage=2", "mesh.data=1"), r"set mesh.stage=1"),
+    (("model.moe.dispatch=sparse", "mesh.data=1"),
+     r"model.moe.dispatch='sparse': choose dropless or capacity"),
+    (("model.moe.n_experts=2", "model.moe.top_k=3", "mesh.data=1"), r"1 <= top_k <= n_experts"),
+])
+def test_bad_moe_configs_fail_before_compile(overrides, match):
+  n = int(np.prod([int(o.split("=")[1]) for o in overrides if o.startswith("mesh.")]))
+  with pytest.raises(ConfigError, match=match):
+    runtime.build(small_config(None, *overrides), jax.devices()[:n])
+
+
+def test_moe_config_defaults_are_mixtral_routing():
+  assert (MoeConfig().top_k, MoeConfig().dispatch) == (2, "dropless")
