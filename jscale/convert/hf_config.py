@@ -1,7 +1,9 @@
 """Hugging Face Llama / Mixtral `config.json` <-> jscale ModelConfig.
 
 Mixtral (`model_type: mixtral`) is Llama with every MLP a routed set of SwiGLU experts: it maps
-to a ModelConfig with `moe` set (and `moe` set exports as Mixtral). Reads both rope layouts: transformers >= 5 nests rope settings in `rope_parameters`; earlier
+to a ModelConfig with `moe` set, and a ModelConfig with `moe` exports as Mixtral.
+
+Reads both rope layouts: transformers >= 5 nests rope settings in `rope_parameters`; earlier
 versions put `rope_theta` and `rope_scaling` (with `type` or `rope_type`) at the top level.
 Anything jscale's model cannot reproduce exactly (biases, other activations or rope types)
 is rejected with the HF key that caused it, rather than converted into a silently different model.
