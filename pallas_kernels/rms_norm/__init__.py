@@ -1,0 +1,9 @@
+"""Fused RMSNorm (+ residual add) Pallas GPU kernels, with a plain-jnp reference.
+
+`triton_kernel` (the same op through jax-triton) is not imported here: it needs the `triton`
+extra and a GPU; import `pallas_kernels.rms_norm.triton_kernel` explicitly.
+"""
+
+from pallas_kernels.rms_norm.kernel import BlockSizes, reference, rms_norm
+
+__all__ = ["BlockSizes", "reference", "rms_norm"]

@@ -1,0 +1,101 @@
+"""Pallas fused RMSNorm (interpret mode on CPU) against the plain-jnp reference and the model's
+RMSNorm. fp32 must match to 1e-5 of the reference's largest value; bf16 outputs to one bf16
+rounding of the same formula, bf16 gradients to 2e-2 of fp32 math on the same inputs.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.rms_norm import BlockSizes, reference, rms_norm
+
+
+def _normal(rng, shape, dtype, mean=0.0, std=1.0):
+  return jnp.asarray(mean + std * rng.standard_normal(shape, np.float32)).astype(dtype)
+
+
+def _assert_close(name, got, want, tol):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  scale = float(np.max(np.abs(want)))
+  err = float(np.max(np.abs(got - want)))
+  print(f"{name}: max abs err {err:.3g} (ref max abs {scale:.3g}, rel {err / scale:.3g})")
+  np.testing.assert_allclose(got, want, atol=tol * scale, rtol=tol, err_msg=name)
+
+
+# (shape, dtype, weight dtype, residual, block sizes): 21 and 132 rows are not multiples of
+# their row blocks (masked rows); D = 96 is not a power of two (masked columns).
+CASES = {
+    "f32_rows21_d96_masked": ((3, 7, 96), jnp.float32, jnp.float32, False,
+                              BlockSizes(block_rows=8, block_rows_bwd=4)),
+    "f32_residual_rows128_d128": ((2, 64, 128), jnp.float32, jnp.float32, True,
+                                  BlockSizes(block_rows=16, block_rows_bwd=8)),
+    "bf16_residual_rows132_d256_defaultblocks": ((4, 33, 256), jnp.bfloat16, jnp.float32, True,
+                                                 BlockSizes()),
+    "bf16_bf16weight_rows10_d64": ((10, 64), jnp.bfloat16, jnp.bfloat16, False,
+                                   BlockSizes(block_rows=4, block_rows_bwd=8)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_gradients(case):
+  shape, dtype, w_dtype, with_residual, blocks = CASES[case]
+  rng = np.random.default_rng(0)
+  x = _normal(rng, shape, dtype)
+  w = _normal(rng, shape[-1:], w_dtype, mean=1.0, std=0.2)
+  res = _normal(rng, shape, dtype) if with_residual else None
+  d_out, d_h = _normal(rng, shape, dtype), _normal(rng, shape, dtype)
+
+  def loss(fn):
+    def f(x, w, res):
+      out = fn(x, w, res)
+      if with_residual:  # both outputs get a cotangent: the normed one and the stream's
+        out, h = out
+        return jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(h.astype(jnp.float32) * d_h)
+      return jnp.sum(out.astype(jnp.float32) * d_out)
+    return f
+
+  kernel_fn = lambda x, w, res: rms_norm(x, w, eps=1e-5, residual_ND=res, block_sizes=blocks,
+                                         interpret=True)
+  ref_fn = lambda x, w, res: reference(x, w, eps=1e-5, residual_ND=res)
+  f32 = lambda a: None if a is None else a.astype(jnp.float32)
+  ref32_fn = lambda x, w, res: ref_fn(f32(x), f32(w), f32(res))
+  argnums = (0, 1, 2) if with_residual else (0, 1)
+  out, grads = jax.jit(lambda *a: (kernel_fn(*a), jax.grad(loss(kernel_fn), argnums)(*a)))(
+      x, w, res)
+  # Same-dtype reference for the forward (same roundings); fp32 math for the gradients (jnp's
+  # own bf16 backward rounds dweight's row sum in bf16, the kernel sums in fp32).
+  ref_out = ref_fn(x, w, res)
+  ref_grads = jax.grad(loss(ref32_fn), argnums)(x, w, res)
+  outs, ref_outs = (out, ref_out) if with_residual else ((out,), (ref_out,))
+  for name, got, want in zip(("normed", "h"), outs, ref_outs):
+    assert got.dtype == dtype and got.shape == shape
+    _assert_close(f"{case} {name}", got, want, 1e-5 if dtype == jnp.float32 else 1e-2)
+  for name, got, want in zip(("dx", "dweight", "dresidual"), grads, ref_grads):
+    _assert_close(f"{case} {name}", got, want, 1e-5 if dtype == jnp.float32 else 2e-2)
+  assert grads[1].dtype == w_dtype
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matches_model_rmsnorm(dtype):
+  """Drop-in for jscale.model.layers.RMSNorm: same values (fp32 master weight, `dtype` compute)."""
+  from jscale.model.layers import RMSNorm
+  rng = np.random.default_rng(1)
+  x = _normal(rng, (2, 16, 128), dtype)
+  norm = RMSNorm(128, 1e-5, dtype, jnp.float32)
+  norm.scale[...] = _normal(rng, (128,), jnp.float32, mean=1.0, std=0.2)
+  got = rms_norm(x, norm.scale[...], eps=1e-5, interpret=True)
+  want = norm(x)
+  assert got.dtype == want.dtype
+  _assert_close(f"model RMSNorm {jnp.dtype(dtype).name}", got, want,
+                1e-6 if dtype == jnp.float32 else 1e-2)
+
+
+def test_bad_arguments_rejected():
+  x = jnp.zeros((4, 64))
+  with pytest.raises(ValueError, match=r"weight \(32,\) must be \[D\]"):
+    rms_norm(x, jnp.ones(32), interpret=True)
+  with pytest.raises(ValueError, match="residual .* must match x"):
+    rms_norm(x, jnp.ones(64), residual_ND=x.astype(jnp.bfloat16), interpret=True)
+  with pytest.raises(ValueError, match="block_rows=3 must be a power of two"):
+    rms_norm(x, jnp.ones(64), block_sizes=BlockSizes(block_rows=3), interpret=True)
