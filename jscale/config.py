@@ -42,6 +42,7 @@ class MoeConfig:
   capacity_factor: float = 1.25  # capacity: slots per expert = factor * tokens * top_k / experts
   aux_loss_weight: float = 0.01  # Switch load-balancing loss
   z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
+  every: int = 1  # MoE in every k-th layer (layers k-1, 2k-1, ...), dense SwiGLU in the others
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +214,10 @@ def from_dict(raw: dict[str, Any]) -> Config:
     name = model["preset"]
     if name not in PRESETS:
       raise ConfigError(f"model.preset={name!r} is unknown: choose one of {sorted(PRESETS)}")
-    model = {**PRESETS[name], **model}
+    # Nested sections (model.moe) merge key by key: an override keeps the preset's others.
+    model = {k: ({**PRESETS[name][k], **v} if isinstance(v, dict) and
+                 isinstance(PRESETS[name].get(k), dict) else v)
+             for k, v in {**PRESETS[name], **model}.items()}
     raw["model"] = model
   return _build(Config, raw, "")
 
@@ -406,6 +410,9 @@ def _validate_moe(m: ModelConfig) -> None:
   if (e.d_ff is not None and e.d_ff <= 0) or e.shared_d_ff < 0:
     raise ConfigError(f"model.moe.d_ff={e.d_ff} / shared_d_ff={e.shared_d_ff}: give positive "
                       "sizes (d_ff null: model.d_ff; shared_d_ff 0: no shared expert)")
+  if e.every < 1 or m.n_layers % e.every:
+    raise ConfigError(f"model.moe.every={e.every} must be >= 1 and divide model.n_layers="
+                      f"{m.n_layers} (layers are stacked in groups of every-1 dense + 1 MoE)")
   if e.capacity_factor <= 0:
     raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} must be positive")
   if e.aux_loss_weight < 0 or e.z_loss_weight < 0:

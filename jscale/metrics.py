@@ -32,17 +32,19 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
   active part: the router, top_k experts and the shared expert, as each token sees them)."""
   d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.d_ff
   attn = 2 * d * h * k + 2 * d * g * k
-  mlp = active = 3 * d * f
+  mlp = active = 0
   if cfg.moe is not None:
     m = cfg.moe
     expert, shared = 3 * d * (m.d_ff or f), 3 * d * m.shared_d_ff
     mlp = d * m.n_experts + m.n_experts * expert + shared
     active = d * m.n_experts + m.top_k * expert + shared
-  block = attn + mlp + 2 * d
+  n_moe = cfg.n_layers // cfg.moe.every if cfg.moe is not None else 0
+  n_dense = cfg.n_layers - n_moe
   embed = cfg.vocab_size * d
   head = 0 if cfg.tie_embeddings else d * cfg.vocab_size
-  total = embed + cfg.n_layers * block + d + head
-  matmul = cfg.n_layers * (attn + active) + d * cfg.vocab_size
+  total = (embed + n_dense * (attn + 3 * d * f + 2 * d) + n_moe * (attn + mlp + 2 * d) + d
+           + head)
+  matmul = n_dense * (attn + 3 * d * f) + n_moe * (attn + active) + d * cfg.vocab_size
   return {"total": total, "matmul": matmul}
 
 

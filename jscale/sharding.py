@@ -32,6 +32,7 @@ RULES: Rules = {
     "head_dim": (),
     "mlp": ("tensor",),
     "layers": ("stage",),  # pipeline: each stage holds a contiguous block of the layer stack
+    "sublayers": (),  # MoE every k-th layer: the k-1 dense layers inside one stacked group
     "experts": ("expert",),
     "router": (),  # the router's expert dim: every device routes its own tokens
 }
@@ -69,7 +70,7 @@ def add_fsdp(names: Sequence[str], shape: Sequence[int], s: P, fsdp: int) -> P:
   if fsdp == 1 or "fsdp" in spec_axes(s):
     return s
   entries = list(s) + [None] * (len(shape) - len(s))
-  free = [i for i, n in enumerate(names) if n != "layers" and entries[i] is None
+  free = [i for i, n in enumerate(names) if n not in ("layers", "sublayers") and entries[i] is None
           and shape[i] % fsdp == 0]
   if not free:
     return s  # tiny or odd-sized: stays replicated over fsdp

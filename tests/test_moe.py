@@ -9,6 +9,8 @@ import pytest
 import parity
 from conftest import small_config
 from jscale import hlo, introspect, runtime
+from jscale import train_step as ts
+from jscale.convert import hf_config
 from jscale.config import ConfigError, MoeConfig
 from jscale.model import moe as moe_lib
 from jscale.model import moe_dispatch as md
@@ -148,6 +150,27 @@ def test_manual_ep_all_to_all_moves_tokens_not_weights():
   assert "all-gather" not in stats
 
 
+EVERY2 = (*MOE, "model.moe.every=2", "model.n_layers=4")
+
+
+def test_moe_every_other_layer_stacks_groups_and_matches_one_device():
+  cfg = small_config(None, *EVERY2)
+  blocks = jax.eval_shape(lambda: ts.init_state(cfg))["params"]["blocks"]
+  # 2 groups of (1 dense layer, 1 MoE layer).
+  assert blocks["dense"]["w_gate"].shape == (2, 1, 64, 128)
+  assert blocks["moe_block"]["moe"]["w_gate"].shape == (2, 8, 64, 64)
+  got = parity.losses((*EVERY2, "mesh.expert=2", "mesh.fsdp=2", "parallel.zero_stage=3",
+                       "mesh.data=1", "parallel.collectives=manual"), jax.devices()[:4])
+  np.testing.assert_allclose(got, parity.reference(*EVERY2), rtol=1e-4)
+  with pytest.raises(ConfigError, match="model.moe.every=2: Mixtral has experts in every"):
+    hf_config.config_to_hf(cfg.model, dtype="float32")
+
+
+def test_preset_moe_keys_merge_with_overrides():
+  cfg = small_config(None, "model.preset=tiny_moe", "model.moe.dispatch=capacity")
+  assert (cfg.model.moe.d_ff, cfg.model.moe.dispatch) == (384, "capacity")
+
+
 @pytest.mark.parametrize("overrides,match", [
     (("mesh.expert=2", "mesh.data=1"), r"mesh.expert=2 needs an MoE model"),
     ((*MOE, "mesh.expert=3", "mesh.data=1", "train.batch_size=6"), r"not divisible by mesh.expert=3"),
@@ -155,6 +178,7 @@ def test_manual_ep_all_to_all_moves_tokens_not_weights():
     (("model.moe.dispatch=sparse", "mesh.data=1"),
      r"model.moe.dispatch='sparse': choose dropless or capacity"),
     (("model.moe.n_experts=2", "model.moe.top_k=3", "mesh.data=1"), r"1 <= top_k <= n_experts"),
+    ((*MOE, "model.moe.every=3", "mesh.data=1"), r"must be >= 1 and divide model.n_layers=2"),
 ])
 def test_bad_moe_configs_fail_before_compile(overrides, match):
   n = int(np.prod([int(o.split("=")[1]) for o in overrides if o.startswith("mesh.")]))

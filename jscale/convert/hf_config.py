@@ -160,6 +160,9 @@ def config_to_hf(cfg: ModelConfig, *, dtype: str) -> dict[str, Any]:
   if m is not None and m.shared_d_ff:
     raise ConfigError(f"model.moe.shared_d_ff={m.shared_d_ff}: Mixtral has no shared expert, "
                       "so this model has no Hugging Face equivalent")
+  if m is not None and m.every != 1:
+    raise ConfigError(f"model.moe.every={m.every}: Mixtral has experts in every layer, so this "
+                      "model has no Hugging Face equivalent")
   hf: dict[str, Any] = {
       "architectures": ["LlamaForCausalLM" if m is None else "MixtralForCausalLM"],
       "model_type": "llama" if m is None else "mixtral",

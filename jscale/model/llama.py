@@ -10,6 +10,8 @@ F mlp hidden, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -75,6 +77,31 @@ class Block(nnx.Module):
     return x_BLD + comms.leave_tensor_parallel(out), {}
 
 
+class MoeGroup(nnx.Module):
+  """`moe.every` = k consecutive layers: k-1 dense blocks (stacked on `sublayers`), then one
+  MoE block. The model stacks groups on `layers`, so the layer scan stays homogeneous."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    dense_cfg = dataclasses.replace(cfg, moe=None)
+
+    @nnx.split_rngs(splits=cfg.moe.every - 1)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "sublayers"})
+    def make_dense(rngs):
+      return Block(dense_cfg, rngs)
+
+    self.dense = make_dense(rngs)
+    self.moe_block = Block(cfg, rngs)
+
+  def __call__(self, x_BLD, positions_BL, inv_freq, comms: Comms):
+    graphdef, stacked = nnx.split(self.dense)
+
+    def dense(x_BLD, state):
+      return nnx.merge(graphdef, state)(x_BLD, positions_BL, inv_freq, comms)[0], None
+
+    x_BLD, _ = jax.lax.scan(dense, x_BLD, stacked)
+    return self.moe_block(x_BLD, positions_BL, inv_freq, comms)
+
+
 def _save_all_but_gathered(prim, *_, **params) -> bool:
   # Layout changes (sharding constraints, barriers) are cheap to redo and are not saved either:
   # the chain that gathers ZeRO-3 weights ends in them, and saving any link of it (XLA lays the
@@ -110,10 +137,12 @@ class Llama(nnx.Module):
     pd = jnp.dtype(cfg.param_dtype)
     self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, pd)
 
-    @nnx.split_rngs(splits=cfg.n_layers)
+    every = cfg.moe.every if cfg.moe is not None else 1
+
+    @nnx.split_rngs(splits=cfg.n_layers // every)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make_blocks(rngs):
-      return Block(cfg, rngs)
+      return Block(cfg, rngs) if every == 1 else MoeGroup(cfg, rngs)
 
     self.blocks = make_blocks(rngs)
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.dtype, pd)
