@@ -2,10 +2,11 @@
 an always-on shared expert, plus the router's load-balancing and z losses.
 
 Tokens are routed in groups (`Comms.expert_groups`: one per batch shard), and the experts run
-through the comms seam (`Comms.experts`): on one device and in manual mode the dropless path
-sorts assignments and runs grouped matmuls; in manual mode with `mesh.expert` > 1 the rows go
-to the devices holding their experts by all-to-all; in xla mode the dispatch is a slot buffer
-whose expert dim is resharded over `expert` by XLA.
+through the comms seam (`Comms.experts`): without a mesh (`LOCAL`) and in manual mode the
+dropless path sorts assignments and runs grouped matmuls; in manual mode with `mesh.expert` > 1
+the rows go to the devices holding their experts by all-to-all; in xla mode (any mesh, even one
+device) the dispatch is a GShard slot buffer (dropless: one slot per token and expert) whose
+expert dim XLA reshards over `expert`.
 
 Shape suffixes: B batch, L sequence, D model, F expert hidden, E experts, K experts per token,
 G token groups, T tokens per group.
