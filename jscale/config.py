@@ -65,7 +65,11 @@ class ModelConfig:
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   init_std: float = 0.02
-  attention_impl: str = "xla"  # xla | cudnn | ring (context parallelism over mesh.sequence)
+  attention_impl: str = "xla"  # xla | cudnn | ring (context parallelism over mesh.sequence) | pallas
+  norm_impl: str = "xla"  # xla | pallas (fused Pallas RMSNorm kernel)
+  # Run the Pallas kernels (attention_impl / norm_impl = pallas) in the Pallas interpreter:
+  # slow, for CPU tests and debugging; without it they need a GPU.
+  kernel_interpret: bool = False
   moe: MoeConfig | None = None  # None: dense SwiGLU MLPs
   dtype: str = "bfloat16"  # compute dtype
   param_dtype: str = "float32"  # master weights (and optimizer state)
@@ -315,7 +319,8 @@ def _coerce(tp, value, key):
 # --------------------------------------------------------------- validation
 
 _CHOICES = {
-    "model.attention_impl": ("xla", "cudnn", "ring"),
+    "model.attention_impl": ("xla", "cudnn", "ring", "pallas"),
+    "model.norm_impl": ("xla", "pallas"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "parallel.collectives": ("xla", "manual"),

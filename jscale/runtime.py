@@ -17,6 +17,7 @@ from jscale import mesh as mesh_lib
 from jscale import train_step as ts
 from jscale.config import Config, ConfigError
 from jscale.data.context_order import Reorder, token_order
+from jscale.model import attention as attn_lib
 from jscale.model import llama
 from jscale.optim import make_optimizer
 from jscale.parallel.comms import Comms
@@ -79,13 +80,49 @@ def check_layout(cfg: Config, mesh: Mesh) -> None:
   cp = sizes["sequence"]
   if cp > 1:
     token_order(t.seq_len, cp, cfg.parallel.context_layout)  # raises if the chunks do not divide
-    if m.attention_impl == "cudnn":
-      raise ConfigError(f"model.attention_impl=cudnn with mesh.sequence={cp}: cuDNN's mask is by "
-                        "index, not by token position; use model.attention_impl=ring (or xla)")
+    if m.attention_impl in ("cudnn", "pallas"):
+      name = {"cudnn": "cuDNN", "pallas": "The Pallas kernel"}[m.attention_impl]
+      raise ConfigError(f"model.attention_impl={m.attention_impl} with mesh.sequence={cp}: "
+                        f"{name}'s mask is by index, not by token position; use "
+                        "model.attention_impl=ring (or xla)")
+  check_backend(cfg, mesh.devices.flat[0].platform)
+  if m.attention_impl == "pallas":
+    check_flash_attention(cfg, sizes)
   if sizes["stage"] > 1:
     check_pipeline(cfg, sizes)
   if cfg.model.moe is not None or sizes["expert"] > 1:
     check_experts(cfg, sizes)
+
+
+def check_backend(cfg: Config, backend: str) -> None:
+  """The model's kernels can run on `backend` ("cpu", "gpu", "tpu"): ConfigError naming the key
+  and the fix otherwise, never a silent fallback to another impl."""
+  m = cfg.model
+  for key, impl in (("model.attention_impl", m.attention_impl), ("model.norm_impl", m.norm_impl)):
+    backends = attn_lib.BACKENDS.get(impl, ("cpu", "gpu", "tpu"))
+    if backend in backends or (impl == "pallas" and m.kernel_interpret):
+      continue
+    fix = f"use {key}=xla (or run on {'/'.join(backends)})"
+    if impl == "pallas":
+      fix = (f"Pallas kernels here compile for GPUs (Triton); use {key}=xla, or set "
+             "model.kernel_interpret=true to run it in the (slow) Pallas interpreter")
+    raise ConfigError(f"{key}={impl} cannot run on backend {backend!r}: {fix}")
+
+
+def check_flash_attention(cfg: Config, sizes: dict[str, int]) -> None:
+  """The flash kernel can tile the attention each device runs (its own shape check)."""
+  from pallas_kernels.flash_attention import check_shapes  # pylint: disable=import-outside-toplevel
+  m, t = cfg.model, cfg.train
+  dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+  b = max(t.batch_size // (dp * t.microbatches), 1)
+  h, g = m.n_heads // sizes["tensor"], m.n_kv_heads // sizes["tensor"]
+  k = m.resolved_head_dim
+  try:
+    check_shapes((b, t.seq_len, h, k), (b, t.seq_len, g, k), causal=True)
+  except ValueError as e:
+    key = (f"model.head_dim={k}" if "head_dim" in str(e) else f"train.seq_len={t.seq_len}")
+    raise ConfigError(f"model.attention_impl=pallas cannot run with {key}: {e}; use "
+                      "model.attention_impl=xla, or a shape the kernel tiles") from None
 
 
 def check_experts(cfg: Config, sizes: dict[str, int]) -> None:

@@ -27,7 +27,6 @@ from jscale import train_step as ts
 from jscale import xla_flags
 from jscale.config import Config, ConfigError, load_config
 from jscale.data import make_eval_batches, make_train_iterator, tokenizer_vocab_size
-from jscale.model import attention as attn_lib
 from jscale.optim import make_optimizer
 
 # Model fields that a checkpoint's shapes depend on (numerics like dtype may differ).
@@ -37,11 +36,7 @@ _SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "
 
 def check_runtime(cfg: Config) -> None:
   """Checks that need this machine (devices, files); raises ConfigError before any compile."""
-  backend = jax.default_backend()
-  impl = cfg.model.attention_impl
-  if backend not in attn_lib.BACKENDS[impl]:
-    raise ConfigError(f"model.attention_impl={impl} cannot run on backend {backend!r}: use "
-                      f"model.attention_impl=xla (or run on {attn_lib.BACKENDS[impl]})")
+  runtime.check_backend(cfg, jax.default_backend())
   vocab = tokenizer_vocab_size(cfg.data)
   if vocab > cfg.model.vocab_size:
     raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "

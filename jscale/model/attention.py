@@ -5,7 +5,9 @@ attention: K/V are never repeated in memory) and returns [B, L, H, K]. The causa
 usual one, or, given token positions (context parallelism reorders tokens), query i sees key j
 when pos_q[i] >= pos_k[j]. "ring" is ring attention over the `sequence` mesh axis
 (`jscale.parallel.ring_attention`, called through the comms seam); on one device it is one
-diagonal block, i.e. plain attention.
+diagonal block, i.e. plain attention. "pallas" is the Pallas flash attention kernel
+(`pallas_kernels.flash_attention`, GPU; `interpret=True` runs it in the Pallas interpreter),
+index-causal only; under a mesh the comms seam runs it on each device's shards (`Comms.kernel`).
 """
 
 from __future__ import annotations
@@ -50,17 +52,35 @@ def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
                                       implementation="cudnn")
 
 
+def pallas_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
+                     causal: bool = True, positions=None, interpret: bool = False) -> jax.Array:
+  """Pallas flash attention (GPU, or the Pallas interpreter; GQA in the kernel; index-causal
+  only). Runs on whole arrays: under a mesh call it through `Comms.kernel`."""
+  if positions is not None:
+    raise ValueError("pallas attention masks by index, not by token positions: with "
+                     "mesh.sequence > 1 use model.attention_impl=ring or xla")
+  from pallas_kernels.flash_attention import flash_attention  # pylint: disable=import-outside-toplevel
+  return flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal, interpret=interpret)
+
+
 IMPLS: dict[str, Callable[..., jax.Array]] = {"xla": xla_attention, "cudnn": cudnn_attention,
-                                               "ring": xla_attention}
-# Backends each impl can run on; checked at config validation, never a silent fallback.
+                                               "ring": xla_attention, "pallas": pallas_attention}
+# Backends each impl can run on; checked at config validation, never a silent fallback
+# (`jscale.runtime.check_backend`). Pallas kernels run anywhere with model.kernel_interpret.
 BACKENDS: dict[str, tuple[str, ...]] = {"xla": ("cpu", "gpu", "tpu"), "cudnn": ("gpu",),
-                                        "ring": ("cpu", "gpu", "tpu")}
+                                        "ring": ("cpu", "gpu", "tpu"), "pallas": ("gpu",)}
+# Logical axis names of q and of k / v (how the comms seam lays out a kernel's operands).
+Q_NAMES = ("batch", "seq", "heads", "head_dim")
+KV_NAMES = ("batch", "seq", "kv_heads", "head_dim")
 
 
 def attention(q_BLHK, k_BSGK, v_BSGK, impl: str = "xla", causal: bool = True,
-              positions=None) -> jax.Array:
-  """Dispatches to `impl`; the result is named for selective rematerialisation."""
-  return named(IMPLS[impl](q_BLHK, k_BSGK, v_BSGK, causal=causal, positions=positions))
+              positions=None, interpret: bool = False) -> jax.Array:
+  """Dispatches to `impl`; the result is named for selective rematerialisation.
+  `interpret`: Pallas impls only (run in the Pallas interpreter)."""
+  kwargs = {"interpret": interpret} if impl == "pallas" else {}
+  return named(IMPLS[impl](q_BLHK, k_BSGK, v_BSGK, causal=causal, positions=positions,
+                           **kwargs))
 
 
 def named(ctx_BLHK: jax.Array) -> jax.Array:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jscale.parallel.comms import GATHERED
+from jscale.parallel.comms import GATHERED, LOCAL, Comms
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str], std: float,
@@ -29,18 +29,44 @@ def ones_param(shape: Sequence[int], names: Sequence[str], dtype) -> nnx.Param:
                    eager_sharding=False)
 
 
-class RMSNorm(nnx.Module):
-  """RMSNorm with statistics in fp32 (HF LlamaRMSNorm semantics)."""
+# Logical names of the normalised activations' dims (the residual stream) and of the
+# kernel's view of them: the normalised dim is kept whole on every device.
+_NORM_ROWS = ("batch", "res_seq", None)
 
-  def __init__(self, dim: int, eps: float, dtype, param_dtype):
+
+class RMSNorm(nnx.Module):
+  """RMSNorm with statistics in fp32 (HF LlamaRMSNorm semantics).
+
+  `impl="pallas"`: the fused Pallas kernel (`pallas_kernels.rms_norm`, same formula; the input
+  is cast to `dtype` first, a no-op for the model's residual stream), run on each device's rows
+  through `comms.kernel`; `interpret` runs it in the Pallas interpreter.
+  """
+
+  def __init__(self, dim: int, eps: float, dtype, param_dtype, impl: str = "xla",
+               interpret: bool = False):
     self.scale = ones_param((dim,), ("embed",), param_dtype)
     self.eps = eps
     self.dtype = dtype
+    self.impl = impl
+    self.interpret = interpret
 
-  def __call__(self, x_BLD: jax.Array) -> jax.Array:
+  def __call__(self, x_BLD: jax.Array, comms: Comms = LOCAL) -> jax.Array:
+    if self.impl == "pallas":
+      return self._pallas(x_BLD, comms)
     x = x_BLD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
     return (x.astype(self.dtype) * self.scale[...].astype(self.dtype))
+
+  def _pallas(self, x_BLD: jax.Array, comms: Comms) -> jax.Array:
+    from pallas_kernels.rms_norm import rms_norm  # pylint: disable=import-outside-toplevel
+
+    def norm(x, weight_D):  # the kernel flattens leading dims to rows, casts weight to x's dtype
+      return rms_norm(x, weight_D, eps=self.eps, interpret=self.interpret)
+
+    x_BLD = x_BLD.astype(self.dtype)
+    if x_BLD.ndim != len(_NORM_ROWS):
+      return norm(x_BLD, self.scale[...])
+    return comms.kernel(norm, (x_BLD, self.scale[...]), (_NORM_ROWS, (None,)), _NORM_ROWS)
 
 
 def einsum(spec: str, x: jax.Array, w: nnx.Param, dtype) -> jax.Array:

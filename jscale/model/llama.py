@@ -35,12 +35,13 @@ class Block(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, h, g, k, f = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.d_ff)
     pd, std = jnp.dtype(cfg.param_dtype), cfg.init_std
-    self.attn_norm = RMSNorm(d, cfg.norm_eps, cfg.dtype, pd)
+    norm = dict(impl=cfg.norm_impl, interpret=cfg.kernel_interpret)
+    self.attn_norm = RMSNorm(d, cfg.norm_eps, cfg.dtype, pd, **norm)
     self.wq = param(rngs, (d, h, k), ("embed", "heads", "head_dim"), std, pd)
     self.wk = param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), std, pd)
     self.wv = param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), std, pd)
     self.wo = param(rngs, (h, k, d), ("heads", "head_dim", "embed"), std, pd)
-    self.mlp_norm = RMSNorm(d, cfg.norm_eps, cfg.dtype, pd)
+    self.mlp_norm = RMSNorm(d, cfg.norm_eps, cfg.dtype, pd, **norm)
     if cfg.moe is not None:
       self.moe = MoE(cfg, rngs)
     else:
@@ -49,10 +50,11 @@ class Block(nnx.Module):
       self.w_down = param(rngs, (f, d), ("mlp", "embed"), std, pd)
     self.dtype = cfg.dtype
     self.attention_impl = cfg.attention_impl
+    self.kernel_interpret = cfg.kernel_interpret
 
   def __call__(self, x_BLD, positions_BL, inv_freq, comms: Comms):
     dt = self.dtype
-    h_BLD = comms.enter_tensor_parallel(self.attn_norm(x_BLD))
+    h_BLD = comms.enter_tensor_parallel(self.attn_norm(x_BLD, comms))
     q = checkpoint_name(einsum("BLD,DHK->BLHK", h_BLD, self.wq, dt), "q_proj")
     k = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wk, dt), "k_proj")
     v = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wv, dt), "v_proj")
@@ -60,11 +62,12 @@ class Block(nnx.Module):
     q = comms.activation(q, ("batch", "seq", "heads", "head_dim"))
     k = comms.activation(k, ("batch", "seq", "kv_heads", "head_dim"))
     v = comms.activation(v, ("batch", "seq", "kv_heads", "head_dim"))
-    ctx_BLHK = comms.attention(q, k, v, positions_BL, self.attention_impl)
+    ctx_BLHK = comms.attention(q, k, v, positions_BL, self.attention_impl,
+                               self.kernel_interpret)
     out = checkpoint_name(einsum("BLHK,HKD->BLD", ctx_BLHK, self.wo, dt), "attn_out")
     x_BLD = x_BLD + comms.leave_tensor_parallel(out)
 
-    h_BLD = comms.enter_tensor_parallel(self.mlp_norm(x_BLD))
+    h_BLD = comms.enter_tensor_parallel(self.mlp_norm(x_BLD, comms))
     if hasattr(self, "moe"):
       out, stats = self.moe(h_BLD, comms)
       return x_BLD + comms.leave_tensor_parallel(out), stats
@@ -145,7 +148,8 @@ class Llama(nnx.Module):
       return Block(cfg, rngs) if every == 1 else MoeGroup(cfg, rngs)
 
     self.blocks = make_blocks(rngs)
-    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.dtype, pd)
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.dtype, pd, impl=cfg.norm_impl,
+                              interpret=cfg.kernel_interpret)
     if not cfg.tie_embeddings:
       self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                            cfg.init_std, pd)
@@ -185,7 +189,7 @@ class Llama(nnx.Module):
     with jax.named_scope("head"):
       norm_graphdef, norm_state = nnx.split(self.final_norm)
       final_norm = nnx.merge(norm_graphdef, comms.gather_params(norm_state, dt))
-      x_BLD = comms.enter_tensor_parallel(final_norm(x_BLD))
+      x_BLD = comms.enter_tensor_parallel(final_norm(x_BLD, comms))
       if cfg.tie_embeddings:
         if embed_VD is None:
           embed_VD = comms.gather_params(self.embed, dt)[...]

@@ -10,6 +10,7 @@ sizes from the arrays it receives, never from the global config, so it runs unch
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -62,11 +63,25 @@ class Comms:
     return new_params
 
   def attention(self, q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
-                positions_BL: jax.Array, impl: str) -> jax.Array:
+                positions_BL: jax.Array, impl: str, interpret: bool = False) -> jax.Array:
     """Causal self-attention of the sequence (split over `sequence` under context parallelism:
-    K/V all-gathered, or a ring). `positions_BL` are the tokens' positions in their sequence."""
-    del positions_BL  # one device: tokens are in order
+    K/V all-gathered, or a ring). `positions_BL` are the tokens' positions in their sequence.
+    `interpret`: run a Pallas impl in the Pallas interpreter."""
+    del positions_BL  # one device (or no context parallelism): tokens are in order
+    if impl == "pallas":  # a kernel: runs on each device's shards of batch and heads
+      fn = functools.partial(attn_lib.pallas_attention, interpret=interpret)
+      names = (attn_lib.Q_NAMES, attn_lib.KV_NAMES, attn_lib.KV_NAMES)
+      return attn_lib.named(self.kernel(fn, (q_BLHK, k_BSGK, v_BSGK), names, attn_lib.Q_NAMES))
     return attn_lib.attention(q_BLHK, k_BSGK, v_BSGK, impl)
+
+  def kernel(self, fn: Callable, args: Sequence[jax.Array], in_names: Sequence[Names],
+             out_names: Names) -> jax.Array:
+    """`fn(*args)` for a Pallas kernel, which GSPMD cannot partition (a custom call): run on
+    each device's shards, the dims of `args` / the result carrying logical `in_names` /
+    `out_names` (the kernel must be per-row / per-head along the split dims). One device and
+    manual mode: arrays are already per-device shards, so this is the call itself."""
+    del in_names, out_names
+    return fn(*args)
 
   def enter_tensor_parallel(self, x_BLD: jax.Array) -> jax.Array:
     """Input of a column-parallel linear: Megatron's f (identity fwd, all-reduce bwd)."""

@@ -190,9 +190,12 @@ class ManualComms(Comms):
 
   # ---------------------------------------------------------------- context parallelism
 
-  def attention(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, impl: str) -> jax.Array:
-    if self.cp == 1:
-      return super().attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl)
+  def attention(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, impl: str,
+                interpret: bool = False) -> jax.Array:
+    if self.cp == 1:  # a Pallas impl runs on this device's shards as they are
+      return super().attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl, interpret)
+    if impl == "pallas":  # runtime.check_layout rejects this config before compiling
+      raise ValueError("model.attention_impl=pallas with mesh.sequence > 1: use ring")
     # Context parallelism is always the ring here; the block math is plain jnp.
     return attn_lib.named(ring_attention(q_BLHK, k_BSGK, v_BSGK, "sequence",
                                          layout=self.layouts.context_layout))

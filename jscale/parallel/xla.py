@@ -103,10 +103,22 @@ class XlaComms(Comms):
     return jax.tree.map(gather, new_params, old_params, layouts.names, layouts.sharded,
                         layouts.compute, is_leaf=lambda x: isinstance(x, tuple))
 
-  def attention(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, impl: str) -> jax.Array:
+  def kernel(self, fn, args, in_names, out_names):
+    # shard_map over the logical layouts: XLA reshards the operands to them if needed, the
+    # kernel sees one device's block (pipeline stage region: nested in the stage shard_map).
+    spec = lambda names: self.layouts.activation(names).spec
+    mesh = None if self.in_stage_region else self.layouts.mesh
+    axes = set(self.layouts.mesh.axis_names) - ({"stage"} if self.in_stage_region else set())
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(n) for n in in_names),
+                         out_specs=spec(out_names), axis_names=axes, check_vma=False)(*args)
+
+  def attention(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, impl: str,
+                interpret: bool = False) -> jax.Array:
     layouts = self.layouts
     if layouts.mesh.shape["sequence"] == 1:
-      return super().attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl)
+      return super().attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl, interpret)
+    if impl == "pallas":  # runtime.check_layout rejects this config before compiling
+      raise ValueError("model.attention_impl=pallas with mesh.sequence > 1: use ring")
     if impl == "ring":  # the hand-written ring, on the shards XLA already holds
       q_spec = layouts.activation(("batch", "seq", "heads", "head_dim")).spec
       kv_spec = layouts.activation(("batch", "seq", "kv_heads", "head_dim")).spec

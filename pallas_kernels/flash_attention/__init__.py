@@ -1,6 +1,6 @@
 """Flash attention Pallas GPU kernels (forward + backward), with a plain-jnp reference."""
 
-from pallas_kernels.flash_attention.kernel import BlockSizes, flash_attention
+from pallas_kernels.flash_attention.kernel import BlockSizes, check_shapes, flash_attention
 from pallas_kernels.flash_attention.reference import reference
 
-__all__ = ["BlockSizes", "flash_attention", "reference"]
+__all__ = ["BlockSizes", "check_shapes", "flash_attention", "reference"]

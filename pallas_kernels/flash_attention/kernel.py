@@ -326,6 +326,15 @@ def _validate(q, k, v, q_seg, kv_seg, causal: bool, blocks: BlockSizes) -> Block
       block_kv_dq=_clamp_block("block_kv_dq", blocks.block_kv_dq, "kv_seq_len", s))
 
 
+def check_shapes(q_shape, kv_shape, *, causal: bool = True,
+                 block_sizes: BlockSizes = BlockSizes()) -> BlockSizes:
+  """`flash_attention`'s shape check without arrays (q [B, L, H, K], k/v [B, S, G, K]): the
+  clamped block sizes, or the ValueError the call would raise (for config validation)."""
+  q = jax.ShapeDtypeStruct(tuple(q_shape), jnp.float32)
+  kv = jax.ShapeDtypeStruct(tuple(kv_shape), jnp.float32)
+  return _validate(q, kv, kv, None, None, causal, block_sizes)
+
+
 def flash_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, segment_ids=None,
                     sm_scale: float | None = None, block_sizes: BlockSizes = BlockSizes(),
                     interpret: bool = False, return_lse: bool = False):
