@@ -1,6 +1,8 @@
 """Mixture of experts: routing and dispatch against plain references, router losses against
 their formulas, expert parallelism (both modes) against one device, and what communicates."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -188,3 +190,16 @@ def test_bad_moe_configs_fail_before_compile(overrides, match):
 
 def test_moe_config_defaults_are_mixtral_routing():
   assert (MoeConfig().top_k, MoeConfig().dispatch) == (2, "dropless")
+
+
+def test_moe_trains_and_logs_router_metrics(tmp_path, data_cache):
+  from jscale import train as train_lib  # pylint: disable=import-outside-toplevel
+  cfg = small_config(None, *MOE, f"train.output_dir={tmp_path}",
+                     f"data.cache_dir={data_cache}", "checkpoint.every=0", "train.steps=12",
+                     "train.lr=1e-2")
+  out = train_lib.run(cfg)
+  rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl", encoding="utf-8")]
+  rows = [r for r in rows if "loss" in r]
+  assert len(rows[-1]["expert_load"]) == 8 and sum(rows[-1]["expert_load"]) == pytest.approx(1)
+  assert rows[-1]["dropped_fraction"] == 0.0 and rows[-1]["moe_aux_loss"] >= 1.0 - 1e-6
+  assert out["losses"][12] < out["losses"][1] - 0.5
