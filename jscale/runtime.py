@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jscale import mesh as mesh_lib
 from jscale import train_step as ts
 from jscale.config import Config, ConfigError
-from jscale.data.context_order import Reorder, token_order
+from jscale.data.context_order import Reorder, chunks_per_device as parts, token_order
 from jscale.model import attention as attn_lib
 from jscale.model import llama
 from jscale.optim import make_optimizer
@@ -80,11 +80,10 @@ def check_layout(cfg: Config, mesh: Mesh) -> None:
   cp = sizes["sequence"]
   if cp > 1:
     token_order(t.seq_len, cp, cfg.parallel.context_layout)  # raises if the chunks do not divide
-    if m.attention_impl in ("cudnn", "pallas"):
-      name = {"cudnn": "cuDNN", "pallas": "The Pallas kernel"}[m.attention_impl]
-      raise ConfigError(f"model.attention_impl={m.attention_impl} with mesh.sequence={cp}: "
-                        f"{name}'s mask is by index, not by token position; use "
-                        "model.attention_impl=ring (or xla)")
+    if m.attention_impl == "cudnn":
+      raise ConfigError(f"model.attention_impl=cudnn with mesh.sequence={cp}: cuDNN's mask is "
+                        "by index, not by token position; use model.attention_impl=ring, "
+                        "pallas (the ring with flash-kernel blocks) or xla")
   check_backend(cfg, mesh.devices.flat[0].platform)
   if m.attention_impl == "pallas":
     check_flash_attention(cfg, sizes)
@@ -117,8 +116,11 @@ def check_flash_attention(cfg: Config, sizes: dict[str, int]) -> None:
   b = max(t.batch_size // (dp * t.microbatches), 1)
   h, g = m.n_heads // sizes["tensor"], m.n_kv_heads // sizes["tensor"]
   k = m.resolved_head_dim
+  # Under context parallelism the kernel runs on the ring's blocks: one sequence chunk each.
+  cp = sizes["sequence"]
+  chunk = t.seq_len // (cp * parts(cfg.parallel.context_layout)) if cp > 1 else t.seq_len
   try:
-    check_shapes((b, t.seq_len, h, k), (b, t.seq_len, g, k), causal=True)
+    check_shapes((b, chunk, h, k), (b, chunk, g, k), causal=True)
   except ValueError as e:
     key = (f"model.head_dim={k}" if "head_dim" in str(e) else f"train.seq_len={t.seq_len}")
     raise ConfigError(f"model.attention_impl=pallas cannot run with {key}: {e}; use "

@@ -86,3 +86,13 @@ def attention(q_BLHK, k_BSGK, v_BSGK, impl: str = "xla", causal: bool = True,
 def named(ctx_BLHK: jax.Array) -> jax.Array:
   """Names the attention output "attn_ctx" (kept by `remat: selective`)."""
   return checkpoint_name(ctx_BLHK, "attn_ctx")
+
+
+def ring_blocks(impl: str, interpret: bool = False):
+  """Ring attention's per-block math for `impl`: the flash kernels for "pallas" (each block
+  a kernel call, merged by log-sum-exp), else plain jnp."""
+  from jscale.model import blockwise_attention  # pylint: disable=import-outside-toplevel
+  if impl != "pallas":
+    return blockwise_attention.JNP
+  from pallas_kernels.flash_attention import ring_block  # pylint: disable=import-outside-toplevel
+  return blockwise_attention.BlockFns(*ring_block.block_fns(interpret))

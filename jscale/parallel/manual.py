@@ -194,11 +194,11 @@ class ManualComms(Comms):
                 interpret: bool = False) -> jax.Array:
     if self.cp == 1:  # a Pallas impl runs on this device's shards as they are
       return super().attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl, interpret)
-    if impl == "pallas":  # runtime.check_layout rejects this config before compiling
-      raise ValueError("model.attention_impl=pallas with mesh.sequence > 1: use ring")
-    # Context parallelism is always the ring here; the block math is plain jnp.
+    # Context parallelism is always the ring here; the block math is the flash kernel for
+    # attention_impl=pallas, else plain jnp.
     return attn_lib.named(ring_attention(q_BLHK, k_BSGK, v_BSGK, "sequence",
-                                         layout=self.layouts.context_layout))
+                                         layout=self.layouts.context_layout,
+                                         block=attn_lib.ring_blocks(impl, interpret)))
 
   # ---------------------------------------------------------------- expert parallelism
 

@@ -117,13 +117,12 @@ class XlaComms(Comms):
     layouts = self.layouts
     if layouts.mesh.shape["sequence"] == 1:
       return super().attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl, interpret)
-    if impl == "pallas":  # runtime.check_layout rejects this config before compiling
-      raise ValueError("model.attention_impl=pallas with mesh.sequence > 1: use ring")
-    if impl == "ring":  # the hand-written ring, on the shards XLA already holds
+    if impl in ("ring", "pallas"):  # the hand-written ring, on the shards XLA already holds
       q_spec = layouts.activation(("batch", "seq", "heads", "head_dim")).spec
       kv_spec = layouts.activation(("batch", "seq", "kv_heads", "head_dim")).spec
       ring = functools.partial(ring_attention, axis_name="sequence",
-                               layout=layouts.context_layout)
+                               layout=layouts.context_layout,
+                               block=attn_lib.ring_blocks(impl, interpret))
       return attn_lib.named(jax.shard_map(
           ring, mesh=layouts.mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
           check_vma=False)(q_BLHK, k_BSGK, v_BSGK))

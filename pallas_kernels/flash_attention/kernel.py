@@ -223,13 +223,22 @@ def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: _Config):
 def backward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, out_BLHK, lse_BHL, do_BLHK,
              dlse_BHL, cfg: _Config):
   """Runs the dK/dV and dQ kernels: (dq, dk, dv) in the inputs' dtypes."""
-  b, l, h, d = q_BLHK.shape
-  s, g = k_BSGK.shape[1], k_BSGK.shape[2]
-  r = h // g
   # delta = rowsum(dO * O) is elementwise + reduce: XLA fuses it into one pass, no kernel
   # needed. An lse cotangent adds p * dlse to dS = p * (dP - delta): fold it into delta.
   delta_BHL = jnp.sum(out_BLHK.astype(jnp.float32) * do_BLHK.astype(jnp.float32), axis=-1)
   delta_BHL = delta_BHL.transpose(0, 2, 1) - dlse_BHL
+  return backward_from_stats(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse_BHL, delta_BHL,
+                             do_BLHK, cfg)
+
+
+def backward_from_stats(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse_BHL, delta_BHL,
+                        do_BLHK, cfg: _Config):
+  """The dK/dV and dQ kernels given the softmax statistics (lse, delta = rowsum(dO·O)) of the
+  output being differentiated, which may span more keys than this call's (ring attention's
+  blocks use the final output's): (dq, dk, dv) in the inputs' dtypes."""
+  b, l, h, d = q_BLHK.shape
+  s, g = k_BSGK.shape[1], k_BSGK.shape[2]
+  r = h // g
   params = _compiler_params(cfg, d)
 
   bq, bkv = cfg.blocks.block_q_dkv, cfg.blocks.block_kv_dkv
