@@ -68,6 +68,21 @@ def test_dropless_values_and_grads_equal_per_token_reference():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_shared_expert_adds_a_dense_swiglu():
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  cfg = small_config(None, *MOE, "model.moe.shared_d_ff=32").model
+  block = moe_lib.MoE(cfg, nnx.Rngs(params=0))
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 64)), jnp.float32)
+  y, _ = block(x, LOCAL)
+  logits = jnp.einsum("TD,DE->TE", x.reshape(16, 64), block.router[...])
+  _, ids, gates = moe_lib.route(logits[None], 2)
+  w = md.ExpertWeights(block.w_gate[...], block.w_up[...], block.w_down[...])
+  shared = (jax.nn.silu(x @ block.shared_gate[...]) * (x @ block.shared_up[...])
+            ) @ block.shared_down[...]
+  want = _reference(x.reshape(16, 64), ids[0], gates[0], w).reshape(2, 8, 64) + shared
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
 def _numpy_kept(ids, e, cap):
   """Drops by hand: first choices of every token in token order, then second choices."""
   ids = np.asarray(ids)
@@ -113,6 +128,7 @@ def test_router_losses_equal_their_formulas():
 EP_CASES = [(mode, ep, extra) for mode in ("xla", "manual")
             for ep, extra in ((2, ()), (4, ()), (8, ()), (2, ("mesh.data=2",)))]
 EP_CASES += [("manual", 2, ("mesh.tensor=2", "mesh.fsdp=2", "parallel.zero_stage=3")),
+             ("xla", 4, ("model.moe.shared_d_ff=32",)),
              ("manual", 2, ("mesh.tensor=2", "mesh.data=2", "parallel.sequence_parallel=true")),
              ("xla", 2, ("mesh.tensor=2", "mesh.fsdp=2", "parallel.zero_stage=1"))]
 
@@ -125,7 +141,8 @@ def test_expert_parallel_losses_equal_one_device(mode, ep, extra):
   n = ep * int(np.prod([int(e.split("=")[1]) for e in extra if e.startswith("mesh.")]))
   got = parity.losses((*MOE, f"mesh.expert={ep}", f"parallel.collectives={mode}", *data, *extra),
                       jax.devices()[:n])
-  np.testing.assert_allclose(got, parity.reference(*MOE), rtol=1e-4)
+  model = tuple(e for e in extra if e.startswith("model."))  # the reference has them too
+  np.testing.assert_allclose(got, parity.reference(*MOE, *model), rtol=1e-4)
 
 
 def _a2a_bytes(*overrides):
