@@ -216,8 +216,9 @@ class ManualComms(Comms):
     if n_ep == 1:
       return super().experts(x_GTD, ids_GTK, gates_GTK, w, moe, dtype)
     if moe.dispatch == "dropless":
+      gpu = self.mesh.devices.flat[0].platform == "gpu"  # native ragged_all_to_all there
       y_TD = expert.dropless_exchange(x_GTD[0], ids_GTK[0], gates_GTK[0], w, dtype, "expert",
-                                      n_ep)
+                                      n_ep, native_ragged=gpu)
       return y_TD[None], jnp.zeros((), jnp.int32)
     y_TD, dropped = expert.capacity_exchange(x_GTD[0], ids_GTK[0], gates_GTK[0], w, dtype,
                                              moe.capacity_factor, "expert", n_ep)
