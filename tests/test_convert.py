@@ -46,9 +46,12 @@ def _hf_model(seed: int, **overrides) -> transformers.LlamaForCausalLM:
   cfg = transformers.LlamaConfig(**kw)
   cfg._attn_implementation = "eager"  # pylint: disable=protected-access
   torch.manual_seed(seed)
-  model = transformers.LlamaForCausalLM(cfg).eval()
-  # HF's init (std 0.02, unit norms) leaves attention near uniform, which would hide RoPE and
-  # norm mistakes: use O(1) activations and non-trivial norm scales instead.
+  return reinit(transformers.LlamaForCausalLM(cfg).eval())
+
+
+def reinit(model):
+  """HF's init (std 0.02, unit norms) leaves attention near uniform, which would hide RoPE and
+  norm mistakes: O(1) activations and non-trivial norm scales instead (from torch's seed)."""
   with torch.no_grad():
     for name, p in model.named_parameters():
       if "norm" in name:

@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 # The Llama tests' tokens, logits and tensor helpers (VOCAB 128, SEQ 64).
 from test_convert import (SEQ, VOCAB, _assert_bitwise, _hf_logits, _jscale_logits, _params,
-                          _tensors, _tokens)
+                          _tensors, _tokens, reinit)
 
 from jscale.config import ConfigError, ModelConfig, MoeConfig
 from jscale.convert import config_from_hf, config_to_hf, load_hf, save_hf
@@ -35,16 +35,9 @@ def _hf_mixtral(seed: int) -> transformers.MixtralForCausalLM:
       router_jitter_noise=0.0, router_aux_loss_coef=0.02)
   cfg._attn_implementation = "eager"  # pylint: disable=protected-access
   torch.manual_seed(seed)
-  model = transformers.MixtralForCausalLM(cfg).eval()
   # As for Llama: O(1) activations and non-trivial norms, so mistakes cannot hide. The router
   # logits come out O(1) too, so routing is far from uniform.
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:
-        p.uniform_(0.5, 1.5)
-      else:
-        p.normal_(0.0, 0.15)
-  return model
+  return reinit(transformers.MixtralForCausalLM(cfg).eval())
 
 
 def _min_routing_margin(model) -> float:

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+import parity
 from conftest import small_config
 from jscale import runtime
 from jscale.config import ConfigError
@@ -35,14 +36,8 @@ def _losses(overrides, devices) -> np.ndarray:
   cfg = small_config(None, *BASE, *overrides)
   rt = runtime.build(cfg, devices)
   state, step = jax.device_put(_initial_state(), rt.state_shardings), rt.train_step()
-  rng = np.random.default_rng(0)
-  b, l = cfg.train.batch_size, cfg.train.seq_len
   out = []
-  for _ in range(STEPS):
-    t = rng.integers(0, cfg.model.vocab_size, (b, l + 1)).astype(np.int32)
-    mask = np.ones((b, l), np.float32)
-    mask[0, l // 2:] = 0.0
-    batch = {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": mask}
+  for batch in parity.batches(cfg)[:STEPS]:
     batch = jax.device_put(batch, rt.layouts.batch())
     if not out:  # trace once, check the kernels are really in the step, compile that trace
       traced = step.trace(state, batch)
@@ -109,7 +104,6 @@ def test_unrunnable_configs_fail_at_validation(overrides, match):
 def test_ring_attention_with_flash_blocks_matches_one_device(mode):
   # mesh.sequence=2, zig-zag: each device holds 2 chunks of 16 tokens; the ring's blocks are
   # flash-kernel calls merged by log-sum-exp, the backward ring calls the kernels' dK/dV / dQ.
-  import parity  # pylint: disable=import-outside-toplevel
   seq = ("train.seq_len=64", "model.attention_impl=pallas", "model.kernel_interpret=true")
   got = parity.losses((*seq, "mesh.sequence=2", "mesh.data=1", f"parallel.collectives={mode}"),
                       jax.devices()[:2])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.flash_attention import BlockSizes, flash_attention, reference
+from close import assert_close
 
 B64 = BlockSizes(block_q=64, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
                  block_kv_dq=64)
@@ -31,14 +32,6 @@ def _segments(seq, boundaries):
   """int32 [1, seq] segment ids changing at `boundaries` (deliberately not block-aligned)."""
   return jnp.asarray(np.searchsorted(boundaries, np.arange(seq), side="right")[None],
                      jnp.int32)
-
-
-def _assert_close(name, got, want, tol):
-  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  scale = float(np.max(np.abs(want)))
-  err = float(np.max(np.abs(got - want)))
-  print(f"{name}: max abs err {err:.3g} (ref max abs {scale:.3g}, rel {err / scale:.3g})")
-  np.testing.assert_allclose(got, want, atol=tol * scale, rtol=tol, err_msg=name)
 
 
 # (seq, heads, kv_heads, head_dim, causal, segments, dtype, blocks, with_lse)
@@ -87,14 +80,14 @@ def test_forward_and_gradients(case):
   (ref_out, ref_lse), ref_grads = value_and_grads(reference_fn)(q, k, v)
   assert out.dtype == dtype and out.shape == q.shape and lse.shape == (1, h, seq)
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
-  _assert_close(f"{case} out", out, ref_out, tol)
+  assert_close(f"{case} out", out, ref_out, tol)
   if segs == "pair":  # lse is -inf on the rows that see nothing, like the reference
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
     lse, ref_lse = lse[:, :, 37:], ref_lse[:, :, 37:]
-  _assert_close(f"{case} lse", lse, ref_lse, tol)
+  assert_close(f"{case} lse", lse, ref_lse, tol)
   for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
     assert got.dtype == dtype
-    _assert_close(f"{case} {name}", got, want, tol)
+    assert_close(f"{case} {name}", got, want, tol)
 
 
 def test_lse_matches_logsumexp_of_scores():
@@ -102,7 +95,7 @@ def test_lse_matches_logsumexp_of_scores():
   _, lse = flash_attention(q, k, v, causal=False, sm_scale=0.3, block_sizes=B64,
                            interpret=True, return_lse=True)
   scores = jnp.einsum("blhk,bshk->bhls", q, k, precision=jax.lax.Precision.HIGHEST) * 0.3
-  _assert_close("lse vs logsumexp", lse, jax.nn.logsumexp(scores, axis=-1), 1e-5)
+  assert_close("lse vs logsumexp", lse, jax.nn.logsumexp(scores, axis=-1), 1e-5)
 
 
 def test_scores_never_materialised():
@@ -128,7 +121,7 @@ def test_untileable_sequence_rejected(seq, blocks, match):
 def test_short_sequence_clamps_blocks():
   q, k, v, _, _ = _inputs(64, 2, 2, 64, jnp.float32)  # 64 < every default block of 128
   out = flash_attention(q, k, v, interpret=True)
-  _assert_close("s64 clamped out", out, reference(q, k, v)[0], 1e-5)
+  assert_close("s64 clamped out", out, reference(q, k, v)[0], 1e-5)
 
 
 def test_bad_shapes_rejected():

@@ -9,18 +9,11 @@ import numpy as np
 import pytest
 
 from pallas_kernels.rms_norm import BlockSizes, reference, rms_norm
+from close import assert_close
 
 
 def _normal(rng, shape, dtype, mean=0.0, std=1.0):
   return jnp.asarray(mean + std * rng.standard_normal(shape, np.float32)).astype(dtype)
-
-
-def _assert_close(name, got, want, tol):
-  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  scale = float(np.max(np.abs(want)))
-  err = float(np.max(np.abs(got - want)))
-  print(f"{name}: max abs err {err:.3g} (ref max abs {scale:.3g}, rel {err / scale:.3g})")
-  np.testing.assert_allclose(got, want, atol=tol * scale, rtol=tol, err_msg=name)
 
 
 # (shape, dtype, weight dtype, residual, block sizes): 21 and 132 rows are not multiples of
@@ -70,9 +63,9 @@ def test_forward_and_gradients(case):
   outs, ref_outs = (out, ref_out) if with_residual else ((out,), (ref_out,))
   for name, got, want in zip(("normed", "h"), outs, ref_outs):
     assert got.dtype == dtype and got.shape == shape
-    _assert_close(f"{case} {name}", got, want, 1e-5 if dtype == jnp.float32 else 1e-2)
+    assert_close(f"{case} {name}", got, want, 1e-5 if dtype == jnp.float32 else 1e-2)
   for name, got, want in zip(("dx", "dweight", "dresidual"), grads, ref_grads):
-    _assert_close(f"{case} {name}", got, want, 1e-5 if dtype == jnp.float32 else 2e-2)
+    assert_close(f"{case} {name}", got, want, 1e-5 if dtype == jnp.float32 else 2e-2)
   assert grads[1].dtype == w_dtype
 
 
@@ -87,7 +80,7 @@ def test_matches_model_rmsnorm(dtype):
   got = rms_norm(x, norm.scale[...], eps=1e-5, interpret=True)
   want = norm(x)
   assert got.dtype == want.dtype
-  _assert_close(f"model RMSNorm {jnp.dtype(dtype).name}", got, want,
+  assert_close(f"model RMSNorm {jnp.dtype(dtype).name}", got, want,
                 1e-6 if dtype == jnp.float32 else 1e-2)
 
 
