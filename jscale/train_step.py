@@ -119,7 +119,8 @@ def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int,
         return jax.tree.map(jnp.add, carry, one(mb)), None
 
       first = jax.tree.map(lambda x: x[0], executor.split_microbatches(batch, microbatches))
-      stats0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: one(first)[1][1]))
+      stats = jax.eval_shape(lambda: loss_fn(wrt, first, comms=step_comms)[2])  # forward only
+      stats0 = {k: jnp.zeros(v.shape, v.dtype) for k, v in stats.items() if k != "moe_loss"}
       zeros = (comms.zero_grads(params), (jnp.zeros((), jnp.float32), stats0))
       (grads, (loss, stats)), _ = jax.lax.scan(
           body, zeros, executor.split_microbatches(batch, microbatches))

@@ -129,6 +129,7 @@ EP_CASES = [(mode, ep, extra) for mode in ("xla", "manual")
             for ep, extra in ((2, ()), (4, ()), (8, ()), (2, ("mesh.data=2",)))]
 EP_CASES += [("manual", 2, ("mesh.tensor=2", "mesh.fsdp=2", "parallel.zero_stage=3")),
              ("xla", 4, ("model.moe.shared_d_ff=32",)),
+             ("manual", 2, ("train.microbatches=2",)),
              ("manual", 2, ("mesh.tensor=2", "mesh.data=2", "parallel.sequence_parallel=true")),
              ("xla", 2, ("mesh.tensor=2", "mesh.fsdp=2", "parallel.zero_stage=1"))]
 
@@ -141,8 +142,9 @@ def test_expert_parallel_losses_equal_one_device(mode, ep, extra):
   n = ep * int(np.prod([int(e.split("=")[1]) for e in extra if e.startswith("mesh.")]))
   got = parity.losses((*MOE, f"mesh.expert={ep}", f"parallel.collectives={mode}", *data, *extra),
                       jax.devices()[:n])
-  model = tuple(e for e in extra if e.startswith("model."))  # the reference has them too
-  np.testing.assert_allclose(got, parity.reference(*MOE, *model), rtol=1e-4)
+  # Model and numerics overrides apply to the reference too.
+  same = tuple(e for e in extra if e.startswith(("model.", "train.")))
+  np.testing.assert_allclose(got, parity.reference(*MOE, *same), rtol=1e-4)
 
 
 def _a2a_bytes(*overrides):
