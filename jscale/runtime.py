@@ -136,9 +136,6 @@ def check_experts(cfg: Config, sizes: dict[str, int]) -> None:
   if moe.n_experts % ep:
     raise ConfigError(f"model.moe.n_experts={moe.n_experts} is not divisible by mesh.expert={ep}: "
                       "each device must hold the same number of experts")
-  if sizes["stage"] > 1:
-    raise ConfigError(f"model.moe with mesh.stage={sizes['stage']}: the pipeline does not carry "
-                      "the router losses between stages yet; set mesh.stage=1")
 
 
 def check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:

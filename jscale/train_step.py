@@ -18,6 +18,7 @@ from flax import nnx
 from jscale.config import Config
 from jscale.loss import cross_entropy_sums
 from jscale.model import llama
+from jscale.model import moe as moe_lib
 from jscale.optim import lr_schedule, make_optimizer
 from jscale.parallel.comms import LOCAL, Comms
 from jscale.parallel.pipeline import executor, layout, step as pipeline_step
@@ -70,10 +71,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
       logits, stats = model.forward(mb["tokens"], mb.get("positions"), comms=comms,
                                     remat=cfg.train.remat)
       loss_sum, count = cross_entropy_sums(logits, mb["labels"], mb["loss_mask"], comms)
-    if moe is not None:
-      stats["moe_loss"] = (moe.aux_loss_weight * stats["aux_loss"] +
-                           moe.z_loss_weight * stats["z_loss"])
-    return loss_sum, count, stats
+    return loss_sum, count, (moe_lib.with_objective(stats, moe) if moe is not None else stats)
 
   return loss_fn
 
@@ -142,8 +140,7 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
     _check_positions(batch, batch_sharding)
     params = state["params"]
     if comms.stages > 1:
-      grads, loss, count = pipeline_step.grads(cfg, graphdef, comms, params, batch)
-      stats = {}
+      grads, loss, count, stats = pipeline_step.grads(cfg, graphdef, comms, params, batch)
     else:
       grads, loss, count, stats = accumulate_grads(loss_fn, params, batch,
                                                    cfg.train.microbatches, comms)

@@ -44,7 +44,7 @@ def pipeline_grads(*overrides, with_codes=False):
 
   def fn(params, b):
     out = pipeline_step.grads(cfg, rt.graphdef, comms, params, b, with_codes=True)
-    grads, loss, _, codes = out
+    grads, loss, _, _, codes = out
     return comms.sync_grads(grads), loss, codes
 
   codes_sh = NamedSharding(rt.mesh, P("stage"))

@@ -48,6 +48,13 @@ def router_losses(logits_GTE, probs_GTE, ids_GTK, comms: Comms) -> dict[str, jax
           "z_loss": comms.token_sum(jnp.sum(jnp.square(lse_GT))) / n, "expert_load": load_E}
 
 
+def with_objective(stats: dict[str, jax.Array], moe) -> dict[str, jax.Array]:
+  """`stats` plus "moe_loss": the router losses weighted as the config asks (`moe`: the
+  MoeConfig), the term added to the mean token loss."""
+  return {**stats, "moe_loss": (moe.aux_loss_weight * stats["aux_loss"] +
+                                moe.z_loss_weight * stats["z_loss"])}
+
+
 class MoE(nnx.Module):
   """Routed SwiGLU experts (stacked on a logical `experts` axis) and an optional shared one."""
 

@@ -29,7 +29,9 @@ Tree = Any
 class StageFns(NamedTuple):
   """The model cut for the pipeline (pure functions of param dicts and per-device arrays)."""
   embed: Callable  # (shared, tokens_bL) -> x_bLD
-  layers: Callable  # (chunk, x_bLD, positions_bL) -> x_bLD
+  # (chunk, x_bLD, positions_bL) -> (x_bLD, stats): stats a dict of this chunk's share of
+  # the step's router statistics ({} if dense); its "moe_loss" is part of the objective.
+  layers: Callable
   head_loss: Callable  # (shared, x_bLD, labels_bL, mask_bL) -> loss sum
 
 
@@ -42,7 +44,7 @@ def _f32(tree: Tree) -> Tree:
 
 
 def _forward_with_residuals(fns: StageFns, chunk: Tree, x, pos):
-  """(y, stored residuals, where-map, pullback treedef) of the chunk's layers."""
+  """((y, stats), stored residuals, where-map, pullback treedef) of the chunk's layers."""
   y, pullback = jax.vjp(lambda c, x: fns.layers(c, x, pos), chunk, x)
   leaves, treedef = jax.tree.flatten(pullback)
   params = {id(p): i for i, p in enumerate(jax.tree.leaves(chunk))}
@@ -70,9 +72,10 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
   gradient a branch computes ({"blocks": chunk grads} or the shared grads) in the
   accumulators' layout (ZeRO-2: its fsdp shard), so only that layout is accumulated.
 
-  Returns (block grads, shared grads, loss sum * scale, executed codes [T]): gradients in fp32
-  for this stage's chunks and, nonzero only on the first / last stage, the shared weights;
-  the loss is nonzero only on the last stage.
+  Returns (block grads, shared grads, loss sum * scale, executed codes [T], stats): gradients
+  in fp32 for this stage's chunks and, nonzero only on the first / last stage, the shared
+  weights; the loss is nonzero only on the last stage; stats: the sum of this stage's chunks'
+  `layers` statistics over its forwards.
   """
   table = program.table
   p, v, train = table.p, table.v, table.backward
@@ -84,6 +87,10 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
   one_chunk = jax.tree.map(lambda x: x[0], chunks)
   mb0 = jax.tree.map(lambda x: x[0], microbatches)
   act = jax.eval_shape(fns.embed, shared, mb0["tokens"])
+  stats_shape = jax.eval_shape(fns.layers, one_chunk, act, mb0["positions"])[1]
+  zero_stats = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats_shape)
+  # The objective's cotangent for a chunk's statistics: only its "moe_loss" is minimised.
+  d_stats = {k: jnp.ones_like(v) if k == "moe_loss" else v for k, v in zero_stats.items()}
   res_shapes = (jax.eval_shape(lambda c, x, pos: _forward_with_residuals(fns, c, x, pos)[1],
                                one_chunk, act, mb0["positions"]) if train else [])
   buffer = lambda n, a: jnp.zeros((n + 1, *a.shape), a.dtype)  # + the scratch slot
@@ -98,11 +105,11 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
       stash=buffer(program.n_res if table.split else 0, act),
       dblocks=jax.tree.map(lambda a: jnp.zeros((v, *a.shape), a.dtype), acc_chunk),
       dshared=_zeros(acc_shared),
-      loss=jnp.zeros((), jnp.float32), msg_f=zero_act, msg_b=zero_act)
+      loss=jnp.zeros((), jnp.float32), stats=zero_stats, msg_f=zero_act, msg_b=zero_act)
   nothing = dict(out_f=zero_act, out_b=zero_act, res=[jnp.zeros(r.shape, r.dtype)
                                                        for r in res_shapes],
                  stash=zero_act, dchunk=_zeros(acc_chunk), dshared=_zeros(acc_shared),
-                 loss=jnp.zeros((), jnp.float32))
+                 loss=jnp.zeros((), jnp.float32), stats=zero_stats)
 
   def branches(chunk, mb, x_in, dy_in, stored, stash):
     def forward(x, first, last):
@@ -110,9 +117,10 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
         x = fns.embed(shared, mb["tokens"])
       out = dict(nothing)
       if train:
-        y, out["res"], _, _ = _forward_with_residuals(fns, chunk, x, mb["positions"])
+        (y, out["stats"]), out["res"], _, _ = _forward_with_residuals(fns, chunk, x,
+                                                                      mb["positions"])
       else:
-        y = fns.layers(chunk, x, mb["positions"])
+        y, out["stats"] = fns.layers(chunk, x, mb["positions"])
       if not last:
         return {**out, "out_f": y}
       if not train:
@@ -125,7 +133,7 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
       if not train:  # forward-only programs never take these branches
         return dict(nothing)
       pullback = _pullback(fns, chunk, x_in, mb["positions"], stored)
-      dchunk, dx = pullback(dy)
+      dchunk, dx = pullback((dy, d_stats))
       out = dict(nothing)
       if need_dw:
         out["dchunk"] = dchunk_of(dchunk)
@@ -157,7 +165,8 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
     out = jax.lax.switch(col["code"], branches(chunk, mb, inbox_f[col["read_f"]],
                                                inbox_b[col["read_b"]], stored,
                                                carry["stash"][col["res_read"]]))
-    new = dict(carry, inbox_f=inbox_f, loss=carry["loss"] + out["loss"])
+    new = dict(carry, inbox_f=inbox_f, loss=carry["loss"] + out["loss"],
+               stats=jax.tree.map(jnp.add, carry["stats"], out["stats"]))
     new["res"] = [r.at[col["res_write"]].set(o) for r, o in zip(carry["res"], out["res"])]
     if train:
       # The last chunk's own head gradient is filed like a received one (the F's out_b).
@@ -175,7 +184,7 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
   final, codes = jax.lax.scan(tick, carry0, cols)
   dblocks = (jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), final["dblocks"])
              if train else None)
-  return dblocks, final["dshared"], final["loss"], codes
+  return dblocks, final["dshared"], final["loss"], codes, final["stats"]
 
 
 def split_microbatches(batch: dict[str, jax.Array], m: int) -> dict[str, jax.Array]:

@@ -13,6 +13,7 @@ from flax import nnx
 from jscale.config import Config
 from jscale.loss import cross_entropy_sums
 from jscale.model import llama
+from jscale.model import moe as moe_lib
 from jscale.parallel.comms import Comms
 from jscale.parallel.pipeline import executor, program as prog_lib, schedules
 
@@ -40,9 +41,17 @@ def stage_fns(cfg: Config, graphdef: nnx.GraphDef, comms: Comms,
   def embed(shared, tokens_bL):
     return model(shared).embed_tokens(tokens_bL, comms)
 
+  moe = cfg.model.moe
+  stack = cfg.model.n_layers // (moe.every if moe is not None else 1)
+
   def layers(chunk, x_bLD, positions_bL):
-    return llama.run_layers(block_graphdef, chunk, x_bLD, positions_bL, cfg.model, comms,
-                            cfg.train.remat)
+    y, stats = llama.run_layers(block_graphdef, chunk, x_bLD, positions_bL, cfg.model, comms,
+                                cfg.train.remat, with_stats=True)
+    if moe is None:
+      return y, {}
+    # This chunk's share of the step's statistics (a mean over layers and micro-batches).
+    share = jax.tree.leaves(chunk)[0].shape[0] / (stack * cfg.pipeline.microbatches)
+    return y, moe_lib.with_objective(jax.tree.map(lambda v: v * share, stats), moe)
 
   def head_loss(shared, x_bLD, labels_bL, mask_bL):
     return cross_entropy_sums(model(shared).logits(x_bLD, comms), labels_bL, mask_bL, comms)[0]
@@ -77,15 +86,16 @@ def grads(cfg: Config, graphdef: nnx.GraphDef, comms: Comms, params: Any,
     blocks, shared = _split(params)
     inner = comms.in_pipeline()
     fns = stage_fns(cfg, graphdef, inner, params)
-    dblocks, dshared, loss, codes = executor.run(program, fns, blocks, shared, mbs, scale,
-                                                 shard_grads=inner.stage_grads)
+    dblocks, dshared, loss, codes, stats = executor.run(program, fns, blocks, shared, mbs, scale,
+                                                        shard_grads=inner.stage_grads)
     # Embedding and head gradients come from the first and the last stage (both to a tied
     # embedding); every stage keeps the shared weights, so they are summed over stages.
     dshared = jax.lax.psum(dshared, "stage")
-    return {**dshared, "blocks": dblocks}, jax.lax.psum(loss, "stage"), codes
+    stats.pop("moe_loss", None)  # in the gradients already
+    return ({**dshared, "blocks": dblocks}, jax.lax.psum((loss, stats), "stage"), codes)
 
-  g, loss, codes = comms.over_stages(on_stage, params, _microbatches(cfg, batch), scale)
-  out = (g, comms.batch_sum(loss), count)
+  g, (loss, stats), codes = comms.over_stages(on_stage, params, _microbatches(cfg, batch), scale)
+  out = (g, comms.batch_sum(loss), count, stats)
   return out + (codes,) if with_codes else out
 
 
@@ -98,7 +108,7 @@ def loss_sums(cfg: Config, graphdef: nnx.GraphDef, comms: Comms, params: Any,
   def on_stage(params, mbs, scale):
     blocks, shared = _split(params)
     fns = stage_fns(cfg, graphdef, comms.in_pipeline(), params)
-    _, _, loss, codes = executor.run(program, fns, blocks, shared, mbs, scale)
+    _, _, loss, codes, _ = executor.run(program, fns, blocks, shared, mbs, scale)
     return None, jax.lax.psum(loss, "stage"), codes
 
   _, loss, _ = comms.over_stages(on_stage, params, _microbatches(cfg, batch),
