@@ -161,8 +161,7 @@ def check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
   if sizes["sequence"] > 1:
     raise ConfigError(f"mesh.sequence={sizes['sequence']} with mesh.stage={p}: context "
                       "parallelism inside pipeline stages is not supported; set one of them to 1")
-  dp_like = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-  if (cfg.parallel.collectives == "xla" and cfg.parallel.sequence_parallel and dp_like > 1
+  if (cfg.parallel.collectives == "xla" and cfg.parallel.sequence_parallel and dp > 1
       and sizes["tensor"] > 1):
     raise ConfigError(
         f"parallel.sequence_parallel=true with mesh.stage={p}, mesh.tensor={sizes['tensor']} and "

@@ -57,8 +57,8 @@ def pallas_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
   """Pallas flash attention (GPU, or the Pallas interpreter; GQA in the kernel; index-causal
   only). Runs on whole arrays: under a mesh call it through `Comms.kernel`."""
   if positions is not None:
-    raise ValueError("pallas attention masks by index, not by token positions: with "
-                     "mesh.sequence > 1 use model.attention_impl=ring or xla")
+    raise ValueError("pallas attention masks by index, not by token positions: under "
+                     "context parallelism the comms seam runs it as the ring's block function")
   from pallas_kernels.flash_attention import flash_attention  # pylint: disable=import-outside-toplevel
   return flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal, interpret=interpret)
 
