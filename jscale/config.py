@@ -145,6 +145,10 @@ class TrainConfig:
   eps: float = 1e-8
   clip_norm: float = 1.0
   remat: str = "none"  # none | selective | full
+  # The loss holds at most this many MiB of fp32 logits per device: above it, the head and the
+  # cross-entropy run in chunks of the sequence, gradients made chunk by chunk (jscale.loss);
+  # 0: never chunk (one pass through autodiff, [tokens, vocab] fp32 logits in memory).
+  logits_chunk_mb: float = 1024.0
   seed: int = 0
   output_dir: str = "runs/default"
   peak_flops: float | None = None  # per device; None: from the device table
@@ -355,7 +359,7 @@ def validate(cfg: Config) -> None:
     if _get(cfg, key) <= 0:
       raise ConfigError(f"{key}={_get(cfg, key)} must be positive")
   for key in ["train.warmup_steps", "train.eval_every", "checkpoint.every", "train.clip_norm",
-              "train.weight_decay"]:
+              "train.weight_decay", "train.logits_chunk_mb"]:
     if _get(cfg, key) < 0:
       raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0 (0 disables it)")
   if m.head_dim is not None and m.head_dim <= 0:

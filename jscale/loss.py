@@ -1,11 +1,26 @@
-"""Next-token cross-entropy in fp32, masked, vocab-parallel ready (reductions via the seam)."""
+"""Next-token cross-entropy in fp32, masked, vocab-parallel, whole or in chunks of tokens.
+
+`head_loss_sums` multiplies the head and takes the loss. Unchunked, it materialises the fp32
+logits [tokens, vocab] and leaves the backward to autodiff: fastest where memory allows, but at
+Llama-3's 128,256 vocabulary 16k tokens' logits are 8.4 GB, and the step holds ~3 such arrays.
+Chunked (`chunks > 1`), a scan over slices of the sequence computes each slice's logits, its
+loss and, in the same pass, its gradients (dh and the head's dW accumulated in fp32): the
+softmax gradient is p - onehot, known in the forward. The backward only scales them by the
+loss's cotangent, so the chunked path runs the head's three matmuls once each, like the
+unchunked one, and never holds more than one chunk's logits.
+"""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 
+from jscale.model import matmul
 from jscale.parallel.comms import LOCAL, Comms
+
+LOGITS_NAMES = ("batch", "seq", "vocab")
 
 
 def cross_entropy_sums(logits_BLV: jax.Array, labels_BL: jax.Array, mask_BL: jax.Array,
@@ -19,10 +34,101 @@ def cross_entropy_sums(logits_BLV: jax.Array, labels_BL: jax.Array, mask_BL: jax
   logits = logits_BLV.astype(jnp.float32)
   m_BL1 = jax.lax.stop_gradient(comms.vocab_max(logits))
   lse_BL = (jnp.log(comms.vocab_sum(jnp.exp(logits - m_BL1))) + m_BL1)[..., 0]
-  # The label logit as a masked sum over the vocab (not a gather), so a vocab-sharded layout
-  # reduces partial sums instead of collecting the full-vocab logits on one device.
-  vocab_ids_V = jnp.arange(logits.shape[-1]) + comms.vocab_offset(logits.shape[-1])
-  hit_BLV = vocab_ids_V == labels_BL[..., None]
-  target_BL = comms.vocab_sum(jnp.where(hit_BLV, logits, 0.0))[..., 0]
+  target_BL = comms.vocab_sum(jnp.where(_hits(logits, labels_BL, comms), logits, 0.0))[..., 0]
   mask = mask_BL.astype(jnp.float32)
   return jnp.sum((lse_BL - target_BL) * mask), jnp.sum(mask)
+
+
+def _hits(logits_BLV, labels_BL, comms: Comms) -> jax.Array:
+  # The label logit as a masked sum over the vocab (not a gather), so a vocab-sharded layout
+  # reduces partial sums instead of collecting the full-vocab logits on one device.
+  vocab_ids_V = jnp.arange(logits_BLV.shape[-1]) + comms.vocab_offset(logits_BLV.shape[-1])
+  return vocab_ids_V == labels_BL[..., None]
+
+
+def num_chunks(local_shape: tuple[int, int, int], budget_mb: float) -> int:
+  """Chunks along the sequence so one chunk's fp32 logits on a device ([rows, positions,
+  vocab] = `local_shape`, one device's share) take at most `budget_mb` MiB: the smallest such
+  divisor of the device's positions, at most one position per chunk (1: unchunked;
+  `budget_mb` 0: never chunk)."""
+  rows, positions, vocab = local_shape
+  if budget_mb <= 0:
+    return 1
+  need = math.ceil(rows * positions * vocab * 4 / (budget_mb * 2**20))
+  return next((n for n in range(max(need, 1), positions + 1) if positions % n == 0), positions)
+
+
+def head_loss_sums(h_BLD: jax.Array, head_DV: jax.Array, labels_BL: jax.Array,
+                   mask_BL: jax.Array, comms: Comms = LOCAL, budget_mb: float = 0.0
+                   ) -> tuple[jax.Array, jax.Array]:
+  """(loss sum, token count) of the head `h_BLD @ head_DV` (both in the compute dtype; the
+  logits are fp32), chunked by `num_chunks` when its fp32 logits exceed `budget_mb` MiB per
+  device (`train.logits_chunk_mb`)."""
+  b, l, _ = h_BLD.shape
+  n = num_chunks(comms.local_shape((b, l, head_DV.shape[-1]), LOGITS_NAMES), budget_mb)
+  if n == 1:
+    with jax.named_scope("head"):
+      logits = matmul.einsum_f32("BLD,DV->BLV", h_BLD, head_DV, h_BLD.dtype)
+    return cross_entropy_sums(comms.activation(logits, LOGITS_NAMES), labels_BL, mask_BL, comms)
+  mask = mask_BL.astype(jnp.float32)
+  with jax.named_scope("head_loss_chunked"):
+    return _chunked(h_BLD, head_DV, labels_BL, mask, comms, n), jnp.sum(mask)
+
+
+def _split(x: jax.Array, n: int) -> jax.Array:
+  """[B, L, ...] -> [n, B, L/n, ...], chunk i = positions i, i+n, ...: strided, so a sequence
+  sharded over devices (context parallelism) stays sharded the same way inside each chunk."""
+  b, l = x.shape[:2]
+  return jnp.moveaxis(x.reshape(b, l // n, n, *x.shape[2:]), 2, 0)
+
+
+def _merge(x: jax.Array) -> jax.Array:
+  n, b, c = x.shape[:3]
+  return jnp.moveaxis(x, 0, 2).reshape(b, c * n, *x.shape[3:])
+
+
+def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Comms, n: int) -> jax.Array:
+  """Loss sum over n chunks; custom_vjp: the gradients are made in the forward's scan."""
+
+  def chunk_loss(head_DV, h_BCD, labels_BC, mask_BC, with_grads: bool):
+    logits = comms.activation(jnp.einsum("BCD,DV->BCV", h_BCD, head_DV,
+                                         preferred_element_type=jnp.float32), LOGITS_NAMES)
+    m = comms.vocab_max(logits)
+    e = jnp.exp(logits - m)
+    s = comms.vocab_sum(e)
+    hit = _hits(logits, labels_BC, comms)
+    target = comms.vocab_sum(jnp.where(hit, logits, 0.0))
+    loss = jnp.sum((jnp.log(s) + m - target)[..., 0] * mask_BC)
+    if not with_grads:
+      return loss, None, None
+    # d(loss)/d(logits) = (softmax - onehot) * mask, cast to the compute dtype for both
+    # products (dh: partial over vocab shards, summed by the head's tensor-parallel entry).
+    dlogits = ((e / s - hit) * mask_BC[..., None]).astype(h_BCD.dtype)
+    dh_BCD = jnp.einsum("BCV,DV->BCD", dlogits, head_DV)
+    dw_DV = jnp.einsum("BCD,BCV->DV", h_BCD, dlogits, preferred_element_type=jnp.float32)
+    return loss, dh_BCD, dw_DV
+
+  def chunks(h_BLD, labels_BL, mask_BL):
+    return _split(h_BLD, n), _split(labels_BL, n), _split(mask_BL, n)
+
+  def loss_only(h_BLD, head_DV, labels_BL, mask_BL):
+    body = lambda total, x: (total + chunk_loss(head_DV, *x, with_grads=False)[0], None)
+    return jax.lax.scan(body, jnp.zeros((), jnp.float32), chunks(h_BLD, labels_BL, mask_BL))[0]
+
+  def forward(h_BLD, head_DV, labels_BL, mask_BL):
+    def body(carry, x):
+      loss, dh, dw = chunk_loss(head_DV, *x, with_grads=True)
+      return (carry[0] + loss, carry[1] + dw), dh
+
+    zeros = (jnp.zeros((), jnp.float32), jnp.zeros(head_DV.shape, jnp.float32))
+    (loss, dw_DV), dh = jax.lax.scan(body, zeros, chunks(h_BLD, labels_BL, mask_BL))
+    return loss, (_merge(dh), dw_DV.astype(head_DV.dtype))
+
+  def backward(res, g):
+    dh_BLD, dw_DV = res
+    scale = lambda x: (x.astype(jnp.float32) * g).astype(x.dtype)
+    return scale(dh_BLD), scale(dw_DV), None, None
+
+  fn = jax.custom_vjp(loss_only)
+  fn.defvjp(forward, backward)
+  return fn(h_BLD, head_DV, labels_BL, mask_BL)

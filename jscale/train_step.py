@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 
 from jscale.config import Config
-from jscale.loss import cross_entropy_sums
+from jscale.loss import head_loss_sums
 from jscale.model import llama
 from jscale.model import moe as moe_lib
 from jscale.optim import lr_schedule, make_optimizer
@@ -68,9 +68,11 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
   def loss_fn(params, mb: Batch, comms: Comms = comms):
     with jax.named_scope("forward"):
       model = nnx.merge(graphdef, params)
-      logits, stats = model.forward(mb["tokens"], mb.get("positions"), comms=comms,
-                                    remat=cfg.train.remat)
-      loss_sum, count = cross_entropy_sums(logits, mb["labels"], mb["loss_mask"], comms)
+      x_BLD, stats, embed_VD = model.trunk(mb["tokens"], mb.get("positions"), comms=comms,
+                                           remat=cfg.train.remat)
+      h_BLD, head_DV = model.head_inputs(x_BLD, comms, embed_VD)
+      loss_sum, count = head_loss_sums(h_BLD, head_DV, mb["labels"], mb["loss_mask"], comms,
+                                       cfg.train.logits_chunk_mb)
     return loss_sum, count, (moe_lib.with_objective(stats, moe) if moe is not None else stats)
 
   return loss_fn

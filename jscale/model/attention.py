@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jscale.model import matmul
+
 
 def xla_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
                   causal: bool = True, positions=None) -> jax.Array:
@@ -26,8 +28,9 @@ def xla_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
   b, l, h, k = q_BLHK.shape
   g = k_BSGK.shape[2]
   q_BLGRK = q_BLHK.reshape(b, l, g, h // g, k)
-  scores_BGRLS = jnp.einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK,
-                            preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(k))
+  # fp32 scores for the softmax; the backward's products still take bf16 operands.
+  scores_BGRLS = matmul.einsum_f32("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK,
+                                   q_BLHK.dtype) / jnp.sqrt(jnp.float32(k))
   if causal and positions is not None:
     pos_q_BL, pos_k_BS = positions
     mask_BLS = pos_q_BL[:, :, None] >= pos_k_BS[:, None, :]
@@ -37,9 +40,8 @@ def xla_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
     mask_LS = jnp.arange(l)[:, None] + (s - l) >= jnp.arange(s)[None, :]
     scores_BGRLS = jnp.where(mask_LS, scores_BGRLS, jnp.finfo(jnp.float32).min)
   probs_BGRLS = jax.nn.softmax(scores_BGRLS, axis=-1).astype(v_BSGK.dtype)
-  out_BLGRK = jnp.einsum("BGRLS,BSGK->BLGRK", probs_BGRLS, v_BSGK,
-                         preferred_element_type=jnp.float32)
-  return out_BLGRK.reshape(b, l, h, k).astype(q_BLHK.dtype)
+  out_BLGRK = matmul.einsum("BGRLS,BSGK->BLGRK", probs_BGRLS, v_BSGK, q_BLHK.dtype)
+  return out_BLGRK.reshape(b, l, h, k)
 
 
 def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,

@@ -1,4 +1,4 @@
-"""Building blocks: parameters with logical axis names, RMSNorm, dtype-casting einsum."""
+"""Building blocks: parameters with logical axis names, RMSNorm, the linear layers' einsum."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jscale.model import matmul
 from jscale.parallel.comms import GATHERED, LOCAL, Comms
 
 
@@ -70,9 +71,10 @@ class RMSNorm(nnx.Module):
 
 
 def einsum(spec: str, x: jax.Array, w: nnx.Param, dtype) -> jax.Array:
-  """`x @ w` in the compute dtype (master weights may be fp32), accumulating in fp32.
+  """`x @ w` in the compute dtype, forward and backward (`jscale.model.matmul`); master
+  weights may be fp32.
 
   The cast weight is named like ZeRO-3's gathered weights, so no remat policy saves a
   compute-dtype copy of every layer's weights for the backward (it is recast there)."""
   w = checkpoint_name(w[...].astype(dtype), GATHERED)
-  return jnp.einsum(spec, x.astype(dtype), w, preferred_element_type=jnp.float32).astype(dtype)
+  return matmul.einsum(spec, x, w, dtype)

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jscale.config import ModelConfig
+from jscale.model import matmul
 from jscale.model.layers import RMSNorm, einsum, param
 from jscale.model.moe import MoE
 from jscale.model.rope import apply_rope, inv_frequencies
@@ -161,6 +162,13 @@ class Llama(nnx.Module):
   def forward(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
               comms: Comms = LOCAL, remat: str = "none") -> tuple[jax.Array, dict]:
     """(fp32 logits [B, L, V], MoE router statistics averaged over layers; {} if dense)."""
+    x_BLD, stats, embed_VD = self.trunk(tokens_BL, positions_BL, comms=comms, remat=remat)
+    return self.logits(x_BLD, comms, embed_VD), stats
+
+  def trunk(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
+            comms: Comms = LOCAL, remat: str = "none") -> tuple[jax.Array, dict, jax.Array]:
+    """Embedding and layers: (hidden states [B, L, D] before the final norm, MoE statistics,
+    the embedding table in the compute dtype, which a tied head reuses)."""
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
     # Weights outside the layer stack also go through the seam (ZeRO-3 stores them as shards).
@@ -170,7 +178,7 @@ class Llama(nnx.Module):
     x_BLD = self.embed_tokens(tokens_BL, comms, embed_VD)
     x_BLD, stats = run_layers(*nnx.split(self.blocks), x_BLD, positions_BL, self.cfg, comms,
                               remat, with_stats=True)
-    return self.logits(x_BLD, comms, embed_VD), stats
+    return x_BLD, stats, embed_VD
 
   def embed_tokens(self, tokens_BL: jax.Array, comms: Comms = LOCAL,
                    embed_VD: jax.Array | None = None) -> jax.Array:
@@ -182,22 +190,30 @@ class Llama(nnx.Module):
       x_BLD = comms.embed(embed_VD, tokens_BL).astype(dt)
       return comms.activation(x_BLD, ("batch", "res_seq", "embed"))
 
-  def logits(self, x_BLD: jax.Array, comms: Comms = LOCAL,
-             embed_VD: jax.Array | None = None) -> jax.Array:
-    """Final norm and head: fp32 logits [B, L, V] (the pipeline's last chunk)."""
+  def head_inputs(self, x_BLD: jax.Array, comms: Comms = LOCAL,
+                  embed_VD: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The head's operands: final-normed hidden states [B, L, D] (entering the tensor-parallel
+    region) and the head weight [D, V], both in the compute dtype (`jscale.loss` multiplies
+    them, whole or in chunks of tokens)."""
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     with jax.named_scope("head"):
       norm_graphdef, norm_state = nnx.split(self.final_norm)
       final_norm = nnx.merge(norm_graphdef, comms.gather_params(norm_state, dt))
-      x_BLD = comms.enter_tensor_parallel(final_norm(x_BLD, comms))
+      h_BLD = comms.enter_tensor_parallel(final_norm(x_BLD, comms))
       if cfg.tie_embeddings:
         if embed_VD is None:
           embed_VD = comms.gather_params(self.embed, dt)[...]
         head_DV = embed_VD.T
       else:
         head_DV = comms.gather_params(self.lm_head, dt)[...]
-      logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, head_DV.astype(dt),
-                              preferred_element_type=jnp.float32)
+    return h_BLD.astype(dt), head_DV.astype(dt)
+
+  def logits(self, x_BLD: jax.Array, comms: Comms = LOCAL,
+             embed_VD: jax.Array | None = None) -> jax.Array:
+    """Final norm and head: fp32 logits [B, L, V] (bf16 operands, in the backward too)."""
+    h_BLD, head_DV = self.head_inputs(x_BLD, comms, embed_VD)
+    with jax.named_scope("head"):
+      logits_BLV = matmul.einsum_f32("BLD,DV->BLV", h_BLD, head_DV, self.cfg.dtype)
     return comms.activation(logits_BLV, ("batch", "seq", "vocab"))
 
 

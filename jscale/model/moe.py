@@ -20,6 +20,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jscale.config import ModelConfig
+from jscale.model import matmul
 from jscale.model.layers import einsum, param
 from jscale.model.moe_dispatch import ExpertWeights
 from jscale.parallel.comms import GATHERED, Comms
@@ -79,8 +80,9 @@ class MoE(nnx.Module):
     b, l, d = h_BLD.shape
     g = comms.expert_groups(b)
     h_GTD = comms.activation(h_BLD.reshape(g, b // g * l, d), ("batch", None, "embed"))
-    logits_GTE = jnp.einsum("GTD,DE->GTE", comms.router_input(h_GTD).astype(jnp.float32),
-                            self.router[...].astype(jnp.float32))
+    with matmul.fp32_scope("router"):
+      logits_GTE = jnp.einsum("GTD,DE->GTE", comms.router_input(h_GTD).astype(jnp.float32),
+                              self.router[...].astype(jnp.float32))
     probs_GTE, ids_GTK, gates_GTK = route(logits_GTE, self.cfg.top_k)
     stats = router_losses(logits_GTE, probs_GTE, ids_GTK, comms)
     # Cast in the seam's view (not saved by remat policies, like the dense layers' weights).

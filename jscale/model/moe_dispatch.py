@@ -20,6 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jscale.model import matmul
+
 
 class ExpertWeights(NamedTuple):
   """SwiGLU experts stacked on a leading expert dim (all experts, or this device's)."""
@@ -36,17 +38,15 @@ def capacity(tokens: int, k: int, n_experts: int, factor: float) -> int:
 
 def ragged_ffn(x_AD: jax.Array, sizes_E: jax.Array, w: ExpertWeights, dtype) -> jax.Array:
   """SwiGLU of rows sorted by expert (`sizes_E` rows each, in order); rows past sum(sizes_E)
-  come out zero. fp32 accumulation, output in `dtype`."""
-  dot = lambda x, m: jax.lax.ragged_dot(x.astype(dtype), m.astype(dtype), sizes_E,
-                                        preferred_element_type=jnp.float32).astype(dtype)
+  come out zero. Operands and result in `dtype` (so are the backward's: `jscale.model.matmul`)."""
+  dot = lambda x, m: jax.lax.ragged_dot(x.astype(dtype), m.astype(dtype), sizes_E)
   h_AF = jax.nn.silu(dot(x_AD, w.gate_EDF)) * dot(x_AD, w.up_EDF)
   return dot(h_AF, w.down_EFD)
 
 
 def dense_ffn(x_ECD: jax.Array, w: ExpertWeights, dtype) -> jax.Array:
   """SwiGLU of every expert's slot buffer (a batched matmul over experts)."""
-  dot = lambda spec, x, m: jnp.einsum(spec, x.astype(dtype), m.astype(dtype),
-                                      preferred_element_type=jnp.float32).astype(dtype)
+  dot = lambda spec, x, m: matmul.einsum(spec, x, m, dtype)
   h_ECF = jax.nn.silu(dot("ECD,EDF->ECF", x_ECD, w.gate_EDF)) * dot("ECD,EDF->ECF", x_ECD,
                                                                      w.up_EDF)
   return dot("ECF,EFD->ECD", h_ECF, w.down_EFD)
@@ -104,7 +104,8 @@ def combine(y_ECD: jax.Array, ids_TK, pos_TK, gates_TK) -> jax.Array:
   kept_TK = pos_TK < cap
   rows_TKD = y_ECD[ids_TK, jnp.minimum(pos_TK, cap - 1)].astype(jnp.float32)
   w_TK = jnp.where(kept_TK, gates_TK, 0.0)
-  return jnp.einsum("TKD,TK->TD", rows_TKD, w_TK).astype(y_ECD.dtype)
+  # An fp32 weighted sum over the k choices (elementwise: no fp32 matmul in the step).
+  return jnp.sum(rows_TKD * w_TK[..., None], axis=1).astype(y_ECD.dtype)
 
 
 def with_capacity(x_TD: jax.Array, ids_TK, gates_TK, w: ExpertWeights, dtype,

@@ -37,6 +37,12 @@ class Comms:
     del names
     return x
 
+  def local_shape(self, shape: Sequence[int], names: Names) -> tuple[int, ...]:
+    """The shape of one device's block of an activation of `shape` laid out by logical
+    `names` (one device and manual mode: arrays already are that block)."""
+    del names
+    return tuple(shape)
+
   def gather_params(self, layer_params: Any, dtype: Any) -> Any:
     """Makes one layer's (possibly ZeRO-3 sharded) weights whole just before use; ZeRO-3
     gathers them already cast to the compute `dtype` (half the bytes of fp32 masters)."""

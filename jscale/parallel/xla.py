@@ -38,6 +38,9 @@ class XlaComms(Comms):
   def activation(self, x: jax.Array, names: Names) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, self._sharding(self.layouts.activation(names).spec))
 
+  def local_shape(self, shape, names):
+    return tuple(self.layouts.activation(names).shard_shape(tuple(shape)))
+
   @property
   def stages(self) -> int:
     return self.layouts.mesh.shape["stage"]

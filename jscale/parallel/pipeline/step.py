@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jscale.config import Config
-from jscale.loss import cross_entropy_sums
+from jscale.loss import head_loss_sums
 from jscale.model import llama
 from jscale.model import moe as moe_lib
 from jscale.parallel.comms import Comms
@@ -54,7 +54,9 @@ def stage_fns(cfg: Config, graphdef: nnx.GraphDef, comms: Comms,
     return y, moe_lib.with_objective(jax.tree.map(lambda v: v * share, stats), moe)
 
   def head_loss(shared, x_bLD, labels_bL, mask_bL):
-    return cross_entropy_sums(model(shared).logits(x_bLD, comms), labels_bL, mask_bL, comms)[0]
+    h_bLD, head_DV = model(shared).head_inputs(x_bLD, comms)
+    return head_loss_sums(h_bLD, head_DV, labels_bL, mask_bL, comms,
+                          cfg.train.logits_chunk_mb)[0]
 
   return executor.StageFns(embed, layers, head_loss)
 

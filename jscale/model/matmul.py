@@ -1,0 +1,75 @@
+"""The model's matmuls in the compute dtype, forward and backward, and the few fp32 on purpose.
+
+Mixed precision as the hardware does it: operands in the compute dtype (bf16), the products
+accumulated in fp32 by the tensor cores, the result rounded to the compute dtype. Asking XLA
+for an fp32 result (`preferred_element_type=float32`) and casting it back would make the
+backward's cotangent fp32, and JAX's transpose rules would then run both backward products (dx
+and dW) with fp32 operands: TF32 gemms at half rate plus converts (measured on one H100:
+62% of the GPU time of a llama3_1b step, `shared/measurements`).
+
+  * `einsum`: a linear layer's matmul; result in the compute dtype.
+  * `einsum_f32`: an fp32 result where a softmax reads it (attention scores, logits), with a
+    backward that casts the cotangent to the operands' dtype first, so dx and dW still multiply
+    in the compute dtype (FlashAttention does the same with dS).
+  * `FP32_MATMULS`: the matmuls that take fp32 operands on purpose, each with its reason; they
+    run under `fp32_scope(name)`, whose name the lowered program's locations carry
+    (`jscale.dots` reads them; tests/test_precision.py allows only these).
+  * `FP32_ELEMENTWISE`: where else the step computes in fp32 on purpose (no matmul).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+FP32_MATMULS: dict[str, str] = {
+    "router": "MoE router logits: top-k choices and the z-loss's logsumexp² flip or blow up "
+              "under bf16 rounding of logits; [tokens, d_model] x [d_model, experts] is tiny.",
+}
+FP32_ELEMENTWISE: dict[str, str] = {
+    "softmax": "attention scores and their softmax / log-sum-exp statistics (xla impl, ring "
+               "blocks, flash kernels): exp() of bf16-rounded scores loses ~3 digits.",
+    "rms_norm": "RMSNorm's mean of squares and rsqrt (HF LlamaRMSNorm semantics).",
+    "loss": "logits, log-sum-exp and the token losses; sums over tokens and micro-batches.",
+    "gradients": "gradient accumulation over micro-batches, ZeRO reductions, the optimizer "
+                 "(fp32 master weights and Adam moments).",
+}
+SCOPE_PREFIX = "fp32_"
+
+
+def fp32_scope(name: str):
+  """The named scope of an fp32-on-purpose matmul listed in `FP32_MATMULS`."""
+  if name not in FP32_MATMULS:
+    raise KeyError(f"{name!r} is not in FP32_MATMULS: list it there with its reason")
+  return jax.named_scope(SCOPE_PREFIX + name)
+
+
+def einsum(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+  """`jnp.einsum(spec, x, w)` with both operands cast to the compute `dtype`; the result is in
+  `dtype` (accumulated in fp32 by the hardware), and so is the backward's cotangent."""
+  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype))
+
+
+def einsum_f32(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+  """`einsum` with an fp32 result (scores, logits); its backward multiplies in `dtype`."""
+  return _einsum_f32(spec, a.astype(dtype), b.astype(dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _einsum_f32_fwd(spec, a, b):
+  return _einsum_f32(spec, a, b), (a, b)
+
+
+def _einsum_f32_bwd(spec, res, g):
+  a, b = res
+  _, pullback = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), a, b)
+  return pullback(g.astype(a.dtype))
+
+
+_einsum_f32.defvjp(_einsum_f32_fwd, _einsum_f32_bwd)
