@@ -65,7 +65,9 @@ class ModelConfig:
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   init_std: float = 0.02
-  attention_impl: str = "xla"  # xla | cudnn | ring (context parallelism over mesh.sequence) | pallas
+  # auto (cuDNN on GPU where it applies, the ring under mesh.sequence > 1, else xla) | xla |
+  # cudnn | ring (context parallelism over mesh.sequence) | pallas (flash kernel)
+  attention_impl: str = "auto"
   norm_impl: str = "xla"  # xla | pallas (fused Pallas RMSNorm kernel)
   # Run the Pallas kernels (attention_impl / norm_impl = pallas) in the Pallas interpreter:
   # slow, for CPU tests and debugging; without it they need a GPU.
@@ -323,7 +325,7 @@ def _coerce(tp, value, key):
 # --------------------------------------------------------------- validation
 
 _CHOICES = {
-    "model.attention_impl": ("xla", "cudnn", "ring", "pallas"),
+    "model.attention_impl": ("auto", "xla", "cudnn", "ring", "pallas"),
     "model.norm_impl": ("xla", "pallas"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16"),

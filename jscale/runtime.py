@@ -36,6 +36,7 @@ class Runtime:
   graphdef: nnx.GraphDef
   state_shapes: Any  # ShapeDtypeStructs of the train state (no shardings)
   state_shardings: Any
+  attention_why: str = ""  # why model.attention_impl=auto chose cfg.model.attention_impl
 
   def init_state(self) -> ts.State:
     return ts.init_state(self.cfg, self.state_shardings, self.mesh.shape["stage"])
@@ -176,9 +177,33 @@ def check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
                       "sharded over fsdp)")
 
 
+def resolve_attention(cfg: Config, mesh: Mesh) -> tuple[Config, str]:
+  """`cfg` with model.attention_impl=auto replaced by the impl it runs on `mesh`'s devices,
+  and why (`attention.auto_impl`); other values are returned as they are ("" as the why)."""
+  m = cfg.model
+  if m.attention_impl != "auto":
+    return cfg, ""
+  device, cp = mesh.devices.flat[0], mesh.shape["sequence"]
+  flash_tiles = True
+  if cp > 1 and device.platform == "gpu":
+    try:
+      check_flash_attention(_with_attention(cfg, "pallas"), dict(mesh.shape))
+    except ConfigError:
+      flash_tiles = False
+  impl, why = attn_lib.auto_impl(device.platform, m.dtype, m.resolved_head_dim, cp > 1,
+                                 flash_tiles, getattr(device, "compute_capability", None))
+  return _with_attention(cfg, impl), why
+
+
+def _with_attention(cfg: Config, impl: str) -> Config:
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
+
+
 def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
-  """Mesh, layouts and comms for `cfg` on `devices` (default: all)."""
+  """Mesh, layouts and comms for `cfg` on `devices` (default: all); `Runtime.cfg` is `cfg` with
+  model.attention_impl=auto resolved for those devices."""
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+  cfg, attention_why = resolve_attention(cfg, mesh)
   check_layout(cfg, mesh)
   abstract_model = nnx.eval_shape(lambda: llama.create(cfg.model, cfg.train.seed))
   graphdef = nnx.split(abstract_model)[0]
@@ -187,4 +212,4 @@ def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
   state_shardings = layouts.state(make_optimizer(cfg.train), abstract)
   comms = (ManualComms(layouts, cfg.parallel.bucket_mb) if cfg.parallel.collectives == "manual"
            else XlaComms(layouts))
-  return Runtime(cfg, mesh, layouts, comms, graphdef, abstract, state_shardings)
+  return Runtime(cfg, mesh, layouts, comms, graphdef, abstract, state_shardings, attention_why)

@@ -8,6 +8,7 @@ periodic eval, checkpoints and an optional profiler trace.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -25,6 +26,7 @@ from jscale import params_io
 from jscale import runtime
 from jscale import train_step as ts
 from jscale import xla_flags
+from jscale import config as config_lib
 from jscale.config import Config, ConfigError, load_config
 from jscale.data import make_eval_batches, make_train_iterator, tokenizer_vocab_size
 from jscale.optim import make_optimizer
@@ -49,6 +51,26 @@ def check_runtime(cfg: Config) -> None:
             f"model.{f}={getattr(cfg.model, f)} differs from checkpoint.init_from "
             f"({cfg.checkpoint.init_from}: {f}={getattr(saved, f)}): set model.{f}="
             f"{getattr(saved, f)}")
+
+
+def write_run_info(cfg: Config, rt: runtime.Runtime, requested_attention: str) -> None:
+  """`<output_dir>/run.json` (process 0): what this run resolved and runs on — the attention
+  impl chosen (and why), devices, mesh, jax version — and the config it runs (written whole
+  via a temporary file, so a reader never sees half of it)."""
+  if not distributed.is_main():
+    return
+  device = rt.mesh.devices.flat[0]
+  info = {"attention_impl": cfg.model.attention_impl,
+          "attention_impl_requested": requested_attention, "attention_why": rt.attention_why,
+          "backend": device.platform, "device_kind": getattr(device, "device_kind", ""),
+          "devices": int(rt.mesh.size), "processes": jax.process_count(),
+          "mesh": {k: int(v) for k, v in rt.mesh.shape.items()}, "jax": jax.__version__,
+          "config": config_lib.to_dict(cfg)}
+  os.makedirs(cfg.train.output_dir, exist_ok=True)
+  path = os.path.join(cfg.train.output_dir, "run.json")
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump(info, f, indent=1)
+  os.replace(path + ".tmp", path)
 
 
 def _to_global(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
@@ -94,7 +116,13 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
   check_runtime(cfg)
   t = cfg.train
   pi, pc = jax.process_index(), jax.process_count()
+  requested = cfg.model.attention_impl
   rt = runtime.build(cfg)
+  cfg = rt.cfg  # model.attention_impl=auto resolved for these devices
+  if distributed.is_main():
+    why = f" (model.attention_impl=auto: {rt.attention_why})" if requested == "auto" else ""
+    print(f"attention: {cfg.model.attention_impl}{why}", flush=True)
+  write_run_info(cfg, rt, requested)
   reorder = rt.reorder()  # context parallelism's token order, applied once at load
   train_iter = make_train_iterator(cfg.data, t.seq_len, t.batch_size, pi, pc, reorder)
   eval_batches = (make_eval_batches(cfg.data, t.seq_len, t.batch_size, t.eval_batches, pi, pc,

@@ -33,9 +33,9 @@ STRATEGIES = {
     "dp×zero3×tp_sp": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.zero_stage=3",
                        "parallel.sequence_parallel=true"],
     # Context parallelism: xla mode all-gathers K/V, manual mode runs the zig-zag ring.
-    "dp×cp": ["mesh.data=2", "mesh.sequence=4"],
+    "dp×cp": ["mesh.data=2", "mesh.sequence=4", "model.attention_impl=xla"],
     "dp×cp×tp_sp": ["mesh.data=2", "mesh.sequence=2", "mesh.tensor=2",
-                    "parallel.sequence_parallel=true"],
+                    "parallel.sequence_parallel=true", "model.attention_impl=xla"],
 }
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 

@@ -19,10 +19,11 @@ from parity import ACCUMULATE, BASE, losses, reference
 CP4 = ("mesh.sequence=4", "mesh.data=2")
 CP_TP = ("mesh.sequence=2", "mesh.tensor=2", "mesh.data=2")
 MANUAL, RING = ("parallel.collectives=manual",), ("model.attention_impl=ring",)
+ALL_GATHER = ("model.attention_impl=xla",)  # explicit: attention_impl=auto runs the ring
 
 LAYOUTS = {
-    "xla_allgather_cp4": CP4,
-    "xla_allgather_cp2_tp2_dp2": CP_TP,
+    "xla_allgather_cp4": CP4 + ALL_GATHER,
+    "xla_allgather_cp2_tp2_dp2": CP_TP + ALL_GATHER,
     "xla_ring_cp4": CP4 + RING,
     "xla_ring_cp2_tp2_sp_dp2": CP_TP + RING + ("parallel.sequence_parallel=true",),
     "manual_cp4": CP4 + MANUAL,
@@ -91,6 +92,12 @@ def test_manual_ring_collectives(remat):
 def test_bad_layouts_fail_before_compile(overrides, key):
   with pytest.raises(ConfigError, match=key):
     runtime.build(small_config(None, *BASE, *overrides))
+
+
+def test_auto_is_the_ring_under_context_parallelism():
+  for mode in (("parallel.collectives=xla",), MANUAL):
+    rt = runtime.build(small_config(None, *BASE, *CP4, *mode))
+    assert rt.cfg.model.attention_impl == "ring" and "ring" in rt.attention_why
 
 
 def test_missing_positions_is_an_error():

@@ -1,5 +1,9 @@
 """Attention dispatch: `model.attention_impl` picks how softmax(QKᵀ/√d)·V is computed.
 
+"auto" (the default) picks per backend and layout (`auto_impl`): cuDNN flash attention on a GPU
+where it applies, the ring under context parallelism, plain XLA on CPU; the runtime resolves it
+once and the train loop prints and records the choice.
+
 Every impl takes q [B, L, H, K] and k, v [B, S, G, K] with H a multiple of G (grouped-query
 attention: K/V are never repeated in memory) and returns [B, L, H, K]. The causal mask is the
 usual one, or, given token positions (context parallelism reorders tokens), query i sees key j
@@ -69,8 +73,41 @@ IMPLS: dict[str, Callable[..., jax.Array]] = {"xla": xla_attention, "cudnn": cud
                                                "ring": xla_attention, "pallas": pallas_attention}
 # Backends each impl can run on; checked at config validation, never a silent fallback
 # (`jscale.runtime.check_backend`). Pallas kernels run anywhere with model.kernel_interpret.
+# "auto" resolves to one of the others for the backend (`auto_impl`).
 BACKENDS: dict[str, tuple[str, ...]] = {"xla": ("cpu", "gpu", "tpu"), "cudnn": ("gpu",),
-                                        "ring": ("cpu", "gpu", "tpu"), "pallas": ("gpu",)}
+                                        "ring": ("cpu", "gpu", "tpu"), "pallas": ("gpu",),
+                                        "auto": ("cpu", "gpu", "tpu")}
+
+
+def cudnn_applies(dtype, head_dim: int, compute_capability: str | None = None) -> str | None:
+  """None if cuDNN's fused flash attention runs this attention, else why not: it takes fp16 /
+  bf16 operands, head dims that are multiples of 8 up to 128, and Ampere or newer GPUs."""
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"model.dtype={jnp.dtype(dtype).name} (cuDNN flash attention needs bf16 or fp16)"
+  if head_dim % 8 or head_dim > 128:
+    return f"head_dim={head_dim} (cuDNN flash attention needs a multiple of 8, at most 128)"
+  if compute_capability and float(compute_capability) < 8.0:
+    return f"compute capability {compute_capability} (cuDNN flash attention needs >= 8.0)"
+  return None
+
+
+def auto_impl(platform: str, dtype, head_dim: int, context_parallel: bool = False,
+              flash_tiles: bool = True, compute_capability: str | None = None
+              ) -> tuple[str, str]:
+  """(impl, why) that `model.attention_impl: auto` runs: under context parallelism the ring
+  (its blocks the Pallas flash kernel on GPU where it tiles them, else plain jnp); on a GPU
+  cuDNN's fused flash attention where it applies; plain XLA otherwise (CPU)."""
+  if context_parallel:
+    if platform == "gpu" and flash_tiles:
+      return "pallas", "mesh.sequence > 1 on GPU: ring attention, flash-kernel blocks"
+    return "ring", "mesh.sequence > 1: ring attention" + (
+        ", plain blocks (the flash kernel does not tile them)" if platform == "gpu" else "")
+  if platform == "gpu":
+    why_not = cudnn_applies(dtype, head_dim, compute_capability)
+    if why_not is None:
+      return "cudnn", f"GPU, {jnp.dtype(dtype).name}, head_dim {head_dim}: cuDNN flash attention"
+    return "xla", f"GPU, but cuDNN does not apply: {why_not}"
+  return "xla", f"{platform}: plain XLA attention"
 # Logical axis names of q and of k / v (how the comms seam lays out a kernel's operands).
 Q_NAMES = ("batch", "seq", "heads", "head_dim")
 KV_NAMES = ("batch", "seq", "kv_heads", "head_dim")
@@ -80,6 +117,8 @@ def attention(q_BLHK, k_BSGK, v_BSGK, impl: str = "xla", causal: bool = True,
               positions=None, interpret: bool = False) -> jax.Array:
   """Dispatches to `impl`; the result is named for selective rematerialisation.
   `interpret`: Pallas impls only (run in the Pallas interpreter)."""
+  if impl == "auto":  # a model used without a runtime (one device, no context parallelism)
+    impl = auto_impl(jax.default_backend(), q_BLHK.dtype, q_BLHK.shape[-1])[0]
   kwargs = {"interpret": interpret} if impl == "pallas" else {}
   return named(IMPLS[impl](q_BLHK, k_BSGK, v_BSGK, causal=causal, positions=positions,
                            **kwargs))

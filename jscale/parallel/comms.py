@@ -74,6 +74,8 @@ class Comms:
     K/V all-gathered, or a ring). `positions_BL` are the tokens' positions in their sequence.
     `interpret`: run a Pallas impl in the Pallas interpreter."""
     del positions_BL  # one device (or no context parallelism): tokens are in order
+    if impl == "auto":
+      impl = attn_lib.auto_impl(jax.default_backend(), q_BLHK.dtype, q_BLHK.shape[-1])[0]
     if impl == "pallas":  # a kernel: runs on each device's shards of batch and heads
       fn = functools.partial(attn_lib.pallas_attention, interpret=interpret)
       names = (attn_lib.Q_NAMES, attn_lib.KV_NAMES, attn_lib.KV_NAMES)
