@@ -108,3 +108,34 @@ def test_ring_attention_with_flash_blocks_matches_one_device(mode):
   got = parity.losses((*seq, "mesh.sequence=2", "mesh.data=1", f"parallel.collectives={mode}"),
                       jax.devices()[:2])
   np.testing.assert_allclose(got, parity.reference("train.seq_len=64"), rtol=1e-4)
+
+
+def _flash_calls(jaxpr, kernel: str) -> int:
+  """pallas_call equations of the named flash kernel in a jaxpr and every jaxpr nested in it."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    name = str(eqn.params.get("name") or eqn.params.get("name_and_src_info"))
+    n += eqn.primitive.name == "pallas_call" and kernel in name
+    for v in eqn.params.values():
+      for x in v if isinstance(v, (tuple, list)) else (v,):
+        sub = getattr(x, "jaxpr", x)
+        n += _flash_calls(sub, kernel) if hasattr(sub, "eqns") else 0
+  return n
+
+
+def test_selective_remat_keeps_the_kernel_forward():
+  """`remat: selective` saves the flash forward's outputs (with its lse): the step traces as many
+  forward kernels as with remat none, not the extra one full remat runs in the backward. cuDNN's
+  forward primitive is saved by the same policy."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=import-outside-toplevel
+  from jscale.introspect import abstract_batch  # pylint: disable=import-outside-toplevel
+  from jscale.model.llama import remat_policy  # pylint: disable=import-outside-toplevel
+  calls = {}
+  for remat in ("none", "selective", "full"):
+    cfg = small_config(None, *BASE, *KERNELS[:1], KERNELS[2], f"train.remat={remat}",
+                       "mesh.data=1")
+    rt = runtime.build(cfg, jax.devices()[:1])
+    jaxpr = jax.make_jaxpr(rt.train_step())(rt.abstract_state(), abstract_batch(cfg)).jaxpr
+    calls[remat] = _flash_calls(jaxpr, "flash_attention_fwd")
+  assert calls["selective"] == calls["none"] < calls["full"], calls
+  assert remat_policy("selective")(cudnn._dot_product_attention_fwd_p_wrapper)  # pylint: disable=protected-access

@@ -44,3 +44,21 @@ def test_summary_of_a_cpu_training_trace(tmp_path, data_cache, capsys):
   out = capsys.readouterr().out
   assert "ms per step (2 steps)" in out and "idle" in out and "top 5 kernels" in out
   assert profile.main([str(tmp_path / "nothing")]) == 2
+
+
+def test_bench_train_quick(tmp_path):
+  """scripts/bench_train.py end to end on CPU (`--quick`): a row with metrics and shares."""
+  import csv
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "bench_train.md"
+  subprocess.run([sys.executable, "scripts/bench_train.py", "--quick", "--steps", "6",
+                  "--every", "2", "--out", str(out)], cwd=root, check=True,
+                 env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
+  (row,) = csv.DictReader(open(tmp_path / "bench_train.csv"))
+  assert row["status"] == "ok" and float(row["tokens_per_sec"]) > 0
+  assert abs(sum(float(row[f"share_{k}"]) for k in ("gemm", "attention", "collectives",
+                                                    "elementwise", "copies", "idle")) - 1) < 0.5
+  assert "### tiny b8" in out.read_text()

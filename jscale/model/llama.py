@@ -119,17 +119,29 @@ def _save_all_but_gathered(prim, *_, **params) -> bool:
   return prim.name not in ("sharding_constraint", "optimization_barrier")
 
 
+def _attention_kernel_forward(prim, params) -> bool:
+  # A fused attention kernel's forward (cuDNN's custom call; the Pallas flash kernel): its
+  # outputs include the softmax statistics the backward kernel reads. Saving them (with the
+  # output, already kept as "attn_ctx") spares the backward a second attention forward.
+  return (prim.name == "dot_product_attention_fwd_wrapper" or
+          (prim.name == "pallas_call" and
+           "flash_attention_fwd" in str(params.get("name") or params.get("name_and_src_info"))))
+
+
 def remat_policy(remat: str):
   """`train.remat` -> a jax.checkpoint policy for one layer.
 
-  Every policy drops ZeRO-3's gathered weights (`GATHERED`); "none" saves everything else.
+  Every policy drops ZeRO-3's gathered weights (`GATHERED`); "none" saves everything else;
+  "selective" the named matmul outputs and fused attention kernels' forward outputs.
   """
   if remat == "none":
     return _save_all_but_gathered
   if remat == "full":
     return jax.checkpoint_policies.nothing_saveable
   if remat == "selective":
-    return jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVE)
+    named = jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVE)
+    return lambda prim, *args, **params: (_attention_kernel_forward(prim, params) or
+                                          named(prim, *args, **params))
   raise ValueError(f"train.remat={remat!r}: choose none, selective or full")
 
 

@@ -76,8 +76,11 @@ class Comms:
     del positions_BL  # one device (or no context parallelism): tokens are in order
     if impl == "auto":
       impl = attn_lib.auto_impl(jax.default_backend(), q_BLHK.dtype, q_BLHK.shape[-1])[0]
-    if impl == "pallas":  # a kernel: runs on each device's shards of batch and heads
-      fn = functools.partial(attn_lib.pallas_attention, interpret=interpret)
+    if impl in ("pallas", "cudnn"):  # kernels: run on each device's shards of batch and heads
+      # (cuDNN too: a custom call inside GSPMD regions such as a pipeline stage, and only ever
+      # per-device work, so it gets the same per-shard dispatch as the Pallas kernel)
+      fn = (functools.partial(attn_lib.pallas_attention, interpret=interpret)
+            if impl == "pallas" else attn_lib.cudnn_attention)
       names = (attn_lib.Q_NAMES, attn_lib.KV_NAMES, attn_lib.KV_NAMES)
       return attn_lib.named(self.kernel(fn, (q_BLHK, k_BSGK, v_BSGK), names, attn_lib.Q_NAMES))
     return attn_lib.attention(q_BLHK, k_BSGK, v_BSGK, impl)

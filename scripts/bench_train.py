@@ -1,0 +1,151 @@
+"""Training throughput on the GPU it finds: tokens/s, MFU, step time, peak memory and where the
+device time goes, per (preset, batch, remat, attention) setting.
+
+  python scripts/bench_train.py                      # the sweep below -> results/bench_train.*
+  python scripts/bench_train.py --only 1b            # rows whose name contains "1b"
+  python scripts/bench_train.py --steps 30 -- train.seq_len=8192   # extra overrides, every row
+  python scripts/bench_train.py --quick              # CPU smoke run of the script itself
+
+Each row is one `python -m jscale.train` process (an out-of-memory row fails alone) on
+configs/tiny.yaml's data (stdlib bytes; the vocab is the preset's, so the head is full size)
+with bf16 compute, no checkpoints, no eval. Steps 2..N are timed by the trainer's own metrics
+(the first step holds the compile); the figure is the mean over the logged intervals after the
+first, excluding the profiled steps. Then `train.profile_steps` traces two steps and
+`jscale.profile` splits their device time into gemm / attention / collectives /
+elementwise / copies / idle, with the top kernels. MFU is the trainer's: 6·N + causal attention
+FLOPs per token over the device's dense bf16 peak (989 TFLOP/s for an H100 SXM).
+
+Writes results/bench_train.md (table, then each row's profile summary) and .csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jscale import profile  # noqa: E402
+from jscale.report import write_table  # noqa: E402
+
+L1B, L3B, L8B = ("model.preset=llama3_1b",), ("model.preset=llama3_3b",), (
+    "model.preset=llama3_8b", "model.n_layers=8")  # 8B's layers, 8 of them: fits one GPU
+# name -> overrides (seq 4096 unless given). Attention "auto" is cuDNN on an H100.
+ROWS: dict[str, tuple[str, ...]] = {
+    "1b selective b4": (*L1B, "train.batch_size=4", "train.remat=selective"),
+    "1b selective b8": (*L1B, "train.batch_size=8", "train.remat=selective"),
+    "1b none b2": (*L1B, "train.batch_size=2", "train.remat=none"),
+    "1b none b4": (*L1B, "train.batch_size=4", "train.remat=none"),
+    "1b full b8": (*L1B, "train.batch_size=8", "train.remat=full"),
+    "1b selective b4 unchunked loss": (*L1B, "train.batch_size=4", "train.remat=selective",
+                                       "train.logits_chunk_mb=0"),
+    "1b selective b4 pallas": (*L1B, "train.batch_size=4", "train.remat=selective",
+                               "model.attention_impl=pallas", "model.norm_impl=pallas"),
+    "1b selective b4 xla attention": (*L1B, "train.batch_size=4", "train.remat=selective",
+                                      "model.attention_impl=xla"),
+    "3b full b2": (*L3B, "train.batch_size=2", "train.remat=full"),
+    "3b selective b2": (*L3B, "train.batch_size=2", "train.remat=selective"),
+    "8b-8L full b1": (*L8B, "train.batch_size=1", "train.remat=full"),
+    "8b-8L selective b2": (*L8B, "train.batch_size=2", "train.remat=selective"),
+}
+QUICK: dict[str, tuple[str, ...]] = {  # CPU: the script's plumbing, not a measurement
+    "tiny b8": ("model.n_layers=2", "train.batch_size=8", "train.seq_len=64",
+                "model.dtype=float32"),
+}
+COMMON = ("model.dtype=bfloat16", "train.seq_len=4096", "checkpoint.every=0", "train.eval_every=0",
+          "data.val_fraction=0", "logging.progress=false", "logging.tensorboard=false",
+          "train.warmup_steps=5")
+
+
+def run_row(name: str, overrides: tuple[str, ...], steps: int, every: int, workdir: str,
+            extra: tuple[str, ...]) -> dict:
+  """One training process; its steady-state metrics and profile summary as a table row."""
+  out = os.path.join(workdir, name.replace(" ", "_"))
+  first = steps - every + 1  # the last logging interval is traced, and not timed
+  cmd = [sys.executable, "-m", "jscale.train", "--config", "configs/tiny.yaml", *COMMON,
+         *overrides, *extra, f"train.steps={steps}", f"logging.every={every}",
+         f"train.profile_steps=[{first},{first + 1}]", f"train.output_dir={out}"]
+  print(f"== {name}: {' '.join(cmd[3:])}", flush=True)
+  proc = subprocess.run(cmd, capture_output=True, text=True,
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  row = {"name": name, "overrides": " ".join(overrides)}
+  if proc.returncode != 0:
+    tail = (proc.stderr or proc.stdout).strip().splitlines()
+    oom = any("RESOURCE_EXHAUSTED" in line or "out of memory" in line.lower() for line in tail)
+    print("\n".join(tail[-15:]), file=sys.stderr)
+    return {**row, "status": "out of memory" if oom else f"failed: {tail[-1][:120] if tail else ''}"}
+  with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  timed = [r for r in rows if "step_time_s" in r and every < r["step"] <= steps - every]
+  timed = timed or [r for r in rows if "step_time_s" in r]
+  mean = lambda k: sum(r[k] for r in timed) / len(timed) if timed and timed[0].get(k) else None
+  with open(os.path.join(out, "run.json"), encoding="utf-8") as f:
+    info = json.load(f)
+  s = profile.summarize(out)
+  shares = s.shares()
+  peak = max((r.get("peak_memory_bytes") or 0) for r in rows) or None
+  return {**row, "status": "ok", "device": info["device_kind"],
+          "attention": info["attention_impl"], "tokens_per_sec": mean("tokens_per_sec"),
+          "mfu": mean("mfu"), "step_time_s": mean("step_time_s"),
+          "peak_memory_gib": peak / 2**30 if peak else None,
+          **{f"share_{k.split('/')[0]}": v for k, v in shares.items()},
+          "top_kernels": "; ".join(f"{k.name[:48]} ({k.total_ns / s.span_ns:.0%})"
+                                   for k in s.kernels[:3]),
+          "profile": profile.format_summary(s, top=12)}
+
+
+def _fmt(v, spec):
+  return "—" if v is None else format(v, spec)
+
+
+COLUMNS = [
+    ("setting", lambda r: r["name"]), ("attention", lambda r: r.get("attention", "—")),
+    ("tokens/s", lambda r: _fmt(r.get("tokens_per_sec"), ",.0f")),
+    ("MFU", lambda r: _fmt(r.get("mfu"), ".1%")),
+    ("step (ms)", lambda r: _fmt(r.get("step_time_s") and 1e3 * r["step_time_s"], ".0f")),
+    ("peak (GiB)", lambda r: _fmt(r.get("peak_memory_gib"), ".1f")),
+    ("gemm / attn / coll / elem / copy / idle", lambda r: " / ".join(
+        f"{100 * r[k]:.0f}" for k in ("share_gemm", "share_attention", "share_collectives",
+                                      "share_elementwise", "share_copies", "share_idle"))
+     if r["status"] == "ok" else r["status"]),
+]
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--only", default="", help="run the rows whose name contains this")
+  p.add_argument("--steps", type=int, default=20)
+  p.add_argument("--every", type=int, default=5, help="logging interval (timed blocks)")
+  p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny rows")
+  p.add_argument("--out", default="results/bench_train.md")
+  p.add_argument("extra", nargs="*", help="overrides added to every row")
+  args = p.parse_args()
+  import jax  # pylint: disable=import-outside-toplevel
+  backend = jax.default_backend()
+  if backend != "gpu" and not args.quick:
+    raise SystemExit(f"no GPU here (backend {backend}): the sweep measures GPU training; "
+                     "`--quick` runs the script's plumbing on CPU")
+  rows_in = QUICK if args.quick else ROWS
+  extra = tuple(args.extra) + (("train.seq_len=64",) if args.quick else ())
+  chosen = {n: o for n, o in rows_in.items() if args.only in n}
+  if not chosen:
+    raise SystemExit(f"--only {args.only!r} matches none of {list(rows_in)}")
+  with tempfile.TemporaryDirectory(prefix="bench_train_") as work:
+    rows = [run_row(n, o, args.steps, args.every, work, extra) for n, o in chosen.items()]
+  table = write_table([{k: v for k, v in r.items() if k != "profile"} for r in rows], COLUMNS,
+                      args.out)
+  with open(args.out, "a", encoding="utf-8") as f:
+    f.write("\nShares are % of the traced span (2 steps); kernel time on overlapping streams "
+            "counts once per stream.\n")
+    for r in rows:
+      if r["status"] == "ok":
+        f.write(f"\n### {r['name']}\n\n```\n{r['profile']}\n```\n")
+  print(table)
+
+
+if __name__ == "__main__":
+  main()
