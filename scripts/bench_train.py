@@ -3,6 +3,7 @@ device time goes, per (preset, batch, remat, attention) setting.
 
   python scripts/bench_train.py                      # the sweep below -> results/bench_train.*
   python scripts/bench_train.py --only 1b            # rows whose name contains "1b"
+  python scripts/bench_train.py --only 3b,8b --out results/bench_train_large.md
   python scripts/bench_train.py --steps 30 -- train.seq_len=8192   # extra overrides, every row
   python scripts/bench_train.py --quick              # CPU smoke run of the script itself
 
@@ -15,7 +16,9 @@ first, excluding the profiled steps. Then `train.profile_steps` traces two steps
 elementwise / copies / idle, with the top kernels. MFU is the trainer's: 6·N + causal attention
 FLOPs per token over the device's dense bf16 peak (989 TFLOP/s for an H100 SXM).
 
-Writes results/bench_train.md (table, then each row's profile summary) and .csv.
+Writes results/bench_train.md (table, then each row's profile summary) and .csv. The whole sweep
+takes ~20 minutes on one H100 (each row ~1-2: start, compile, 20 steps); where one command may
+run for less, split it with --only and --out.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ L1B, L3B, L8B = ("model.preset=llama3_1b",), ("model.preset=llama3_3b",), (
 ROWS: dict[str, tuple[str, ...]] = {
     "1b selective b4": (*L1B, "train.batch_size=4", "train.remat=selective"),
     "1b selective b8": (*L1B, "train.batch_size=8", "train.remat=selective"),
+    "1b selective b16": (*L1B, "train.batch_size=16", "train.remat=selective"),
+    "1b selective b8 cublas gemms": (*L1B, "train.batch_size=8", "train.remat=selective"),
     "1b none b2": (*L1B, "train.batch_size=2", "train.remat=none"),
     "1b none b4": (*L1B, "train.batch_size=4", "train.remat=none"),
     "1b full b8": (*L1B, "train.batch_size=8", "train.remat=full"),
@@ -52,6 +57,9 @@ ROWS: dict[str, tuple[str, ...]] = {
     "8b-8L full b1": (*L8B, "train.batch_size=1", "train.remat=full"),
     "8b-8L selective b2": (*L8B, "train.batch_size=2", "train.remat=selective"),
 }
+# Rows run with these XLA flags added (XLA's Triton gemm fusions read the fp32 master weights
+# and cast inside the gemm; without them cuBLAS runs every gemm after a separate convert).
+ROW_XLA_FLAGS = {"1b selective b8 cublas gemms": "--xla_gpu_enable_triton_gemm=false"}
 QUICK: dict[str, tuple[str, ...]] = {  # CPU: the script's plumbing, not a measurement
     "tiny b8": ("model.n_layers=2", "train.batch_size=8", "train.seq_len=64",
                 "model.dtype=float32"),
@@ -70,9 +78,13 @@ def run_row(name: str, overrides: tuple[str, ...], steps: int, every: int, workd
          *overrides, *extra, f"train.steps={steps}", f"logging.every={every}",
          f"train.profile_steps=[{first},{first + 1}]", f"train.output_dir={out}"]
   print(f"== {name}: {' '.join(cmd[3:])}", flush=True)
-  proc = subprocess.run(cmd, capture_output=True, text=True,
+  env = dict(os.environ)
+  if name in ROW_XLA_FLAGS:
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {ROW_XLA_FLAGS[name]}".strip()
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  row = {"name": name, "overrides": " ".join(overrides)}
+  row = {"name": name, "overrides": " ".join(overrides + extra) + (
+      f" XLA_FLAGS+={ROW_XLA_FLAGS[name]}" if name in ROW_XLA_FLAGS else "")}
   if proc.returncode != 0:
     tail = (proc.stderr or proc.stdout).strip().splitlines()
     oom = any("RESOURCE_EXHAUSTED" in line or "out of memory" in line.lower() for line in tail)
@@ -117,7 +129,8 @@ COLUMNS = [
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--only", default="", help="run the rows whose name contains this")
+  p.add_argument("--only", default="",
+                  help="comma-separated: run the rows whose name contains one of these")
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--every", type=int, default=5, help="logging interval (timed blocks)")
   p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny rows")
@@ -131,7 +144,8 @@ def main() -> None:
                      "`--quick` runs the script's plumbing on CPU")
   rows_in = QUICK if args.quick else ROWS
   extra = tuple(args.extra) + (("train.seq_len=64",) if args.quick else ())
-  chosen = {n: o for n, o in rows_in.items() if args.only in n}
+  keys = args.only.split(",")
+  chosen = {n: o for n, o in rows_in.items() if any(k in n for k in keys)}
   if not chosen:
     raise SystemExit(f"--only {args.only!r} matches none of {list(rows_in)}")
   with tempfile.TemporaryDirectory(prefix="bench_train_") as work:
