@@ -26,3 +26,19 @@ def small_config(tmp_path=None, *overrides: str):
 def data_cache(tmp_path_factory):
   """One tokenized stdlib cache for the whole session."""
   return str(tmp_path_factory.mktemp("jscale_cache"))
+
+
+@pytest.fixture(scope="session")
+def traced_run(tmp_path_factory, data_cache):
+  """A tiny 4-step CPU training run with steps 1-2 traced (jax.profiler), and what it printed:
+  (output_dir, stdout). Shared by the tests of the run's metadata and of the profile summary."""
+  import contextlib  # pylint: disable=import-outside-toplevel
+  import io  # pylint: disable=import-outside-toplevel
+  from jscale import train as train_lib  # pylint: disable=import-outside-toplevel
+  tmp = tmp_path_factory.mktemp("traced_run")
+  cfg = small_config(tmp, f"data.cache_dir={data_cache}", "train.steps=4",
+                     "train.profile_steps=[1,2]", "model.n_layers=1")
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    train_lib.run(cfg)
+  return tmp / "run", out.getvalue()

@@ -11,7 +11,6 @@ import pytest
 
 from conftest import small_config
 from jscale import runtime
-from jscale import train as train_lib
 from jscale.model import attention as attn_lib
 from jscale.model import llama
 
@@ -52,13 +51,10 @@ def test_auto_without_a_runtime_is_the_backends_choice():
   np.testing.assert_array_equal(auto, xla)
 
 
-def test_train_prints_and_records_the_choice(tmp_path, data_cache, capsys):
-  cfg = small_config(tmp_path, f"data.cache_dir={data_cache}", "train.steps=1",
-                     "model.n_layers=1")
-  train_lib.run(cfg)
-  assert "attention: xla (model.attention_impl=auto: cpu: plain XLA attention)" in (
-      capsys.readouterr().out)
-  info = json.loads((tmp_path / "run" / "run.json").read_text())
+def test_train_prints_and_records_the_choice(traced_run):
+  run_dir, stdout = traced_run
+  assert "attention: xla (model.attention_impl=auto: cpu: plain XLA attention)" in stdout
+  info = json.loads((run_dir / "run.json").read_text())
   assert (info["attention_impl"], info["attention_impl_requested"]) == ("xla", "auto")
   assert info["config"]["model"]["attention_impl"] == "xla" and info["backend"] == "cpu"
   assert info["devices"] == 8 and info["mesh"]["data"] == 8

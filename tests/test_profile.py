@@ -2,9 +2,7 @@
 
 import pytest
 
-from conftest import small_config
 from jscale import profile
-from jscale import train as train_lib
 
 
 @pytest.mark.parametrize("name, category", [
@@ -26,11 +24,9 @@ def test_categories_of_gpu_kernels(name, category):
   assert profile.categorize(name) == category
 
 
-def test_summary_of_a_cpu_training_trace(tmp_path, data_cache, capsys):
-  cfg = small_config(tmp_path, f"data.cache_dir={data_cache}", "train.steps=4",
-                     "train.profile_steps=[1,2]", "model.n_layers=1")
-  train_lib.run(cfg)
-  s = profile.summarize(str(tmp_path / "run"))
+def test_summary_of_a_cpu_training_trace(traced_run, tmp_path, capsys):
+  run_dir = str(traced_run[0])
+  s = profile.summarize(run_dir)
   assert s.device.startswith("/host:CPU") and s.steps == 2
   assert s.by_category["gemm"] > 0 and s.by_category["elementwise/fusion"] > 0
   assert 0 < s.busy_ns <= s.span_ns and s.kernel_ns >= s.busy_ns
@@ -40,7 +36,7 @@ def test_summary_of_a_cpu_training_trace(tmp_path, data_cache, capsys):
   # the layer scan's matmuls ran once per layer per traced step: counts are per-step multiples
   assert any(k.category == "gemm" and k.count % 2 == 0 for k in s.kernels)
 
-  assert profile.main([str(tmp_path / "run"), "--top", "5"]) == 0
+  assert profile.main([run_dir, "--top", "5"]) == 0
   out = capsys.readouterr().out
   assert "ms per step (2 steps)" in out and "idle" in out and "top 5 kernels" in out
   assert profile.main([str(tmp_path / "nothing")]) == 2

@@ -108,6 +108,8 @@ def auto_impl(platform: str, dtype, head_dim: int, context_parallel: bool = Fals
       return "cudnn", f"GPU, {jnp.dtype(dtype).name}, head_dim {head_dim}: cuDNN flash attention"
     return "xla", f"GPU, but cuDNN does not apply: {why_not}"
   return "xla", f"{platform}: plain XLA attention"
+
+
 # Logical axis names of q and of k / v (how the comms seam lays out a kernel's operands).
 Q_NAMES = ("batch", "seq", "heads", "head_dim")
 KV_NAMES = ("batch", "seq", "kv_heads", "head_dim")
