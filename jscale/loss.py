@@ -88,7 +88,20 @@ def _merge(x: jax.Array) -> jax.Array:
 
 
 def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Comms, n: int) -> jax.Array:
-  """Loss sum over n chunks; custom_vjp: the gradients are made in the forward's scan."""
+  """Loss sum over n chunks; custom_vjp: the gradients are made in the forward's scan.
+
+  Sums over tokens stay per device inside the scan: the loss and dW are accumulated as
+  [S, Q, ...] with S = batch shards and Q = sequence shards (1 x 1 when arrays are already a
+  device's block), each device holding its own [1, 1, ...] partial, and reduced once after the
+  loop. Summing over the sharded tokens inside it would make xla mode all-reduce dW per chunk."""
+  b, l, _ = h_BLD.shape
+  lb, ll = comms.local_shape((b, l), LOGITS_NAMES[:2])
+  shards = (b // lb, l // ll)  # (S, Q)
+  per_shard = lambda x, *names: comms.activation(x, ("batch", "seq", *names))
+
+  def by_shard(x_BC):  # [B, C, ...] -> [S, B/S, Q, C/Q, ...]
+    s, q = shards
+    return x_BC.reshape(s, x_BC.shape[0] // s, q, x_BC.shape[1] // q, *x_BC.shape[2:])
 
   def chunk_loss(head_DV, h_BCD, labels_BC, mask_BC, with_grads: bool):
     logits = comms.activation(jnp.einsum("BCD,DV->BCV", h_BCD, head_DV,
@@ -98,31 +111,35 @@ def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Comms, n: int) -> jax.Ar
     s = comms.vocab_sum(e)
     hit = _hits(logits, labels_BC, comms)
     target = comms.vocab_sum(jnp.where(hit, logits, 0.0))
-    loss = jnp.sum((jnp.log(s) + m - target)[..., 0] * mask_BC)
+    loss_SQ = jnp.sum(by_shard((jnp.log(s) + m - target)[..., 0] * mask_BC), axis=(1, 3))
     if not with_grads:
-      return loss, None, None
+      return per_shard(loss_SQ), None, None
     # d(loss)/d(logits) = (softmax - onehot) * mask, cast to the compute dtype for both
     # products (dh: partial over vocab shards, summed by the head's tensor-parallel entry).
     dlogits = ((e / s - hit) * mask_BC[..., None]).astype(h_BCD.dtype)
     dh_BCD = jnp.einsum("BCV,DV->BCD", dlogits, head_DV)
-    dw_DV = jnp.einsum("BCD,BCV->DV", h_BCD, dlogits, preferred_element_type=jnp.float32)
-    return loss, dh_BCD, dw_DV
+    dw_SQDV = jnp.einsum("sbqcd,sbqcv->sqdv", by_shard(h_BCD), by_shard(dlogits),
+                         preferred_element_type=jnp.float32)
+    return per_shard(loss_SQ), dh_BCD, per_shard(dw_SQDV, "embed", "vocab")
 
   def chunks(h_BLD, labels_BL, mask_BL):
     return _split(h_BLD, n), _split(labels_BL, n), _split(mask_BL, n)
 
   def loss_only(h_BLD, head_DV, labels_BL, mask_BL):
     body = lambda total, x: (total + chunk_loss(head_DV, *x, with_grads=False)[0], None)
-    return jax.lax.scan(body, jnp.zeros((), jnp.float32), chunks(h_BLD, labels_BL, mask_BL))[0]
+    total = jax.lax.scan(body, per_shard(jnp.zeros(shards, jnp.float32)),
+                         chunks(h_BLD, labels_BL, mask_BL))[0]
+    return jnp.sum(total)
 
   def forward(h_BLD, head_DV, labels_BL, mask_BL):
     def body(carry, x):
       loss, dh, dw = chunk_loss(head_DV, *x, with_grads=True)
       return (carry[0] + loss, carry[1] + dw), dh
 
-    zeros = (jnp.zeros((), jnp.float32), jnp.zeros(head_DV.shape, jnp.float32))
-    (loss, dw_DV), dh = jax.lax.scan(body, zeros, chunks(h_BLD, labels_BL, mask_BL))
-    return loss, (_merge(dh), dw_DV.astype(head_DV.dtype))
+    zeros = (per_shard(jnp.zeros(shards, jnp.float32)),
+             per_shard(jnp.zeros(shards + head_DV.shape, jnp.float32), "embed", "vocab"))
+    (loss, dw_SQDV), dh = jax.lax.scan(body, zeros, chunks(h_BLD, labels_BL, mask_BL))
+    return jnp.sum(loss), (_merge(dh), jnp.sum(dw_SQDV, axis=(0, 1)).astype(head_DV.dtype))
 
   def backward(res, g):
     dh_BLD, dw_DV = res

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import small_config
 from jscale import loss as loss_lib
-from jscale import runtime
+from jscale import hlo, runtime
 from jscale.introspect import abstract_batch, compile_train_step, memory
 from parity import BASE, losses, reference
 
@@ -77,6 +77,23 @@ def test_training_with_chunks_matches_one_device(n, layout):
   assert "head_loss_chunked" in text  # every device's logits exceed the budget
   np.testing.assert_allclose(losses(CHUNKED + layout, jax.devices()[:n]), reference(),
                              rtol=2e-5)
+
+
+@pytest.mark.parametrize("n, layout", [
+    (2, ("mesh.data=2",)),
+    (4, ("mesh.data=2", "mesh.tensor=2")),
+    (4, ("mesh.data=2", "mesh.sequence=2")),
+])
+def test_chunks_move_no_more_than_the_unchunked_loss(n, layout):
+  """xla mode: the loss and dW are summed per device inside the chunk scan and reduced once
+  after it; summing the sharded tokens inside the loop all-reduced dW once per chunk."""
+  volume = {}
+  for mb in ("0", "0.02"):
+    cfg = small_config(None, *BASE, f"train.logits_chunk_mb={mb}", *layout)
+    rt = runtime.build(cfg, jax.devices()[:n])
+    text = rt.train_step().lower(rt.abstract_state(), abstract_batch(cfg)).compile().as_text()
+    volume[mb] = {k: v["bytes"] for k, v in hlo.summary(text).items()}
+  assert volume["0.02"] == volume["0"], volume
 
 
 VOCAB_128K = ("model.preset=tiny", "model.vocab_size=128256", "model.d_model=64",
