@@ -80,7 +80,6 @@ def test_training_with_chunks_matches_one_device(n, layout):
 
 
 @pytest.mark.parametrize("n, layout", [
-    (2, ("mesh.data=2",)),
     (4, ("mesh.data=2", "mesh.tensor=2")),
     (4, ("mesh.data=2", "mesh.sequence=2")),
 ])
