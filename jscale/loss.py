@@ -13,6 +13,7 @@ unchunked one, and never holds more than one chunk's logits.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,19 +32,29 @@ def cross_entropy_sums(logits_BLV: jax.Array, labels_BL: jax.Array, mask_BL: jax
   the total token count. The vocab axis may be sharded: max, sum-exp and the label logit are
   reduced through the comms seam, so no device ever holds the full-vocab logits.
   """
-  logits = logits_BLV.astype(jnp.float32)
-  m_BL1 = jax.lax.stop_gradient(comms.vocab_max(logits))
-  lse_BL = (jnp.log(comms.vocab_sum(jnp.exp(logits - m_BL1))) + m_BL1)[..., 0]
-  target_BL = comms.vocab_sum(jnp.where(_hits(logits, labels_BL, comms), logits, 0.0))[..., 0]
+  stats = _softmax_stats(logits_BLV.astype(jnp.float32), labels_BL, comms)
   mask = mask_BL.astype(jnp.float32)
-  return jnp.sum((lse_BL - target_BL) * mask), jnp.sum(mask)
+  return jnp.sum(stats.token_loss * mask), jnp.sum(mask)
 
 
-def _hits(logits_BLV, labels_BL, comms: Comms) -> jax.Array:
-  # The label logit as a masked sum over the vocab (not a gather), so a vocab-sharded layout
-  # reduces partial sums instead of collecting the full-vocab logits on one device.
-  vocab_ids_V = jnp.arange(logits_BLV.shape[-1]) + comms.vocab_offset(logits_BLV.shape[-1])
-  return vocab_ids_V == labels_BL[..., None]
+class _Stats(NamedTuple):
+  exp: jax.Array  # exp(logits - max) [..., V]
+  sum_exp: jax.Array  # [..., 1]
+  hit: jax.Array  # logits' vocab entry == label [..., V]
+  token_loss: jax.Array  # log-sum-exp - label logit [...]
+
+
+def _softmax_stats(logits, labels, comms: Comms) -> _Stats:
+  """The cross-entropy's pieces, with max, sum-exp and the label logit reduced over the
+  (possibly sharded) vocab through the seam, so no device collects the full-vocab logits."""
+  m = jax.lax.stop_gradient(comms.vocab_max(logits))
+  e = jnp.exp(logits - m)
+  s = comms.vocab_sum(e)
+  # The label logit as a masked sum over the vocab (not a gather): sharded, partial sums.
+  vocab_ids_V = jnp.arange(logits.shape[-1]) + comms.vocab_offset(logits.shape[-1])
+  hit = vocab_ids_V == labels[..., None]
+  target = comms.vocab_sum(jnp.where(hit, logits, 0.0))
+  return _Stats(e, s, hit, (jnp.log(s) + m - target)[..., 0])
 
 
 def num_chunks(local_shape: tuple[int, int, int], budget_mb: float) -> int:
@@ -106,17 +117,13 @@ def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Comms, n: int) -> jax.Ar
   def chunk_loss(head_DV, h_BCD, labels_BC, mask_BC, with_grads: bool):
     logits = comms.activation(jnp.einsum("BCD,DV->BCV", h_BCD, head_DV,
                                          preferred_element_type=jnp.float32), LOGITS_NAMES)
-    m = comms.vocab_max(logits)
-    e = jnp.exp(logits - m)
-    s = comms.vocab_sum(e)
-    hit = _hits(logits, labels_BC, comms)
-    target = comms.vocab_sum(jnp.where(hit, logits, 0.0))
-    loss_SQ = jnp.sum(by_shard((jnp.log(s) + m - target)[..., 0] * mask_BC), axis=(1, 3))
+    st = _softmax_stats(logits, labels_BC, comms)
+    loss_SQ = jnp.sum(by_shard(st.token_loss * mask_BC), axis=(1, 3))
     if not with_grads:
       return per_shard(loss_SQ), None, None
     # d(loss)/d(logits) = (softmax - onehot) * mask, cast to the compute dtype for both
     # products (dh: partial over vocab shards, summed by the head's tensor-parallel entry).
-    dlogits = ((e / s - hit) * mask_BC[..., None]).astype(h_BCD.dtype)
+    dlogits = ((st.exp / st.sum_exp - st.hit) * mask_BC[..., None]).astype(h_BCD.dtype)
     dh_BCD = jnp.einsum("BCV,DV->BCD", dlogits, head_DV)
     dw_SQDV = jnp.einsum("sbqcd,sbqcv->sqdv", by_shard(h_BCD), by_shard(dlogits),
                          preferred_element_type=jnp.float32)

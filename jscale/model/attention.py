@@ -115,12 +115,19 @@ Q_NAMES = ("batch", "seq", "heads", "head_dim")
 KV_NAMES = ("batch", "seq", "kv_heads", "head_dim")
 
 
+def local_impl(impl: str, q_BLHK: jax.Array) -> str:
+  """`impl`, with "auto" resolved for the default backend as for one device without context
+  parallelism (a model used without a runtime; the runtime resolves it for its mesh)."""
+  if impl != "auto":
+    return impl
+  return auto_impl(jax.default_backend(), q_BLHK.dtype, q_BLHK.shape[-1])[0]
+
+
 def attention(q_BLHK, k_BSGK, v_BSGK, impl: str = "xla", causal: bool = True,
               positions=None, interpret: bool = False) -> jax.Array:
   """Dispatches to `impl`; the result is named for selective rematerialisation.
   `interpret`: Pallas impls only (run in the Pallas interpreter)."""
-  if impl == "auto":  # a model used without a runtime (one device, no context parallelism)
-    impl = auto_impl(jax.default_backend(), q_BLHK.dtype, q_BLHK.shape[-1])[0]
+  impl = local_impl(impl, q_BLHK)
   kwargs = {"interpret": interpret} if impl == "pallas" else {}
   return named(IMPLS[impl](q_BLHK, k_BSGK, v_BSGK, causal=causal, positions=positions,
                            **kwargs))

@@ -74,8 +74,7 @@ class Comms:
     K/V all-gathered, or a ring). `positions_BL` are the tokens' positions in their sequence.
     `interpret`: run a Pallas impl in the Pallas interpreter."""
     del positions_BL  # one device (or no context parallelism): tokens are in order
-    if impl == "auto":
-      impl = attn_lib.auto_impl(jax.default_backend(), q_BLHK.dtype, q_BLHK.shape[-1])[0]
+    impl = attn_lib.local_impl(impl, q_BLHK)
     if impl in ("pallas", "cudnn"):  # kernels: run on each device's shards of batch and heads
       # (cuDNN too: a custom call inside GSPMD regions such as a pipeline stage, and only ever
       # per-device work, so it gets the same per-shard dispatch as the Pallas kernel)
