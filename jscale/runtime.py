@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jscale import mesh as mesh_lib
 from jscale import train_step as ts
 from jscale.config import Config, ConfigError
-from jscale.data.context_order import Reorder, chunks_per_device as parts, token_order
+from jscale.parallel.context.order import Reorder, chunks_per_device as parts, token_order
 from jscale.model import attention as attn_lib
 from jscale.model import llama
 from jscale.optim import make_optimizer

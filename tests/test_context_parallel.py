@@ -13,7 +13,7 @@ from jscale import hlo, introspect, runtime
 from jscale import train as train_lib
 from jscale.config import ConfigError
 from jscale.data import make_train_iterator
-from jscale.data.context_order import Reorder, token_order
+from jscale.parallel.context.order import Reorder, token_order
 from parity import ACCUMULATE, BASE, losses, reference
 
 CP4 = ("mesh.sequence=4", "mesh.data=2")

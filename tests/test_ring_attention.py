@@ -13,9 +13,9 @@ from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jscale import hlo
-from jscale.data.context_order import token_order
+from jscale.parallel.context.order import token_order
 from jscale.model.attention import xla_attention
-from jscale.parallel import ring_attention as ra
+from jscale.parallel.context import ring as ra
 
 B, S, H, K = 2, 64, 4, 8
 

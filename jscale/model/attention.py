@@ -8,7 +8,7 @@ Every impl takes q [B, L, H, K] and k, v [B, S, G, K] with H a multiple of G (gr
 attention: K/V are never repeated in memory) and returns [B, L, H, K]. The causal mask is the
 usual one, or, given token positions (context parallelism reorders tokens), query i sees key j
 when pos_q[i] >= pos_k[j]. "ring" is ring attention over the `sequence` mesh axis
-(`jscale.parallel.ring_attention`, called through the comms seam); on one device it is one
+(`jscale.parallel.context.ring`, called through the comms seam); on one device it is one
 diagonal block, i.e. plain attention. "pallas" is the Pallas flash attention kernel
 (`pallas_kernels.flash_attention`, GPU; `interpret=True` runs it in the Pallas interpreter),
 index-causal only; under a mesh the comms seam runs it on each device's shards (`Comms.kernel`).

@@ -16,7 +16,7 @@ What runs where (playbook names; `dp` = the data, expert and sequence axes, all 
   * TP: f / g (`jscale.parallel.tensor`) around column / row-parallel linears; vocab-parallel
     embedding and cross-entropy. SP: all-gather / reduce-scatter along the sequence instead, and
     the (tensor-replicated) norm weights' gradients are all-reduced over tensor.
-  * CP: ring attention over `sequence` (`jscale.parallel.ring_attention`); everything else is
+  * CP: ring attention over `sequence` (`jscale.parallel.context.ring`); everything else is
     per token, and gradients are summed over `sequence` with the other dp axes.
 Leaves too small to split over fsdp (`sharding.add_fsdp`) stay whole and are all-reduced.
 """
@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jscale.model import attention as attn_lib
 from jscale.optim import sumsq
 from jscale.parallel import expert, tensor
-from jscale.parallel.ring_attention import ring_attention
+from jscale.parallel.context.ring import ring_attention
 from jscale.parallel.buckets import Plan, reduce_buckets
 from jscale.parallel.comms import GATHERED, Comms, Names, gather_layers_in_place
 from jscale.sharding import Layouts, spec_axes

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jscale.model import attention as attn_lib
 from jscale.model import moe_dispatch as md
 from jscale.parallel.comms import GATHERED, Comms, Names, gather_layers_in_place
-from jscale.parallel.ring_attention import ring_attention
+from jscale.parallel.context.ring import ring_attention
 from jscale.sharding import Layouts, add_fsdp, spec
 
 

@@ -10,7 +10,7 @@ meet which blocks of the visiting keys, and whether a block is the causal diagon
 entirely above the diagonal are absent (skipped, not masked). Layouts of the sequence:
   * contiguous: device i holds chunk i of n. Device i computes i+1 blocks: unbalanced.
   * zigzag: the sequence is cut into 2n chunks and device i holds chunks i and 2n-1-i (the data
-    pipeline permutes tokens, labels and positions once, `jscale.data.context_order`). Every
+    pipeline permutes tokens, labels and positions once, `jscale.parallel.context.order`). Every
     device computes the same: its two diagonal blocks and one full block at step 0, then two
     full (chunk x chunk) blocks per step.
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jscale.data.context_order import chunks_per_device as parts
+from jscale.parallel.context.order import chunks_per_device as parts
 from jscale.model import blockwise_attention
 from jscale.model.blockwise_attention import BlockFns
 
