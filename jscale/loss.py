@@ -19,13 +19,13 @@ import jax
 import jax.numpy as jnp
 
 from jscale.model import matmul
-from jscale.parallel.comms import LOCAL, Comms
+from jscale.model.seam import LOCAL, Seam
 
 LOGITS_NAMES = ("batch", "seq", "vocab")
 
 
 def cross_entropy_sums(logits_BLV: jax.Array, labels_BL: jax.Array, mask_BL: jax.Array,
-                       comms: Comms = LOCAL) -> tuple[jax.Array, jax.Array]:
+                       comms: Seam = LOCAL) -> tuple[jax.Array, jax.Array]:
   """Returns (sum of masked token losses, number of unmasked tokens), both fp32 scalars.
 
   Sums rather than a mean so that micro-batches accumulate exactly: the step divides once by
@@ -44,7 +44,7 @@ class _Stats(NamedTuple):
   token_loss: jax.Array  # log-sum-exp - label logit [...]
 
 
-def _softmax_stats(logits, labels, comms: Comms) -> _Stats:
+def _softmax_stats(logits, labels, comms: Seam) -> _Stats:
   """The cross-entropy's pieces, with max, sum-exp and the label logit reduced over the
   (possibly sharded) vocab through the seam, so no device collects the full-vocab logits."""
   m = jax.lax.stop_gradient(comms.vocab_max(logits))
@@ -70,7 +70,7 @@ def num_chunks(local_shape: tuple[int, int, int], budget_mb: float) -> int:
 
 
 def head_loss_sums(h_BLD: jax.Array, head_DV: jax.Array, labels_BL: jax.Array,
-                   mask_BL: jax.Array, comms: Comms = LOCAL, budget_mb: float = 0.0
+                   mask_BL: jax.Array, comms: Seam = LOCAL, budget_mb: float = 0.0
                    ) -> tuple[jax.Array, jax.Array]:
   """(loss sum, token count) of the head `h_BLD @ head_DV` (both in the compute dtype; the
   logits are fp32), chunked by `num_chunks` when its fp32 logits exceed `budget_mb` MiB per
@@ -98,7 +98,7 @@ def _merge(x: jax.Array) -> jax.Array:
   return jnp.moveaxis(x, 0, 2).reshape(b, c * n, *x.shape[3:])
 
 
-def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Comms, n: int) -> jax.Array:
+def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int) -> jax.Array:
   """Loss sum over n chunks; custom_vjp: the gradients are made in the forward's scan.
 
   Sums over tokens stay per device inside the scan: the loss and dW are accumulated as

@@ -54,6 +54,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   return 6 * param_counts(cfg)["matmul"] + attention
 
 
+def mfu(flops_per_step: float, step_time_s: float, n_devices: int,
+        peak_flops: float | None) -> float | None:
+  """Model FLOPs utilisation of a step (None where the device's peak is unknown)."""
+  return flops_per_step / (step_time_s * n_devices * peak_flops) if peak_flops else None
+
+
 def device_peak_flops(device: Any = None, precision: str = "bf16") -> float | None:
   """Peak FLOP/s of one device from the table; None where unknown (e.g. CPU)."""
   device = device or jax.devices()[0]

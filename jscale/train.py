@@ -93,9 +93,8 @@ def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer,
     params_io.load_params_into(cfg.checkpoint.init_from, model)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     # init_from params are in model layer order; interleaved pipelines store chunk order.
-    p = rt.mesh.shape["stage"]
-    params["blocks"] = layout.to_storage(params["blocks"], cfg.model.n_layers, p,
-                                         cfg.pipeline.virtual_stages if p > 1 else 1)
+    params = layout.params_to_storage(params, cfg.model.n_layers, rt.mesh.shape["stage"],
+                                      cfg.pipeline.virtual_stages)
     optimizer = make_optimizer(cfg.train)
     state = jax.jit(lambda p: ts.state_from_params(p, optimizer, cfg.train.seed),
                     out_shardings=rt.state_shardings)(params)
@@ -166,8 +165,7 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
       losses[done] = row["loss"]
       if step_time:
         row.update(step_time_s=step_time, tokens_per_sec=tokens_per_step / step_time,
-                   mfu=(flops_per_step / (step_time * n_devices * peak)
-                        if peak else None))
+                   mfu=metrics_lib.mfu(flops_per_step, step_time, n_devices, peak))
       row["peak_memory_bytes"] = metrics_lib.peak_memory_bytes()
       writer.write(done, row)
     if eval_batches and t.eval_every and (done % t.eval_every == 0 or done == t.steps):

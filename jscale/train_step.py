@@ -45,8 +45,8 @@ def init_state(cfg: Config, shardings: Any = None, stages: int = 1) -> State:
   def init():
     params = nnx.to_pure_dict(nnx.state(llama.create(cfg.model, cfg.train.seed), nnx.Param))
     # Interleaved pipelines store the layer stack in chunk order (pipeline.layout).
-    params["blocks"] = layout.to_storage(params["blocks"], cfg.model.n_layers, stages,
-                                         cfg.pipeline.virtual_stages if stages > 1 else 1)
+    params = layout.params_to_storage(params, cfg.model.n_layers, stages,
+                                      cfg.pipeline.virtual_stages)
     return state_from_params(params, optimizer, cfg.train.seed)
 
   return jax.jit(init, out_shardings=shardings)()
@@ -98,7 +98,7 @@ def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int,
   """
   count = comms.batch_sum(jnp.sum(batch["loss_mask"].astype(jnp.float32)))
   scale = 1.0 / jnp.maximum(count, 1.0)
-  step_comms, wrt = comms.bind(params), comms.params_for_grad(params)
+  wrt, step_comms = comms.grad_target(params)
 
   def scaled_loss(p, mb):
     loss_sum, _, stats = loss_fn(p, mb, comms=step_comms)

@@ -10,7 +10,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jscale.model import matmul
-from jscale.parallel.comms import GATHERED, LOCAL, Comms
+from jscale.model.seam import GATHERED, LOCAL, Seam
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str], std: float,
@@ -51,14 +51,14 @@ class RMSNorm(nnx.Module):
     self.impl = impl
     self.interpret = interpret
 
-  def __call__(self, x_BLD: jax.Array, comms: Comms = LOCAL) -> jax.Array:
+  def __call__(self, x_BLD: jax.Array, comms: Seam = LOCAL) -> jax.Array:
     if self.impl == "pallas":
       return self._pallas(x_BLD, comms)
     x = x_BLD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
     return (x.astype(self.dtype) * self.scale[...].astype(self.dtype))
 
-  def _pallas(self, x_BLD: jax.Array, comms: Comms) -> jax.Array:
+  def _pallas(self, x_BLD: jax.Array, comms: Seam) -> jax.Array:
     from pallas_kernels.rms_norm import rms_norm  # pylint: disable=import-outside-toplevel
 
     def norm(x, weight_D):  # the kernel flattens leading dims to rows, casts weight to x's dtype

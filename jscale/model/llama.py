@@ -2,7 +2,7 @@
 
 Layers are created stacked along a leading `layers` axis (nnx.vmap) and run with `lax.scan`, so
 compile time does not grow with depth. Weights are stored in `param_dtype` (fp32 master) and
-cast to `dtype` (bf16) at use. Communication goes through the comms seam (`jscale.parallel.comms`).
+cast to `dtype` (bf16) at use. Communication goes through the model's seam (`jscale.model.seam`).
 
 Shape suffixes: B batch, L sequence, D d_model, H query heads, G kv heads, K head dim,
 F mlp hidden, V vocab.
@@ -22,7 +22,7 @@ from jscale.model import matmul
 from jscale.model.layers import RMSNorm, einsum, param
 from jscale.model.moe import MoE
 from jscale.model.rope import apply_rope, inv_frequencies
-from jscale.parallel.comms import GATHERED, LOCAL, Comms
+from jscale.model.seam import GATHERED, LOCAL, Seam
 
 # Matmul outputs kept by `remat: selective`; scores, softmax and pointwise ops are recomputed.
 # "attn_lse" (ring attention's log-sum-exp) lets the backward ring run without a forward ring.
@@ -53,7 +53,7 @@ class Block(nnx.Module):
     self.attention_impl = cfg.attention_impl
     self.kernel_interpret = cfg.kernel_interpret
 
-  def __call__(self, x_BLD, positions_BL, inv_freq, comms: Comms):
+  def __call__(self, x_BLD, positions_BL, inv_freq, comms: Seam):
     dt = self.dtype
     h_BLD = comms.enter_tensor_parallel(self.attn_norm(x_BLD, comms))
     q = checkpoint_name(einsum("BLD,DHK->BLHK", h_BLD, self.wq, dt), "q_proj")
@@ -96,7 +96,7 @@ class MoeGroup(nnx.Module):
     self.dense = make_dense(rngs)
     self.moe_block = Block(cfg, rngs)
 
-  def __call__(self, x_BLD, positions_BL, inv_freq, comms: Comms):
+  def __call__(self, x_BLD, positions_BL, inv_freq, comms: Seam):
     graphdef, stacked = nnx.split(self.dense)
 
     def dense(x_BLD, state):
@@ -168,17 +168,17 @@ class Llama(nnx.Module):
                            cfg.init_std, pd)
 
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
-               comms: Comms = LOCAL, remat: str = "none") -> jax.Array:
+               comms: Seam = LOCAL, remat: str = "none") -> jax.Array:
     return self.forward(tokens_BL, positions_BL, comms=comms, remat=remat)[0]
 
   def forward(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
-              comms: Comms = LOCAL, remat: str = "none") -> tuple[jax.Array, dict]:
+              comms: Seam = LOCAL, remat: str = "none") -> tuple[jax.Array, dict]:
     """(fp32 logits [B, L, V], MoE router statistics averaged over layers; {} if dense)."""
     x_BLD, stats, embed_VD = self.trunk(tokens_BL, positions_BL, comms=comms, remat=remat)
     return self.logits(x_BLD, comms, embed_VD), stats
 
   def trunk(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
-            comms: Comms = LOCAL, remat: str = "none") -> tuple[jax.Array, dict, jax.Array]:
+            comms: Seam = LOCAL, remat: str = "none") -> tuple[jax.Array, dict, jax.Array]:
     """Embedding and layers: (hidden states [B, L, D] before the final norm, MoE statistics,
     the embedding table in the compute dtype, which a tied head reuses)."""
     if positions_BL is None:
@@ -192,7 +192,7 @@ class Llama(nnx.Module):
                               remat, with_stats=True)
     return x_BLD, stats, embed_VD
 
-  def embed_tokens(self, tokens_BL: jax.Array, comms: Comms = LOCAL,
+  def embed_tokens(self, tokens_BL: jax.Array, comms: Seam = LOCAL,
                    embed_VD: jax.Array | None = None) -> jax.Array:
     """Token embeddings [B, L, D] in the compute dtype (the pipeline's first chunk)."""
     dt = jnp.dtype(self.cfg.dtype)
@@ -202,7 +202,7 @@ class Llama(nnx.Module):
       x_BLD = comms.embed(embed_VD, tokens_BL).astype(dt)
       return comms.activation(x_BLD, ("batch", "res_seq", "embed"))
 
-  def head_inputs(self, x_BLD: jax.Array, comms: Comms = LOCAL,
+  def head_inputs(self, x_BLD: jax.Array, comms: Seam = LOCAL,
                   embed_VD: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The head's operands: final-normed hidden states [B, L, D] (entering the tensor-parallel
     region) and the head weight [D, V], both in the compute dtype (`jscale.loss` multiplies
@@ -220,7 +220,7 @@ class Llama(nnx.Module):
         head_DV = comms.gather_params(self.lm_head, dt)[...]
     return h_BLD.astype(dt), head_DV.astype(dt)
 
-  def logits(self, x_BLD: jax.Array, comms: Comms = LOCAL,
+  def logits(self, x_BLD: jax.Array, comms: Seam = LOCAL,
              embed_VD: jax.Array | None = None) -> jax.Array:
     """Final norm and head: fp32 logits [B, L, V] (bf16 operands, in the backward too)."""
     h_BLD, head_DV = self.head_inputs(x_BLD, comms, embed_VD)
@@ -230,7 +230,7 @@ class Llama(nnx.Module):
 
 
 def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, positions_BL: jax.Array,
-               cfg: ModelConfig, comms: Comms = LOCAL, remat: str = "none",
+               cfg: ModelConfig, comms: Seam = LOCAL, remat: str = "none",
                with_stats: bool = False):
   """The blocks of `stacked` (state with a leading layers axis: the whole stack, or one
   pipeline chunk of it) applied in order, as a scan of rematerialised layers. With
@@ -239,7 +239,7 @@ def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, position
   inv_freq = inv_frequencies(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
 
   def layer(x_BLD, layer_state):
-    block = nnx.merge(block_graphdef, comms.gather_params(layer_state, dt))
+    block = nnx.merge(block_graphdef, comms.gather_layer(layer_state, dt))
     return block(x_BLD, positions_BL, inv_freq, comms)
 
   layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)

@@ -1,8 +1,8 @@
 """Mixture-of-experts MLP: a softmax top-k router over SwiGLU experts (Mixtral), optionally with
 an always-on shared expert, plus the router's load-balancing and z losses.
 
-Tokens are routed in groups (`Comms.expert_groups`: one per batch shard), and the experts run
-through the comms seam (`Comms.experts`): without a mesh (`LOCAL`) and in manual mode the
+Tokens are routed in groups (`Seam.expert_groups`: one per batch shard), and the experts run
+through the comms seam (`Seam.experts`): without a mesh (`LOCAL`) and in manual mode the
 dropless path sorts assignments and runs grouped matmuls; in manual mode with `mesh.expert` > 1
 the rows go to the devices holding their experts by all-to-all; in xla mode (any mesh, even one
 device) the dispatch is a GShard slot buffer (dropless: one slot per token and expert) whose
@@ -23,7 +23,7 @@ from jscale.config import ModelConfig
 from jscale.model import matmul
 from jscale.model.layers import einsum, param
 from jscale.model.moe_dispatch import ExpertWeights
-from jscale.parallel.comms import GATHERED, Comms
+from jscale.model.seam import GATHERED, Seam
 
 
 def route(logits_GTE: jax.Array, k: int):
@@ -34,7 +34,7 @@ def route(logits_GTE: jax.Array, k: int):
   return probs_GTE, ids_GTK, top_GTK / jnp.sum(top_GTK, axis=-1, keepdims=True)
 
 
-def router_losses(logits_GTE, probs_GTE, ids_GTK, comms: Comms) -> dict[str, jax.Array]:
+def router_losses(logits_GTE, probs_GTE, ids_GTK, comms: Seam) -> dict[str, jax.Array]:
   """Switch load-balancing loss E · Σ_e f_e · P_e (f_e: share of the T·K assignments routed to
   e, P_e: mean router probability of e; 1.0 when perfectly balanced), the ST-MoE z-loss
   mean(logsumexp(logits)²), and the per-expert load f_e, all over every token of the batch
@@ -74,7 +74,7 @@ class MoE(nnx.Module):
       self.shared_down = param(rngs, (fs, d), ("mlp", "embed"), std, pd)
     self.cfg, self.dtype = m, cfg.dtype
 
-  def __call__(self, h_BLD: jax.Array, comms: Comms) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def __call__(self, h_BLD: jax.Array, comms: Seam) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`h_BLD`: the normed input (inside the tensor-parallel region). Returns the experts'
     partial output (to leave the region like a row-parallel linear's) and router statistics."""
     b, l, d = h_BLD.shape

@@ -1,6 +1,12 @@
-"""Expert parallelism by hand (inside shard_map): tokens go to the devices holding their experts
-with `all_to_all` over the expert axis, are computed there, and come back the same way.
-Autodiff transposes each all_to_all into the reverse one, so gradients flow back alike.
+"""Expert parallelism (playbook: "Expert parallelism"), in both modes.
+
+xla (`XlaExpert`): GShard. Tokens are routed per group (one per batch shard) into a [E, C, D]
+slot buffer (dropless: C = T, so nothing overflows); constraining its expert dim onto `expert`
+(and the groups off it) is an all-to-all XLA inserts, and the reverse one brings results back.
+
+manual (`ManualExpert`, inside shard_map): tokens go to the devices holding their experts with
+`all_to_all` over the expert axis, are computed there, and come back the same way. Autodiff
+transposes each all_to_all into the reverse one, so gradients flow back alike.
 
 Device j of the n_ep devices on `axis` holds experts [j·E_l, (j+1)·E_l), E_l = E / n_ep.
 
@@ -20,10 +26,14 @@ Shape suffixes: T local tokens, K experts per token, A = T·K, E experts, D mode
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jscale.model import moe_dispatch as md
+from jscale.parallel import tensor
 
 
 def capacity_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, factor: float,
@@ -90,3 +100,61 @@ def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis: 
   dev_A = s.expert_A // e_l
   out_AD = back_NRD[dev_A, jnp.arange(t * k) - start_N[dev_A]]
   return md.combine_sorted(out_AD, s, t)
+
+
+class XlaExpert:
+  """GShard dispatch under sharding constraints (mixed into `XlaComms`)."""
+
+  def expert_groups(self, batch: int) -> int:
+    size = self.layouts.mesh.shape
+    return math.prod(size[a] for a in self.layouts.rules["batch"])
+
+  def experts(self, x_GTD, ids_GTK, gates_GTK, w, moe, dtype):
+    # GShard: a per-group [E, C, D] slot buffer (dropless: C = T, so nothing overflows); the
+    # constraint moving its expert dim onto `expert` (and groups off it) is an all-to-all.
+    rules = self.layouts.rules
+    e, (t, k) = w.gate_EDF.shape[0], ids_GTK.shape[1:]
+    cap = t if moe.dispatch == "dropless" else md.capacity(t, k, e, moe.capacity_factor)
+    by_group = P(_axes(rules["batch"]), None, None, None)
+    by_expert = P(_axes([a for a in rules["batch"] if a not in rules["experts"]]),
+                  _axes(rules["experts"]), None, None)
+    pin = lambda x, s: jax.lax.with_sharding_constraint(x, self._sharding(s))
+    pos_GTK = jax.vmap(md.slots, in_axes=(0, None))(ids_GTK, e)
+    buf = jax.vmap(md.dispatch, in_axes=(0, 0, 0, None, None))(x_GTD.astype(dtype), ids_GTK,
+                                                               pos_GTK, e, cap)
+    buf = pin(pin(buf, by_group), by_expert)
+    y = pin(jax.vmap(md.dense_ffn, in_axes=(0, None, None))(buf, w, dtype), by_expert)
+    y_GTD = jax.vmap(md.combine)(pin(y, by_group), ids_GTK, pos_GTK, gates_GTK)
+    return y_GTD, jnp.sum(pos_GTK >= cap)
+
+
+def _axes(axes) -> str | tuple[str, ...] | None:
+  axes = tuple(axes)
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+class ManualExpert:
+  """All-to-all dispatch by hand (mixed into `ManualComms`: uses `mesh`, `tp`,
+  `batch_axes`)."""
+
+  def token_sum(self, x: jax.Array) -> jax.Array:
+    return tensor.reduce_from_tp(x, self.batch_axes) if self.batch_axes else x
+
+  def router_input(self, h_GTD: jax.Array) -> jax.Array:
+    return tensor.scale_grad(h_GTD, 1.0 / self.tp) if self.tp > 1 else h_GTD
+
+  def expert_gates(self, gates_GTK: jax.Array) -> jax.Array:
+    return tensor.copy_to_tp(gates_GTK, "tensor") if self.tp > 1 else gates_GTK
+
+  def experts(self, x_GTD, ids_GTK, gates_GTK, w, moe, dtype):
+    n_ep = self.mesh.shape["expert"]
+    if n_ep == 1:
+      return super().experts(x_GTD, ids_GTK, gates_GTK, w, moe, dtype)
+    if moe.dispatch == "dropless":
+      gpu = self.mesh.devices.flat[0].platform == "gpu"  # native ragged_all_to_all there
+      y_TD = dropless_exchange(x_GTD[0], ids_GTK[0], gates_GTK[0], w, dtype, "expert", n_ep,
+                               native_ragged=gpu)
+      return y_TD[None], jnp.zeros((), jnp.int32)
+    y_TD, dropped = capacity_exchange(x_GTD[0], ids_GTK[0], gates_GTK[0], w, dtype,
+                                      moe.capacity_factor, "expert", n_ep)
+    return y_TD[None], dropped

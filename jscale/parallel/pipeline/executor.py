@@ -146,12 +146,19 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
         out["stash"] = dy
       return out
 
-    return [lambda: dict(nothing),
-            lambda: forward(x_in, False, False), lambda: forward(x_in, True, False),
-            lambda: forward(x_in, False, True),
-            lambda: backward(False, True, False, dy_in), lambda: backward(True, True, False, dy_in),
-            lambda: backward(False, True, True, dy_in), lambda: backward(True, True, True, dy_in),
-            lambda: backward(False, False, True, stash)]
+    # One branch per program code, by name (`program.CODES` fixes the switch's order).
+    by_code = {
+        "idle": lambda: dict(nothing),
+        "f": lambda: forward(x_in, first=False, last=False),
+        "f_first": lambda: forward(x_in, first=True, last=False),
+        "f_last": lambda: forward(x_in, first=False, last=True),
+        "b": lambda: backward(first=False, need_dx=True, need_dw=False, dy=dy_in),
+        "b_first": lambda: backward(first=True, need_dx=True, need_dw=False, dy=dy_in),
+        "bw": lambda: backward(first=False, need_dx=True, need_dw=True, dy=dy_in),
+        "bw_first": lambda: backward(first=True, need_dx=True, need_dw=True, dy=dy_in),
+        "w": lambda: backward(first=False, need_dx=False, need_dw=True, dy=stash),
+    }
+    return [by_code[name] for name in prog_lib.CODES]
 
   fwd_perm = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
   bwd_perm = [(j, i) for i, j in fwd_perm]

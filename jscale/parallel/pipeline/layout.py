@@ -26,6 +26,13 @@ def to_storage(blocks, n_layers: int, p: int, v: int):
   return _take(blocks, order)
 
 
+def params_to_storage(params: dict, n_layers: int, stages: int, virtual_stages: int) -> dict:
+  """Model params (a pure dict, layers in model order) as stored on a mesh of `stages`
+  pipeline stages: the one place that decides the stored order (v = 1 without a pipeline)."""
+  v = virtual_stages if stages > 1 else 1
+  return {**params, "blocks": to_storage(params["blocks"], n_layers, stages, v)}
+
+
 def to_model(blocks, n_layers: int, p: int, v: int):
   """Stacked layer params (or their gradients) in storage order -> model order."""
   if v == 1:

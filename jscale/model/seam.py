@@ -1,0 +1,162 @@
+"""The model's seam: every place where the forward pass (and its loss) may communicate, as one
+named operation the model calls and a parallel layout implements.
+
+The model owns this interface and imports nothing from `jscale.parallel`. `Seam` itself is the
+single-device version (`LOCAL`), where each operation is the plain math (identity for the
+communication). The parallel modes implement it per axis in `jscale.parallel` (in "xla" mode
+arrays are global and the operations become sharding constraints; in "manual" mode arrays are
+per-device shards inside `jax.shard_map` and the operations issue real collectives). Model code
+takes sizes from the arrays it receives, never from the global config, so it runs unchanged on
+shards. The train step's own operations (gradients, optimizer, program) are a separate protocol:
+`jscale.parallel.comms.Comms`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jscale.model import attention as attn_lib
+from jscale.model import moe_dispatch
+
+Names = Sequence[str | None]
+
+# checkpoint_name of whole weights gathered for ZeRO-3: never saved for the backward (which
+# gathers again), or the forward would keep every layer's full weights alive, undoing ZeRO-3.
+GATHERED = "zero3_gathered_params"
+
+
+class Seam:
+  """One device: no communication. Parallel layouts override the operations they need."""
+
+  mode = "local"
+
+  # ---------------------------------------------------------------- layouts and kernels
+
+  def activation(self, x: jax.Array, names: Names) -> jax.Array:
+    """Lays out an activation by logical axis names (e.g. ("batch", "seq", "embed"))."""
+    del names
+    return x
+
+  def local_shape(self, shape: Sequence[int], names: Names) -> tuple[int, ...]:
+    """The shape of one device's block of an activation of `shape` laid out by logical
+    `names` (one device and manual mode: arrays already are that block)."""
+    del names
+    return tuple(shape)
+
+  def kernel(self, fn: Callable, args: Sequence[jax.Array], in_names: Sequence[Names],
+             out_names: Names) -> jax.Array:
+    """`fn(*args)` for a Pallas kernel, which GSPMD cannot partition (a custom call): run on
+    each device's shards, the dims of `args` / the result carrying logical `in_names` /
+    `out_names` (the kernel must be per-row / per-head along the split dims). One device and
+    manual mode: arrays are already per-device shards, so this is the call itself."""
+    del in_names, out_names
+    return fn(*args)
+
+  # ---------------------------------------------------------------- weights (DP / ZeRO)
+
+  def gather_params(self, params: Any, dtype: Any) -> Any:
+    """Makes (possibly ZeRO-3 sharded) weights whole just before use; ZeRO-3 gathers them
+    already cast to the compute `dtype` (half the bytes of fp32 masters)."""
+    del dtype
+    return params
+
+  def layer_inputs(self, stacked: Any) -> Any:
+    """What the layer scan iterates over, given the stacked layer weights; each slice goes
+    through `gather_layer`."""
+    return stacked
+
+  def gather_layer(self, layer: Any, dtype: Any) -> Any:
+    """One slice of `layer_inputs` made into the layer's whole weights (`gather_params`,
+    unless the layout scans something else: manual ZeRO-2's stored weights)."""
+    return self.gather_params(layer, dtype)
+
+  # ---------------------------------------------------------------- attention (CP)
+
+  def attention(self, q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
+                positions_BL: jax.Array, impl: str, interpret: bool = False) -> jax.Array:
+    """Causal self-attention of the sequence (split over `sequence` under context parallelism:
+    K/V all-gathered, or a ring). `positions_BL` are the tokens' positions in their sequence.
+    `interpret`: run a Pallas impl in the Pallas interpreter."""
+    del positions_BL  # one device (or no context parallelism): tokens are in order
+    impl = attn_lib.local_impl(impl, q_BLHK)
+    if impl in ("pallas", "cudnn"):  # kernels: run on each device's shards of batch and heads
+      # (cuDNN too: a custom call inside GSPMD regions such as a pipeline stage, and only ever
+      # per-device work, so it gets the same per-shard dispatch as the Pallas kernel)
+      fn = (functools.partial(attn_lib.pallas_attention, interpret=interpret)
+            if impl == "pallas" else attn_lib.cudnn_attention)
+      names = (attn_lib.Q_NAMES, attn_lib.KV_NAMES, attn_lib.KV_NAMES)
+      return attn_lib.named(self.kernel(fn, (q_BLHK, k_BSGK, v_BSGK), names, attn_lib.Q_NAMES))
+    return attn_lib.attention(q_BLHK, k_BSGK, v_BSGK, impl)
+
+  # ---------------------------------------------------------------- tensor parallelism
+
+  def enter_tensor_parallel(self, x_BLD: jax.Array) -> jax.Array:
+    """Input of a column-parallel linear: Megatron's f (identity fwd, all-reduce bwd)."""
+    return x_BLD
+
+  def leave_tensor_parallel(self, y_BLD: jax.Array) -> jax.Array:
+    """Output of a row-parallel linear: Megatron's g (all-reduce fwd, identity bwd)."""
+    return y_BLD
+
+  def embed(self, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
+    """Token embedding lookup (vocab-parallel when the table is sharded over vocab)."""
+    return jnp.take(table_VD, tokens_BL, axis=0)
+
+  def vocab_max(self, x: jax.Array) -> jax.Array:
+    """Max over the (possibly sharded) vocab axis, the last one, keeping dims."""
+    return jnp.max(x, axis=-1, keepdims=True)
+
+  def vocab_sum(self, x: jax.Array) -> jax.Array:
+    """Sum over the (possibly sharded) vocab axis, the last one, keeping dims."""
+    return jnp.sum(x, axis=-1, keepdims=True)
+
+  def vocab_offset(self, local_size: int) -> int | jax.Array:
+    """Index of this shard's first vocab entry, given the shard's vocab size (0 unless the
+    vocab is sharded)."""
+    del local_size
+    return 0
+
+  # ---------------------------------------------------------------- experts (EP)
+
+  def expert_groups(self, batch: int) -> int:
+    """How many groups the batch's tokens are routed in (capacity is per group): one per
+    batch shard, so a group is one device's tokens."""
+    del batch
+    return 1
+
+  def token_sum(self, x: jax.Array) -> jax.Array:
+    """Sums a per-token statistic over the devices holding other tokens, inside the
+    differentiated loss: each device's gradient stays its own tokens' share."""
+    return x
+
+  def router_input(self, h_GTD: jax.Array) -> jax.Array:
+    """The MoE router's view of the (tensor-parallel region's) input: its gradient is whole
+    on every tensor rank, which the region's exit would otherwise count once per rank."""
+    return h_GTD
+
+  def expert_gates(self, gates_GTK: jax.Array) -> jax.Array:
+    """Gates as the experts' combine uses them: with experts split over `tensor` each rank's
+    gate gradient is a partial sum (of its hidden slice), summed here."""
+    return gates_GTK
+
+  def experts(self, x_GTD: jax.Array, ids_GTK: jax.Array, gates_GTK: jax.Array,
+              w: moe_dispatch.ExpertWeights, moe: Any, dtype: Any):
+    """Applies each token's chosen experts, weighted by its gates, per group:
+    (output [G, T, D], number of dropped assignments). `moe`: the model's MoeConfig."""
+    outs, dropped = [], 0
+    for g in range(x_GTD.shape[0]):
+      if moe.dispatch == "dropless":
+        outs.append(moe_dispatch.dropless(x_GTD[g], ids_GTK[g], gates_GTK[g], w, dtype))
+      else:
+        y, d = moe_dispatch.with_capacity(x_GTD[g], ids_GTK[g], gates_GTK[g], w, dtype,
+                                          moe.capacity_factor)
+        outs.append(y)
+        dropped = dropped + d
+    return jnp.stack(outs), jnp.asarray(dropped, jnp.int32)
+
+
+LOCAL = Seam()

@@ -1,0 +1,53 @@
+"""The seam's attention under context parallelism, in both modes (no CP: the model's own)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jscale.model import attention as attn_lib
+from jscale.parallel.context.ring import ring_attention
+
+
+class XlaContext:
+  """CP in xla mode (mixed into `XlaComms`: uses `layouts`, `activation`)."""
+
+  def attention(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, impl: str,
+                interpret: bool = False) -> jax.Array:
+    layouts = self.layouts
+    if layouts.mesh.shape["sequence"] == 1:
+      return super().attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl, interpret)
+    if impl in ("ring", "pallas"):  # the hand-written ring, on the shards XLA already holds
+      q_spec = layouts.activation(("batch", "seq", "heads", "head_dim")).spec
+      kv_spec = layouts.activation(("batch", "seq", "kv_heads", "head_dim")).spec
+      ring = functools.partial(ring_attention, axis_name="sequence",
+                               layout=layouts.context_layout,
+                               block=attn_lib.ring_blocks(impl, interpret))
+      return attn_lib.named(jax.shard_map(
+          ring, mesh=layouts.mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+          check_vma=False)(q_BLHK, k_BSGK, v_BSGK))
+    # The playbook's all-gather variant: every device sees all keys and values (and their
+    # positions, for the mask) and keeps its own queries.
+    kv_names = ("batch", None, "kv_heads", "head_dim")
+    k_BSGK, v_BSGK = self.activation(k_BSGK, kv_names), self.activation(v_BSGK, kv_names)
+    pos_k_BS = self.activation(positions_BL, ("batch", None))
+    ctx_BLHK = attn_lib.attention(q_BLHK, k_BSGK, v_BSGK, impl,
+                                  positions=(positions_BL, pos_k_BS))
+    # Pinning the output (hence its cotangent) to the queries' layout keeps GSPMD from picking a
+    # layout for the backward's score matmuls that it can only reach by replicating (with SP).
+    return self.activation(ctx_BLHK, ("batch", "seq", "heads", "head_dim"))
+
+
+class ManualContext:
+  """CP by hand (mixed into `ManualComms`: uses `cp`, `layouts`)."""
+
+  def attention(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, impl: str,
+                interpret: bool = False) -> jax.Array:
+    if self.cp == 1:  # a Pallas impl runs on this device's shards as they are
+      return super().attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl, interpret)
+    # Context parallelism is always the ring here; the block math is the flash kernel for
+    # attention_impl=pallas, else plain jnp.
+    return attn_lib.named(ring_attention(q_BLHK, k_BSGK, v_BSGK, "sequence",
+                                         layout=self.layouts.context_layout,
+                                         block=attn_lib.ring_blocks(impl, interpret)))

@@ -1,0 +1,57 @@
+"""The layering, read from the imports of every module (function-level imports included):
+config < model < parallel < step / runtime < train loop. A lower layer never imports up."""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      names.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      names.add(node.module)
+      names.update(f"{node.module}.{a.name}" for a in node.names)
+  return {n for n in names if n.split(".")[0] in ("jscale", "pallas_kernels")}
+
+
+def _modules(pattern: str) -> list[pathlib.Path]:
+  found = sorted(ROOT.glob(pattern))
+  assert found, pattern
+  return found
+
+
+def _offenders(pattern: str, allowed) -> dict[str, list[str]]:
+  out = {}
+  for path in _modules(pattern):
+    bad = sorted(n for n in _imports(path) if not allowed(n))
+    if bad:
+      out[str(path.relative_to(ROOT))] = bad
+  return out
+
+
+def _under(*prefixes: str):
+  return lambda name: any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+@pytest.mark.parametrize("pattern, allowed", [
+    # The model owns its seam (jscale.model.seam): it never imports a parallel layout.
+    ("jscale/model/*.py", _under("jscale.config", "jscale.model", "pallas_kernels")),
+    # Kernels are standalone (JAX's Pallas ops style).
+    ("pallas_kernels/**/*.py", _under("pallas_kernels")),
+    # Parallel layouts implement the seams; they never reach into data or the train loop.
+    ("jscale/parallel/**/*.py",
+     lambda n: not _under("jscale.data", "jscale.train", "jscale.train_step", "jscale.runtime",
+                          "jscale.distributed", "jscale.checkpoint")(n)),
+])
+def test_no_import_from_a_lower_layer_up(pattern, allowed):
+  assert _offenders(pattern, allowed) == {}
+
+
+def test_the_loss_sees_only_the_model_seam():
+  assert _offenders("jscale/loss.py", _under("jscale.model")) == {}
