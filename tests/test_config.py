@@ -6,7 +6,9 @@ import os
 import pytest
 
 from jscale import train
-from jscale.config import ConfigError, load_config
+from jscale import validate
+from jscale.config import ConfigError
+from jscale.config_load import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,7 +78,8 @@ def test_cli_reports_config_errors_before_compiling(capsys, tmp_path):
 def test_runtime_checks(tmp_path):
   cfg = load_config(None, ["model.attention_impl=cudnn", f"data.cache_dir={tmp_path}"])
   with pytest.raises(ConfigError, match="model.attention_impl=cudnn"):
-    train.check_runtime(cfg)
+    validate.check_runtime(cfg)
   cfg = load_config(None, ["model.vocab_size=100", f"data.cache_dir={tmp_path}"])
   with pytest.raises(ConfigError, match="model.vocab_size"):
-    train.check_runtime(cfg)
+    validate.check_runtime(cfg)
+
