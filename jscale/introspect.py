@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from jscale import runtime
-from jscale.config import Config, load_config
+from jscale.config import Config
+from jscale.config_load import load_config
 from jscale.metrics import param_counts
 
 

@@ -14,7 +14,8 @@ import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
 
-from jscale.config import ConfigError, ModelConfig, from_dict
+from jscale.config import ConfigError, ModelConfig
+from jscale.config_load import from_dict
 
 
 def save_params(path: str, model: nnx.Module, cfg: ModelConfig) -> None:

@@ -25,33 +25,13 @@ from jscale import metrics as metrics_lib
 from jscale import params_io
 from jscale import runtime
 from jscale import train_step as ts
+from jscale import validate
 from jscale import xla_flags
 from jscale import config as config_lib
-from jscale.config import Config, ConfigError, load_config
-from jscale.data import make_eval_batches, make_train_iterator, tokenizer_vocab_size
+from jscale.config import Config, ConfigError
+from jscale.config_load import load_config
+from jscale.data import make_eval_batches, make_train_iterator
 from jscale.optim import make_optimizer
-
-# Model fields that a checkpoint's shapes depend on (numerics like dtype may differ).
-_SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                 "d_ff", "tie_embeddings")
-
-
-def check_runtime(cfg: Config) -> None:
-  """Checks that need this machine (devices, files); raises ConfigError before any compile."""
-  runtime.check_backend(cfg, jax.default_backend())
-  vocab = tokenizer_vocab_size(cfg.data)
-  if vocab > cfg.model.vocab_size:
-    raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                      f"vocabulary ({vocab}, data.tokenizer={cfg.data.tokenizer}): raise it")
-  if cfg.checkpoint.init_from:
-    saved = params_io.load_model_config(cfg.checkpoint.init_from)
-    for f in _SHAPE_FIELDS:
-      if getattr(saved, f) != getattr(cfg.model, f):
-        raise ConfigError(
-            f"model.{f}={getattr(cfg.model, f)} differs from checkpoint.init_from "
-            f"({cfg.checkpoint.init_from}: {f}={getattr(saved, f)}): set model.{f}="
-            f"{getattr(saved, f)}")
-
 
 def write_run_info(cfg: Config, rt: runtime.Runtime, requested_attention: str) -> None:
   """`<output_dir>/run.json` (process 0): what this run resolved and runs on — the attention
@@ -112,7 +92,7 @@ def _evaluate(eval_step, params, batches, sharding) -> float:
 def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
   """Trains per `cfg`; returns a summary. `stop_after=k` exits after k steps of this call, with
   a checkpoint, as if the job were interrupted (a later call resumes)."""
-  check_runtime(cfg)
+  validate.check_runtime(cfg)
   t = cfg.train
   pi, pc = jax.process_index(), jax.process_count()
   requested = cfg.model.attention_impl

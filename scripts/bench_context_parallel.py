@@ -72,7 +72,7 @@ def main():
   import jax  # pylint: disable=import-outside-toplevel
   if jax.default_backend() == "cpu" and len(jax.devices()) < 8:
     raise SystemExit("run with XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU")
-  from jscale.config import load_config  # pylint: disable=import-outside-toplevel
+  from jscale.config_load import load_config  # pylint: disable=import-outside-toplevel
   rows = []
   for s in (int(x) for x in args.seq.split(",")):
     for n in (int(x) for x in args.cp.split(",")):

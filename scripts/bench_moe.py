@@ -212,7 +212,7 @@ def main():
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={args.devices}")
   import jax  # pylint: disable=import-outside-toplevel  # after XLA_FLAGS: jax reads it once
-  from jscale.config import load_config  # pylint: disable=import-outside-toplevel
+  from jscale.config_load import load_config  # pylint: disable=import-outside-toplevel
   from jscale.metrics import param_counts  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   devices = jax.devices()

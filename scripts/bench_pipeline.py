@@ -45,7 +45,7 @@ def main():
   parser.add_argument("overrides", nargs="*")
   args = parser.parse_args()
   import jax  # pylint: disable=import-outside-toplevel
-  from jscale.config import load_config  # pylint: disable=import-outside-toplevel
+  from jscale.config_load import load_config  # pylint: disable=import-outside-toplevel
   from jscale.parallel.pipeline import schedules, timeline  # pylint: disable=import-outside-toplevel
   p = args.stages
   if len(jax.devices()) < p:

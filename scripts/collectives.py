@@ -37,7 +37,7 @@ def main():
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8")
   from jscale import hlo, introspect, metrics, report  # after XLA_FLAGS: jax reads it once
-  from jscale.config import load_config
+  from jscale.config_load import load_config
   rows = []
   for name, layout in LAYOUTS.items():
     cfg = load_config(None, [*SHAPE, *layout, *args.overrides])

@@ -103,7 +103,7 @@ def main():
                              " --xla_force_host_platform_device_count=8")
   import jax  # pylint: disable=import-outside-toplevel  (after XLA_FLAGS: read once)
   from jscale import hlo, introspect, report  # pylint: disable=import-outside-toplevel
-  from jscale.config import load_config  # pylint: disable=import-outside-toplevel
+  from jscale.config_load import load_config  # pylint: disable=import-outside-toplevel
   from jscale.parallel import volume  # pylint: disable=import-outside-toplevel
 
   names = [n for n in args.only.split(",") if n] or list(STRATEGIES)

@@ -9,7 +9,7 @@ width and writes a markdown table (+ CSV beside it).
 import argparse
 
 from jscale import introspect, report
-from jscale.config import load_config
+from jscale.config_load import load_config
 
 
 def main():

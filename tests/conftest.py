@@ -8,7 +8,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402  (after the environment is set)
 
-from jscale.config import load_config  # noqa: E402
+from jscale.config_load import load_config  # noqa: E402
 
 
 def small_config(tmp_path=None, *overrides: str):

@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
 
   from jscale import distributed  # pylint: disable=import-outside-toplevel
-  from jscale.config import load_config  # pylint: disable=import-outside-toplevel
+  from jscale.config_load import load_config  # pylint: disable=import-outside-toplevel
 
   cfg = load_config(None, argv)
   distributed.initialize(cfg.distributed)

@@ -103,7 +103,7 @@ VOCAB_128K = ("model.preset=tiny", "model.vocab_size=128256", "model.d_model=64"
 def test_chunked_loss_memory_at_llama3_vocab():
   """Compiled temp memory of a step at vocab 128,256, batch 2 x seq 1024: ~2.7x the fp32
   logits' size unchunked, under 1x in chunks of 256 MiB (4 chunks)."""
-  from jscale.config import load_config
+  from jscale.config_load import load_config
   logits = 2 * 1024 * 128256 * 4
   temp = {}
   for mb in (0, 256):

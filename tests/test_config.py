@@ -1,12 +1,18 @@
 """Config loading, overrides and validation: every bad case fails before compile, naming the key."""
 
+import ast
 import glob
 import os
 
 import pytest
 
 from jscale import train
-from jscale.config import ConfigError, load_config
+from jscale import validate
+from jscale.config import ConfigError, ModelConfig, ParallelConfig, PipelineConfig, choices
+from jscale.config_load import load_config
+from jscale.model import attention
+from jscale.parallel.context import order
+from jscale.parallel.pipeline import schedules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,7 +82,28 @@ def test_cli_reports_config_errors_before_compiling(capsys, tmp_path):
 def test_runtime_checks(tmp_path):
   cfg = load_config(None, ["model.attention_impl=cudnn", f"data.cache_dir={tmp_path}"])
   with pytest.raises(ConfigError, match="model.attention_impl=cudnn"):
-    train.check_runtime(cfg)
+    validate.check_runtime(cfg)
   cfg = load_config(None, ["model.vocab_size=100", f"data.cache_dir={tmp_path}"])
   with pytest.raises(ConfigError, match="model.vocab_size"):
-    train.check_runtime(cfg)
+    validate.check_runtime(cfg)
+
+
+def test_config_imports_no_jscale_module():
+  """config.py is the leaf every other module imports: an import back would be a cycle."""
+  with open(os.path.join(ROOT, "jscale", "config.py"), encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+  names += ["jscale" if n.level else n.module for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom)]
+  assert not [n for n in names if n == "jscale" or n.startswith("jscale.")], names
+
+
+def test_registries_match_the_config_literals():
+  """Lower layers' registries name exactly the values the config's Literal types allow."""
+  assert schedules.SCHEDULES == choices(PipelineConfig, "schedule")
+  assert order.LAYOUTS == choices(ParallelConfig, "context_layout")
+  impls = set(choices(ModelConfig, "attention_impl"))
+  assert set(attention.IMPLS) == impls - {"auto"}  # auto resolves to one of the others
+  assert set(attention.BACKENDS) == impls
+  # check_backend looks norm impls up in the same table.
+  assert set(choices(ModelConfig, "norm_impl")) <= set(attention.BACKENDS)

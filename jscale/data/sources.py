@@ -19,7 +19,7 @@ import sysconfig
 
 import numpy as np
 
-from jscale.config import ConfigError, DataConfig
+from jscale.config import ConfigError, DataConfig, choices
 from jscale.data.corpus import Corpus, cached_corpus, tokenize_files
 from jscale.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -47,7 +47,8 @@ def load_splits(data_cfg: DataConfig) -> Splits:
   elif data_cfg.source == "bin":
     train, val = bin_streams(data_cfg, tok)
   else:
-    raise ConfigError(f"data.source={data_cfg.source!r}: choose one of stdlib, bin, text")
+    raise ConfigError(f"data.source={data_cfg.source!r}: choose one of "
+                      f"{', '.join(choices(DataConfig, 'source'))}")
   return Splits(train, val, tok.eos_id)
 
 

@@ -72,7 +72,7 @@ def pallas_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
 IMPLS: dict[str, Callable[..., jax.Array]] = {"xla": xla_attention, "cudnn": cudnn_attention,
                                                "ring": xla_attention, "pallas": pallas_attention}
 # Backends each impl can run on; checked at config validation, never a silent fallback
-# (`jscale.runtime.check_backend`). Pallas kernels run anywhere with model.kernel_interpret.
+# (`jscale.validate.check_backend`). Pallas kernels run anywhere with model.kernel_interpret.
 # "auto" resolves to one of the others for the backend (`auto_impl`).
 BACKENDS: dict[str, tuple[str, ...]] = {"xla": ("cpu", "gpu", "tpu"), "cudnn": ("gpu",),
                                         "ring": ("cpu", "gpu", "tpu"), "pallas": ("gpu",),

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from jscale.config import ConfigError
-
+# parallel.context_layout's values (a test keeps them equal to the config's Literal).
 LAYOUTS = ("zigzag", "contiguous")
 _PERMUTED = ("tokens", "labels", "loss_mask")
 
 
 def chunks_per_device(layout: str) -> int:
-  """How many equal chunks of the sequence each `sequence` rank holds."""
+  """How many equal chunks of the sequence each `sequence` rank holds (ValueError naming the
+  config key for an unknown layout; `jscale.validate` checks configs before this runs)."""
   if layout not in LAYOUTS:
-    raise ConfigError(f"parallel.context_layout={layout!r}: choose one of {', '.join(LAYOUTS)}")
+    raise ValueError(f"parallel.context_layout={layout!r}: choose one of {', '.join(LAYOUTS)}")
   return 2 if layout == "zigzag" else 1
 
 
@@ -29,8 +29,8 @@ def token_order(seq_len: int, n: int, layout: str) -> np.ndarray:
   """[seq_len] int32: the original position of the token in each slot."""
   chunks = n * chunks_per_device(layout)
   if seq_len % chunks:
-    raise ConfigError(f"train.seq_len={seq_len} is not divisible into {chunks} {layout} chunks "
-                      f"for mesh.sequence={n}: use a multiple of {chunks}")
+    raise ValueError(f"train.seq_len={seq_len} is not divisible into {chunks} {layout} chunks "
+                     f"for mesh.sequence={n}: use a multiple of {chunks}")
   pos_CT = np.arange(seq_len, dtype=np.int32).reshape(chunks, -1)
   if layout == "zigzag":
     pos_CT = np.concatenate([pos_CT[[i, chunks - 1 - i]] for i in range(n)])

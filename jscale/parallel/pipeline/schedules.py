@@ -23,6 +23,7 @@ import dataclasses
 import numpy as np
 
 IDLE, F, B, W = 0, 1, 2, 3
+# pipeline.schedule's values (a test keeps them equal to the config's Literal).
 SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble")
 NAMES = {IDLE: ".", F: "F", B: "B", W: "W"}
 

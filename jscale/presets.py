@@ -3,6 +3,12 @@
 Llama 3.x shapes follow the published Hugging Face configs (3.2 for 1B/3B, 3.1 for 8B/70B/405B).
 """
 
+from __future__ import annotations
+
+from typing import Any
+
+from jscale.config import ConfigError
+
 _LLAMA3_ROPE = dict(rope_theta=500000.0, max_seq_len=131072, vocab_size=128256, n_kv_heads=8,
                     norm_eps=1e-5)
 
@@ -35,3 +41,16 @@ PRESETS: dict[str, dict] = {
     "llama3_405b": dict(_LLAMA3_ROPE, d_model=16384, n_layers=126, n_heads=128, d_ff=53248,
                         rope_scaling=_scaling(8.0)),
 }
+
+
+def apply(model: dict[str, Any]) -> dict[str, Any]:
+  """The raw `model` section with its `preset`'s keys filled in where not given explicitly."""
+  name = model.get("preset")
+  if name is None:
+    return model
+  if name not in PRESETS:
+    raise ConfigError(f"model.preset={name!r} is unknown: choose one of {sorted(PRESETS)}")
+  # Nested sections (model.moe) merge key by key: an override keeps the preset's others.
+  return {k: ({**PRESETS[name][k], **v} if isinstance(v, dict) and
+              isinstance(PRESETS[name].get(k), dict) else v)
+          for k, v in {**PRESETS[name], **model}.items()}
