@@ -18,6 +18,8 @@ and dW) with fp32 operands: TF32 gemms at half rate plus converts (measured on o
 
 Both einsums take `dot_general` (default `jax.lax.dot_general`, jnp.einsum's own): the hook a
 low-precision matmul (FP8: scaled casts around the product) plugs into, forward and backward.
+It must be a pure, hashable function: jnp.einsum is jitted with it as a static argument, so it
+is traced once per distinct einsum signature, not once per call.
 """
 
 from __future__ import annotations
