@@ -70,20 +70,22 @@ def num_chunks(local_shape: tuple[int, int, int], budget_mb: float) -> int:
 
 
 def head_loss_sums(h_BLD: jax.Array, head_DV: jax.Array, labels_BL: jax.Array,
-                   mask_BL: jax.Array, comms: Seam = LOCAL, budget_mb: float = 0.0
+                   mask_BL: jax.Array, comms: Seam = LOCAL, budget_mb: float = 0.0,
+                   dot_general: matmul.DotGeneral = jax.lax.dot_general
                    ) -> tuple[jax.Array, jax.Array]:
   """(loss sum, token count) of the head `h_BLD @ head_DV` (both in the compute dtype; the
   logits are fp32), chunked by `num_chunks` when its fp32 logits exceed `budget_mb` MiB per
-  device (`train.logits_chunk_mb`)."""
+  device (`train.logits_chunk_mb`). The head's products are `dot_general`'s (the model's,
+  `Llama.dot_general`)."""
   b, l, _ = h_BLD.shape
   n = num_chunks(comms.local_shape((b, l, head_DV.shape[-1]), LOGITS_NAMES), budget_mb)
   if n == 1:
     with jax.named_scope("head"):
-      logits = matmul.einsum_f32("BLD,DV->BLV", h_BLD, head_DV, h_BLD.dtype)
+      logits = matmul.einsum_f32("BLD,DV->BLV", h_BLD, head_DV, h_BLD.dtype, dot_general)
     return cross_entropy_sums(comms.activation(logits, LOGITS_NAMES), labels_BL, mask_BL, comms)
   mask = mask_BL.astype(jnp.float32)
   with jax.named_scope("head_loss_chunked"):
-    return _chunked(h_BLD, head_DV, labels_BL, mask, comms, n), jnp.sum(mask)
+    return _chunked(h_BLD, head_DV, labels_BL, mask, comms, n, dot_general), jnp.sum(mask)
 
 
 def _split(x: jax.Array, n: int) -> jax.Array:
@@ -98,7 +100,8 @@ def _merge(x: jax.Array) -> jax.Array:
   return jnp.moveaxis(x, 0, 2).reshape(b, c * n, *x.shape[3:])
 
 
-def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int) -> jax.Array:
+def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int,
+             dot_general: matmul.DotGeneral = jax.lax.dot_general) -> jax.Array:
   """Loss sum over n chunks; custom_vjp: the gradients are made in the forward's scan.
 
   Sums over tokens stay per device inside the scan: the loss and dW are accumulated as
@@ -115,7 +118,7 @@ def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int) -> jax.Arr
     return x_BC.reshape(s, x_BC.shape[0] // s, q, x_BC.shape[1] // q, *x_BC.shape[2:])
 
   def chunk_loss(head_DV, h_BCD, labels_BC, mask_BC, with_grads: bool):
-    logits = comms.activation(jnp.einsum("BCD,DV->BCV", h_BCD, head_DV,
+    logits = comms.activation(jnp.einsum("BCD,DV->BCV", h_BCD, head_DV, _dot_general=dot_general,
                                          preferred_element_type=jnp.float32), LOGITS_NAMES)
     st = _softmax_stats(logits, labels_BC, comms)
     loss_SQ = jnp.sum(by_shard(st.token_loss * mask_BC), axis=(1, 3))
@@ -124,9 +127,9 @@ def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int) -> jax.Arr
     # d(loss)/d(logits) = (softmax - onehot) * mask, cast to the compute dtype for both
     # products (dh: partial over vocab shards, summed by the head's tensor-parallel entry).
     dlogits = ((st.exp / st.sum_exp - st.hit) * mask_BC[..., None]).astype(h_BCD.dtype)
-    dh_BCD = jnp.einsum("BCV,DV->BCD", dlogits, head_DV)
+    dh_BCD = jnp.einsum("BCV,DV->BCD", dlogits, head_DV, _dot_general=dot_general)
     dw_SQDV = jnp.einsum("sbqcd,sbqcv->sqdv", by_shard(h_BCD), by_shard(dlogits),
-                         preferred_element_type=jnp.float32)
+                         preferred_element_type=jnp.float32, _dot_general=dot_general)
     return per_shard(loss_SQ), dh_BCD, per_shard(dw_SQDV, "embed", "vocab")
 
   def chunks(h_BLD, labels_BL, mask_BL):

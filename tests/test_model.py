@@ -77,6 +77,7 @@ def test_layers_are_stacked_and_named():
   cfg = small_config(None).model
   state = nnx.state(nnx.eval_shape(lambda: llama.create(cfg)), nnx.Param)
   specs = nnx.get_partition_spec(state)
-  assert tuple(specs["blocks"]["wq"].get_value()) == ("layers", "embed", "heads", "head_dim")
+  assert tuple(specs["blocks"]["attn"]["wq"].get_value()) == ("layers", "embed", "heads",
+                                                               "head_dim")
   assert tuple(specs["embed"].get_value()) == ("vocab", "embed")
-  assert state["blocks"]["wq"].get_value().shape[0] == cfg.n_layers
+  assert state["blocks"]["attn"]["wq"].get_value().shape[0] == cfg.n_layers

@@ -191,8 +191,8 @@ def test_moe_every_other_layer_stacks_groups_and_matches_one_device():
   cfg = small_config(None, *EVERY2)
   blocks = jax.eval_shape(lambda: ts.init_state(cfg))["params"]["blocks"]
   # 2 groups of (1 dense layer, 1 MoE layer).
-  assert blocks["dense"]["w_gate"].shape == (2, 1, 64, 128)
-  assert blocks["moe_block"]["moe"]["w_gate"].shape == (2, 8, 64, 64)
+  assert blocks["dense"]["mlp"]["w_gate"].shape == (2, 1, 64, 128)
+  assert blocks["moe_block"]["mlp"]["w_gate"].shape == (2, 8, 64, 64)
   got = parity.losses((*EVERY2, "mesh.expert=2", "mesh.fsdp=2", "parallel.zero_stage=3",
                        "mesh.data=1", "parallel.collectives=manual"), jax.devices()[:4])
   np.testing.assert_allclose(got, parity.reference(*EVERY2), rtol=1e-4)

@@ -47,24 +47,24 @@ def _specs(cfg: ModelConfig) -> list[tuple[tuple[str, ...], str, tuple[int, ...]
   specs = [
       (("embed",), "model.embed_tokens.weight", (cfg.vocab_size, d), same, same),
       (("blocks", "attn_norm", "scale"), lay + "input_layernorm.weight", (d,), same, same),
-      (("blocks", "wq"), lay + "self_attn.q_proj.weight", (h * k, d),
+      (("blocks", "attn", "wq"), lay + "self_attn.q_proj.weight", (h * k, d),
        lambda w: w.T.reshape(d, h, k), lambda w: w.reshape(d, h * k).T),
-      (("blocks", "wk"), lay + "self_attn.k_proj.weight", (g * k, d),
+      (("blocks", "attn", "wk"), lay + "self_attn.k_proj.weight", (g * k, d),
        lambda w: w.T.reshape(d, g, k), lambda w: w.reshape(d, g * k).T),
-      (("blocks", "wv"), lay + "self_attn.v_proj.weight", (g * k, d),
+      (("blocks", "attn", "wv"), lay + "self_attn.v_proj.weight", (g * k, d),
        lambda w: w.T.reshape(d, g, k), lambda w: w.reshape(d, g * k).T),
-      (("blocks", "wo"), lay + "self_attn.o_proj.weight", (d, h * k),
+      (("blocks", "attn", "wo"), lay + "self_attn.o_proj.weight", (d, h * k),
        lambda w: w.T.reshape(h, k, d), lambda w: w.reshape(h * k, d).T),
       (("blocks", "mlp_norm", "scale"), lay + "post_attention_layernorm.weight", (d,), same, same),
   ]
   if cfg.moe is None:
     specs += [
-        (("blocks", "w_gate"), lay + "mlp.gate_proj.weight", (f, d), t, t),
-        (("blocks", "w_up"), lay + "mlp.up_proj.weight", (f, d), t, t),
-        (("blocks", "w_down"), lay + "mlp.down_proj.weight", (d, f), t, t),
+        (("blocks", "mlp", "w_gate"), lay + "mlp.gate_proj.weight", (f, d), t, t),
+        (("blocks", "mlp", "w_up"), lay + "mlp.up_proj.weight", (f, d), t, t),
+        (("blocks", "mlp", "w_down"), lay + "mlp.down_proj.weight", (d, f), t, t),
     ]
   else:  # the experts themselves: _experts_from_hf / _experts_to_hf
-    specs.append((("blocks", "moe", "router"), lay + _MOE + "gate.weight",
+    specs.append((("blocks", "mlp", "router"), lay + _MOE + "gate.weight",
                   (cfg.moe.n_experts, d), t, t))
   specs.append((("final_norm", "scale"), "model.norm.weight", (d,), same, same))
   if not cfg.tie_embeddings:
@@ -165,7 +165,7 @@ def hf_to_pure(reader: SafetensorsReader, cfg: ModelConfig, param_dtype) -> dict
       layers.append(ws)
       used.update(names)
     for key, ws in zip(("w_gate", "w_up", "w_down"), zip(*layers)):
-      pure["blocks"]["moe"][key] = np.stack(ws)
+      pure["blocks"]["mlp"][key] = np.stack(ws)
   # Tensors jscale has no place for mean a model it would not reproduce: refuse, naming them.
   # The rotary cache of old checkpoints and a duplicate head of tied models carry nothing.
   extra = sorted(n for n in reader.files if n not in used and not n.endswith("rotary_emb.inv_freq")
@@ -192,7 +192,7 @@ def pure_to_hf(pure: dict, cfg: ModelConfig, dtype=None) -> Iterator[tuple[str, 
     for i, w in layers:
       yield name.format(i), out(to_hf(w))
   if cfg.moe is not None:
-    moe = {k: np.asarray(pure["blocks"]["moe"][k]) for k in ("w_gate", "w_up", "w_down")}
+    moe = {k: np.asarray(pure["blocks"]["mlp"][k]) for k in ("w_gate", "w_up", "w_down")}
     for i in range(cfg.n_layers):
       for j in range(cfg.moe.n_experts):
         for hf_name, key in (("w1", "w_gate"), ("w2", "w_down"), ("w3", "w_up")):

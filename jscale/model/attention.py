@@ -4,14 +4,16 @@
 where it applies, the ring under context parallelism, plain XLA on CPU; the runtime resolves it
 once and the train loop prints and records the choice.
 
-Every impl takes q [B, L, H, K] and k, v [B, S, G, K] with H a multiple of G (grouped-query
-attention: K/V are never repeated in memory) and returns [B, L, H, K]. The causal mask is the
-usual one, or, given token positions (context parallelism reorders tokens), query i sees key j
-when pos_q[i] >= pos_k[j]. "ring" is ring attention over the `sequence` mesh axis
-(`jscale.parallel.context.ring`, called through the comms seam); on one device it is one
-diagonal block, i.e. plain attention. "pallas" is the Pallas flash attention kernel
-(`pallas_kernels.flash_attention`, GPU; `interpret=True` runs it in the Pallas interpreter),
-index-causal only; under a mesh the comms seam runs it on each device's shards (`Comms.kernel`).
+Every impl takes q [B, L, H, K], k [B, S, G, K] and v [B, S, G, Kv] with H a multiple of G
+(grouped-query attention: K/V are never repeated in memory) and returns [B, L, H, Kv]: V's head
+size may differ from Q's (e.g. MLA; not for cuDNN, whose jax.nn.dot_product_attention needs
+Kv == K). The causal mask is the usual one, or, given token positions (context parallelism
+reorders tokens), query i sees key j when pos_q[i] >= pos_k[j]. "ring" is ring attention over
+the `sequence` mesh axis (`jscale.parallel.context.ring`, called through the comms seam); on one
+device it is one diagonal block, i.e. plain attention. "pallas" is the Pallas flash attention
+kernel (`pallas_kernels.flash_attention`, GPU; `interpret=True` runs it in the Pallas
+interpreter), index-causal only; under a mesh the comms seam runs it on each device's shards
+(`Comms.kernel`).
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jscale.model import matmul
 
 
-def xla_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
+def xla_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGV: jax.Array,
                   causal: bool = True, positions=None) -> jax.Array:
-  """Plain einsum attention with fp32 scores and softmax; `positions` = (pos_q [B, L],
-  pos_k [B, S]) masks by position instead of by index."""
+  """Plain einsum attention with fp32 scores and softmax: [B, L, H, Kv] (V's head size, here
+  V); `positions` = (pos_q [B, L], pos_k [B, S]) masks by position instead of by index."""
   b, l, h, k = q_BLHK.shape
   g = k_BSGK.shape[2]
   q_BLGRK = q_BLHK.reshape(b, l, g, h // g, k)
@@ -43,17 +45,22 @@ def xla_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
     s = k_BSGK.shape[1]
     mask_LS = jnp.arange(l)[:, None] + (s - l) >= jnp.arange(s)[None, :]
     scores_BGRLS = jnp.where(mask_LS, scores_BGRLS, jnp.finfo(jnp.float32).min)
-  probs_BGRLS = jax.nn.softmax(scores_BGRLS, axis=-1).astype(v_BSGK.dtype)
-  out_BLGRK = matmul.einsum("BGRLS,BSGK->BLGRK", probs_BGRLS, v_BSGK, q_BLHK.dtype)
-  return out_BLGRK.reshape(b, l, h, k)
+  probs_BGRLS = jax.nn.softmax(scores_BGRLS, axis=-1).astype(v_BSGV.dtype)
+  out_BLGRV = matmul.einsum("BGRLS,BSGV->BLGRV", probs_BGRLS, v_BSGV, q_BLHK.dtype)
+  return out_BLGRV.reshape(b, l, h, v_BSGV.shape[-1])
 
 
 def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
                     causal: bool = True, positions=None) -> jax.Array:
-  """cuDNN fused attention (GPU only; GQA handled by the kernel; index-causal only)."""
+  """cuDNN fused attention (GPU only; GQA handled by the kernel; index-causal only; V's head
+  size equal to Q's, which jax.nn.dot_product_attention requires)."""
   if positions is not None:
     raise ValueError("cudnn attention masks by index, not by token positions: with "
                      "mesh.sequence > 1 use model.attention_impl=ring or xla")
+  if v_BSGK.shape[-1] != k_BSGK.shape[-1]:
+    raise ValueError(f"cudnn attention (jax.nn.dot_product_attention) needs V's head size "
+                     f"equal to K's, got {v_BSGK.shape[-1]} and {k_BSGK.shape[-1]}: use "
+                     f"model.attention_impl=xla, pallas or ring")
   return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, is_causal=causal,
                                       implementation="cudnn")
 

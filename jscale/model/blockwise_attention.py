@@ -5,8 +5,9 @@ queries against different key blocks merge exactly through their log-sum-exps. A
 pairs a forward with its backward; this file holds the plain-jnp pair (the default and the
 reference); a fused kernel (Pallas flash attention) plugs in with the same contract.
 
-Shapes: q [B, L, H, K], k and v [B, S, G, K] with H a multiple of G (GQA: K/V never repeated),
-out [B, L, H, K] fp32, lse / delta [B, L, H] fp32. `causal` means the square block on the
+Shapes: q [B, L, H, K], k [B, S, G, K] and v [B, S, G, V] with H a multiple of G (GQA: K/V
+never repeated; V's head size may differ from K's), out [B, L, H, V] fp32, lse / delta
+[B, L, H] fp32. `causal` means the square block on the
 diagonal (L == S, query i sees keys 0..i); off-diagonal blocks are either full or skipped by
 the caller, never masked here.
 """
@@ -53,33 +54,34 @@ def _to_BGRL(x_BLH: jax.Array, g: int) -> jax.Array:
   return x_BLH.reshape(b, l, g, h // g).transpose(0, 2, 3, 1)
 
 
-def forward(q_BLHK, k_BSGK, v_BSGK, causal: bool):
-  """Softmax attention of the block and the log-sum-exp of its scores (fp32)."""
+def forward(q_BLHK, k_BSGK, v_BSGV, causal: bool):
+  """Softmax attention of the block [B, L, H, V] and the log-sum-exp of its scores (fp32)."""
   g = k_BSGK.shape[2]
   s_BGRLS = _scores(_grouped(q_BLHK, g), k_BSGK, causal)
   m_BGRL = jnp.max(s_BGRLS, axis=-1)
   p_BGRLS = jnp.exp(s_BGRLS - m_BGRL[..., None])
   l_BGRL = jnp.sum(p_BGRLS, axis=-1)
-  out_BLGRK = jnp.einsum("BGRLS,BSGK->BLGRK", (p_BGRLS / l_BGRL[..., None]).astype(v_BSGK.dtype),
-                         v_BSGK, preferred_element_type=jnp.float32)
-  return out_BLGRK.reshape(q_BLHK.shape).astype(jnp.float32), _to_BLH(m_BGRL + jnp.log(l_BGRL))
+  out_BLGRV = jnp.einsum("BGRLS,BSGV->BLGRV", (p_BGRLS / l_BGRL[..., None]).astype(v_BSGV.dtype),
+                         v_BSGV, preferred_element_type=jnp.float32)
+  out_BLHV = out_BLGRV.reshape(*q_BLHK.shape[:3], v_BSGV.shape[-1])
+  return out_BLHV.astype(jnp.float32), _to_BLH(m_BGRL + jnp.log(l_BGRL))
 
 
-def backward(q_BLHK, k_BSGK, v_BSGK, dout_BLHK, lse_BLH, delta_BLH, causal: bool):
+def backward(q_BLHK, k_BSGK, v_BSGV, dout_BLHV, lse_BLH, delta_BLH, causal: bool):
   """Gradients of the block's share of the final output, given the final lse and delta."""
   g, dt = k_BSGK.shape[2], q_BLHK.dtype
   q_BLGRK = _grouped(q_BLHK, g)
-  do_BLGRK = _grouped(dout_BLHK.astype(dt), g)
+  do_BLGRV = _grouped(dout_BLHV.astype(dt), g)
   s_BGRLS = _scores(q_BLGRK, k_BSGK, causal)
   p_BGRLS = jnp.exp(s_BGRLS - _to_BGRL(lse_BLH, g)[..., None])
   f32 = dict(preferred_element_type=jnp.float32)
-  dv_BSGK = jnp.einsum("BGRLS,BLGRK->BSGK", p_BGRLS.astype(dt), do_BLGRK, **f32)
-  dp_BGRLS = jnp.einsum("BLGRK,BSGK->BGRLS", do_BLGRK, v_BSGK, **f32)
+  dv_BSGV = jnp.einsum("BGRLS,BLGRV->BSGV", p_BGRLS.astype(dt), do_BLGRV, **f32)
+  dp_BGRLS = jnp.einsum("BLGRV,BSGV->BGRLS", do_BLGRV, v_BSGV, **f32)
   ds_BGRLS = p_BGRLS * (dp_BGRLS - _to_BGRL(delta_BLH, g)[..., None])
   ds_BGRLS = (ds_BGRLS / jnp.sqrt(jnp.float32(q_BLHK.shape[-1]))).astype(dt)
   dq_BLGRK = jnp.einsum("BGRLS,BSGK->BLGRK", ds_BGRLS, k_BSGK, **f32)
   dk_BSGK = jnp.einsum("BGRLS,BLGRK->BSGK", ds_BGRLS, q_BLGRK, **f32)
-  return dq_BLGRK.reshape(q_BLHK.shape), dk_BSGK, dv_BSGK
+  return dq_BLGRK.reshape(q_BLHK.shape), dk_BSGK, dv_BSGV
 
 
 JNP = BlockFns(forward, backward)

@@ -70,11 +70,12 @@ class RMSNorm(nnx.Module):
     return comms.kernel(norm, (x_BLD, self.scale[...]), (_NORM_ROWS, (None,)), _NORM_ROWS)
 
 
-def einsum(spec: str, x: jax.Array, w: nnx.Param, dtype) -> jax.Array:
-  """`x @ w` in the compute dtype, forward and backward (`jscale.model.matmul`); master
-  weights may be fp32.
+def einsum(spec: str, x: jax.Array, w: nnx.Param, dtype,
+           dot_general: matmul.DotGeneral = jax.lax.dot_general) -> jax.Array:
+  """`x @ w` in the compute dtype, forward and backward (`jscale.model.matmul`; the product is
+  `dot_general`'s); master weights may be fp32.
 
   The cast weight is named like ZeRO-3's gathered weights, so no remat policy saves a
   compute-dtype copy of every layer's weights for the backward (it is recast there)."""
   w = checkpoint_name(w[...].astype(dtype), GATHERED)
-  return matmul.einsum(spec, x, w, dtype)
+  return matmul.einsum(spec, x, w, dtype, dot_general)

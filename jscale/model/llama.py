@@ -1,8 +1,10 @@
-"""Llama in Flax NNX: embedding, scanned stack of (GQA attention + SwiGLU) blocks, norm, head.
+"""Llama in Flax NNX: embedding, scanned stack of (attention + MLP) blocks, norm, head.
 
 Layers are created stacked along a leading `layers` axis (nnx.vmap) and run with `lax.scan`, so
 compile time does not grow with depth. Weights are stored in `param_dtype` (fp32 master) and
 cast to `dtype` (bf16) at use. Communication goes through the model's seam (`jscale.model.seam`).
+The blocks' attention and MLP modules are swappable (`Block`; GQA and SwiGLU or MoE by default),
+and every linear layer's product, the head's included, is `dot_general`'s (`jscale.model.matmul`).
 
 Shape suffixes: B batch, L sequence, D d_model, H query heads, G kv heads, K head dim,
 F mlp hidden, V vocab.
@@ -15,13 +17,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from jscale.config import ModelConfig
 from jscale.model import matmul
-from jscale.model.layers import RMSNorm, einsum, param
+from jscale.model.gqa import GQA
+from jscale.model.layers import RMSNorm, param
+from jscale.model.mlp import Mlp
 from jscale.model.moe import MoE
-from jscale.model.rope import apply_rope, inv_frequencies
+from jscale.model.rope import inv_frequencies
 from jscale.model.seam import GATHERED, LOCAL, Seam
 
 # Matmul outputs kept by `remat: selective`; scores, softmax and pointwise ops are recomputed.
@@ -31,70 +34,51 @@ SELECTIVE_SAVE = ("q_proj", "k_proj", "v_proj", "attn_ctx", "attn_lse", "attn_ou
 
 
 class Block(nnx.Module):
-  """Pre-norm transformer block: x + Attn(norm(x)), then x + MLP(norm(x))."""
+  """Pre-norm transformer block: x + Attn(norm(x)), then x + MLP(norm(x)).
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    d, h, g, k, f = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.d_ff)
-    pd, std = jnp.dtype(cfg.param_dtype), cfg.init_std
+  The block owns the norms, the residuals and the tensor-parallel entry / exit; attention and
+  MLP are swappable modules, constructed as `cls(cfg, rngs, dot_general=...)`:
+    * `attention` (default `GQA`): `(h_BLD, positions_BL, inv_freq, comms) -> out_BLD`;
+    * `mlp` (default `Mlp`, or `MoE` when `cfg.moe` is set): `(h_BLD, comms) -> (out_BLD,
+      stats)`, stats a dict of arrays (the model averages them over layers).
+  Both take the normed input inside the tensor-parallel region and return partial sums that
+  the block takes out of it (row-parallel linears).
+  """
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention: type = GQA,
+               mlp: type | None = None, dot_general: matmul.DotGeneral = jax.lax.dot_general):
+    pd = jnp.dtype(cfg.param_dtype)
     norm = dict(impl=cfg.norm_impl, interpret=cfg.kernel_interpret)
-    self.attn_norm = RMSNorm(d, cfg.norm_eps, cfg.dtype, pd, **norm)
-    self.wq = param(rngs, (d, h, k), ("embed", "heads", "head_dim"), std, pd)
-    self.wk = param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), std, pd)
-    self.wv = param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), std, pd)
-    self.wo = param(rngs, (h, k, d), ("heads", "head_dim", "embed"), std, pd)
-    self.mlp_norm = RMSNorm(d, cfg.norm_eps, cfg.dtype, pd, **norm)
-    if cfg.moe is not None:
-      self.moe = MoE(cfg, rngs)
-    else:
-      self.w_gate = param(rngs, (d, f), ("embed", "mlp"), std, pd)
-      self.w_up = param(rngs, (d, f), ("embed", "mlp"), std, pd)
-      self.w_down = param(rngs, (f, d), ("mlp", "embed"), std, pd)
-    self.dtype = cfg.dtype
-    self.attention_impl = cfg.attention_impl
-    self.kernel_interpret = cfg.kernel_interpret
+    mlp = mlp or (Mlp if cfg.moe is None else MoE)
+    # Attention before MLP: the order of the random draws, so seeded inits stay the same.
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.dtype, pd, **norm)
+    self.attn = attention(cfg, rngs, dot_general=dot_general)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.dtype, pd, **norm)
+    self.mlp = mlp(cfg, rngs, dot_general=dot_general)
 
   def __call__(self, x_BLD, positions_BL, inv_freq, comms: Seam):
-    dt = self.dtype
     h_BLD = comms.enter_tensor_parallel(self.attn_norm(x_BLD, comms))
-    q = checkpoint_name(einsum("BLD,DHK->BLHK", h_BLD, self.wq, dt), "q_proj")
-    k = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wk, dt), "k_proj")
-    v = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wv, dt), "v_proj")
-    q, k = apply_rope(q, positions_BL, inv_freq), apply_rope(k, positions_BL, inv_freq)
-    q = comms.activation(q, ("batch", "seq", "heads", "head_dim"))
-    k = comms.activation(k, ("batch", "seq", "kv_heads", "head_dim"))
-    v = comms.activation(v, ("batch", "seq", "kv_heads", "head_dim"))
-    ctx_BLHK = comms.attention(q, k, v, positions_BL, self.attention_impl,
-                               self.kernel_interpret)
-    out = checkpoint_name(einsum("BLHK,HKD->BLD", ctx_BLHK, self.wo, dt), "attn_out")
-    x_BLD = x_BLD + comms.leave_tensor_parallel(out)
-
+    out_BLD = self.attn(h_BLD, positions_BL, inv_freq, comms)
+    x_BLD = x_BLD + comms.leave_tensor_parallel(out_BLD)
     h_BLD = comms.enter_tensor_parallel(self.mlp_norm(x_BLD, comms))
-    if hasattr(self, "moe"):
-      out, stats = self.moe(h_BLD, comms)
-      return x_BLD + comms.leave_tensor_parallel(out), stats
-    gate_BLF = checkpoint_name(einsum("BLD,DF->BLF", h_BLD, self.w_gate, dt), "mlp_gate")
-    up_BLF = checkpoint_name(einsum("BLD,DF->BLF", h_BLD, self.w_up, dt), "mlp_up")
-    gate_BLF = comms.activation(gate_BLF, ("batch", "seq", "mlp"))
-    up_BLF = comms.activation(up_BLF, ("batch", "seq", "mlp"))
-    out = checkpoint_name(einsum("BLF,FD->BLD", jax.nn.silu(gate_BLF) * up_BLF, self.w_down, dt),
-                          "mlp_out")
-    return x_BLD + comms.leave_tensor_parallel(out), {}
+    out_BLD, stats = self.mlp(h_BLD, comms)
+    return x_BLD + comms.leave_tensor_parallel(out_BLD), stats
 
 
 class MoeGroup(nnx.Module):
   """`moe.every` = k consecutive layers: k-1 dense blocks (stacked on `sublayers`), then one
   MoE block. The model stacks groups on `layers`, so the layer scan stays homogeneous."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, **modules):
     dense_cfg = dataclasses.replace(cfg, moe=None)
 
     @nnx.split_rngs(splits=cfg.moe.every - 1)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "sublayers"})
     def make_dense(rngs):
-      return Block(dense_cfg, rngs)
+      return Block(dense_cfg, rngs, **modules)
 
     self.dense = make_dense(rngs)
-    self.moe_block = Block(cfg, rngs)
+    self.moe_block = Block(cfg, rngs, **modules)
 
   def __call__(self, x_BLD, positions_BL, inv_freq, comms: Seam):
     graphdef, stacked = nnx.split(self.dense)
@@ -146,10 +130,16 @@ def remat_policy(remat: str):
 
 
 class Llama(nnx.Module):
-  """Decoder-only Llama. `model(tokens_BL)` returns fp32 logits [B, L, vocab]."""
+  """Decoder-only Llama. `model(tokens_BL)` returns fp32 logits [B, L, vocab].
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  `attention` / `mlp`: the blocks' module classes (`Block`); `dot_general`: the product of every
+  linear layer and of the head (default `jax.lax.dot_general`; e.g. an FP8 matmul)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, attention: type = GQA,
+               mlp: type | None = None, dot_general: matmul.DotGeneral = jax.lax.dot_general):
     self.cfg = cfg
+    self.dot_general = dot_general
+    modules = dict(attention=attention, mlp=mlp, dot_general=dot_general)
     pd = jnp.dtype(cfg.param_dtype)
     self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, pd)
 
@@ -158,7 +148,7 @@ class Llama(nnx.Module):
     @nnx.split_rngs(splits=cfg.n_layers // every)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make_blocks(rngs):
-      return Block(cfg, rngs) if every == 1 else MoeGroup(cfg, rngs)
+      return Block(cfg, rngs, **modules) if every == 1 else MoeGroup(cfg, rngs, **modules)
 
     self.blocks = make_blocks(rngs)
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.dtype, pd, impl=cfg.norm_impl,
@@ -206,7 +196,7 @@ class Llama(nnx.Module):
                   embed_VD: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The head's operands: final-normed hidden states [B, L, D] (entering the tensor-parallel
     region) and the head weight [D, V], both in the compute dtype (`jscale.loss` multiplies
-    them, whole or in chunks of tokens)."""
+    them, whole or in chunks of tokens, with `self.dot_general`)."""
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     with jax.named_scope("head"):
       norm_graphdef, norm_state = nnx.split(self.final_norm)
@@ -225,7 +215,8 @@ class Llama(nnx.Module):
     """Final norm and head: fp32 logits [B, L, V] (bf16 operands, in the backward too)."""
     h_BLD, head_DV = self.head_inputs(x_BLD, comms, embed_VD)
     with jax.named_scope("head"):
-      logits_BLV = matmul.einsum_f32("BLD,DV->BLV", h_BLD, head_DV, self.cfg.dtype)
+      logits_BLV = matmul.einsum_f32("BLD,DV->BLV", h_BLD, head_DV, self.cfg.dtype,
+                                     self.dot_general)
     return comms.activation(logits_BLV, ("batch", "seq", "vocab"))
 
 
@@ -250,6 +241,6 @@ def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, position
   return x_BLD, jax.tree.map(lambda v: jnp.mean(v, axis=0), stats)
 
 
-def create(cfg: ModelConfig, seed: int = 0) -> Llama:
-  """A randomly initialised model."""
-  return Llama(cfg, nnx.Rngs(params=seed))
+def create(cfg: ModelConfig, seed: int = 0, **modules) -> Llama:
+  """A randomly initialised model; `modules`: `Llama`'s attention / mlp / dot_general."""
+  return Llama(cfg, nnx.Rngs(params=seed), **modules)

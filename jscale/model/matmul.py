@@ -15,14 +15,24 @@ and dW) with fp32 operands: TF32 gemms at half rate plus converts (measured on o
     run under `fp32_scope(name)`, whose name the lowered program's locations carry
     (`jscale.dots` reads them; tests/test_precision.py allows only these).
   * `FP32_ELEMENTWISE`: where else the step computes in fp32 on purpose (no matmul).
+
+Both einsums take `dot_general` (default `jax.lax.dot_general`, jnp.einsum's own): the hook a
+low-precision matmul (FP8: scaled casts around the product) plugs into, forward and backward.
+It must be a pure, hashable function: jnp.einsum is jitted with it as a static argument, so it
+is traced once per distinct einsum signature, not once per call.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+
+# jax.lax.dot_general's signature: (lhs, rhs, dimension_numbers, precision=None,
+# preferred_element_type=None, out_sharding=None) -> Array.
+DotGeneral = Callable[..., jax.Array]
 
 FP32_MATMULS: dict[str, str] = {
     "router": "MoE router logits: top-k choices and the z-loss's logsumexp² flip or blow up "
@@ -46,29 +56,32 @@ def fp32_scope(name: str):
   return jax.named_scope(SCOPE_PREFIX + name)
 
 
-def einsum(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+def einsum(spec: str, x: jax.Array, w: jax.Array, dtype,
+           dot_general: DotGeneral = jax.lax.dot_general) -> jax.Array:
   """`jnp.einsum(spec, x, w)` with both operands cast to the compute `dtype`; the result is in
-  `dtype` (accumulated in fp32 by the hardware), and so is the backward's cotangent."""
-  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype))
+  `dtype` (accumulated in fp32 by the hardware), and so is the backward's cotangent. The
+  product is `dot_general`'s (jnp.einsum's contraction hook), forward and backward."""
+  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), _dot_general=dot_general)
 
 
-def einsum_f32(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+def einsum_f32(spec: str, a: jax.Array, b: jax.Array, dtype,
+               dot_general: DotGeneral = jax.lax.dot_general) -> jax.Array:
   """`einsum` with an fp32 result (scores, logits); its backward multiplies in `dtype`."""
-  return _einsum_f32(spec, a.astype(dtype), b.astype(dtype))
+  return _einsum_f32(spec, dot_general, a.astype(dtype), b.astype(dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _einsum_f32(spec: str, dot_general: DotGeneral, a: jax.Array, b: jax.Array) -> jax.Array:
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, _dot_general=dot_general)
 
 
-def _einsum_f32_fwd(spec, a, b):
-  return _einsum_f32(spec, a, b), (a, b)
+def _einsum_f32_fwd(spec, dot_general, a, b):
+  return _einsum_f32(spec, dot_general, a, b), (a, b)
 
 
-def _einsum_f32_bwd(spec, res, g):
+def _einsum_f32_bwd(spec, dot_general, res, g):
   a, b = res
-  _, pullback = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), a, b)
+  _, pullback = jax.vjp(lambda a, b: jnp.einsum(spec, a, b, _dot_general=dot_general), a, b)
   return pullback(g.astype(a.dtype))
 
 

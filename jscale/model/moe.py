@@ -57,9 +57,14 @@ def with_objective(stats: dict[str, jax.Array], moe) -> dict[str, jax.Array]:
 
 
 class MoE(nnx.Module):
-  """Routed SwiGLU experts (stacked on a logical `experts` axis) and an optional shared one."""
+  """Routed SwiGLU experts (stacked on a logical `experts` axis) and an optional shared one.
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  The block's MLP when `model.moe` is set (`Mlp`'s call signature). `dot_general` is the shared
+  expert's product; the routed experts' grouped matmuls run in the seam (`Seam.experts`) and
+  the router in fp32 on purpose (`matmul.FP32_MATMULS`)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs,
+               dot_general: matmul.DotGeneral = jax.lax.dot_general):
     m, d = cfg.moe, cfg.d_model
     e, f = m.n_experts, m.d_ff or cfg.d_ff
     pd, std = jnp.dtype(cfg.param_dtype), cfg.init_std
@@ -73,6 +78,7 @@ class MoE(nnx.Module):
       self.shared_up = param(rngs, (d, fs), ("embed", "mlp"), std, pd)
       self.shared_down = param(rngs, (fs, d), ("mlp", "embed"), std, pd)
     self.cfg, self.dtype = m, cfg.dtype
+    self.dot_general = dot_general
 
   def __call__(self, h_BLD: jax.Array, comms: Seam) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`h_BLD`: the normed input (inside the tensor-parallel region). Returns the experts'
@@ -94,7 +100,8 @@ class MoE(nnx.Module):
     stats["dropped_fraction"] = comms.token_sum(dropped.astype(jnp.float32)) / n
     y_BLD = checkpoint_name(y_GTD.reshape(b, l, d), "moe_out")
     if self.cfg.shared_d_ff:
-      gate = einsum("BLD,DF->BLF", h_BLD, self.shared_gate, self.dtype)
-      up = einsum("BLD,DF->BLF", h_BLD, self.shared_up, self.dtype)
-      y_BLD = y_BLD + einsum("BLF,FD->BLD", jax.nn.silu(gate) * up, self.shared_down, self.dtype)
+      dt, dg = self.dtype, self.dot_general
+      gate = einsum("BLD,DF->BLF", h_BLD, self.shared_gate, dt, dg)
+      up = einsum("BLD,DF->BLF", h_BLD, self.shared_up, dt, dg)
+      y_BLD = y_BLD + einsum("BLF,FD->BLD", jax.nn.silu(gate) * up, self.shared_down, dt, dg)
     return y_BLD, stats

@@ -1,7 +1,8 @@
 """Flash attention forward and backward as Pallas (Triton backend) GPU kernels.
 
-Layout is the model's: q [B, L, H, K], k and v [B, S, G, K] with H = G * r (GQA: the kernels
-map query head h to kv head h // r through the index maps, K/V are never repeated in memory).
+Layout is the model's: q [B, L, H, K], k [B, S, G, K] and v [B, S, G, Kv] with H = G * r (GQA:
+the kernels map query head h to kv head h // r through the index maps, K/V are never repeated in
+memory); V's head size Kv may differ from K (e.g. MLA), the output is [B, L, H, Kv].
 The forward keeps a running max / sum per query row (online softmax, fp32) and never writes the
 [L, S] scores to HBM; it returns lse = log(sum(exp(scores))) for the backward (and for callers
 that merge partial attentions, e.g. ring attention). Scores are kept in base 2 inside the
@@ -82,7 +83,8 @@ def _mask(q_start, k_start, block_q, block_k, causal, q_seg, kv_seg):
 
 def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *,
                 cfg: _Config):
-  # Refs: q / o [bq, K] of one (batch, head); k / v [S, K] of its kv head; lse [bq].
+  # Refs: q [bq, K] / o [bq, Kv] of one (batch, head); k [S, K] / v [S, Kv] of its kv head;
+  # lse [bq].
   block_q, block_k = cfg.blocks.block_q, cfg.blocks.block_k
   i_q = pl.program_id(0)
   q = q_ref[...]
@@ -109,7 +111,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *,
     upper = lax.div((i_q + 1) * block_q + block_k - 1, block_k)
   else:
     upper = k_ref.shape[0] // block_k
-  init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+  init = (jnp.zeros(o_ref.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
           jnp.zeros((block_q,), jnp.float32))
   acc, m, l = lax.fori_loop(0, upper, body, init)
   # A row that saw no key (only possible with distinct q / kv segment ids) outputs 0 and
@@ -121,8 +123,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *,
 
 def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, delta_ref,
                 dk_ref, dv_ref, *, cfg: _Config):
-  # Refs: q / do [L, r, K] (the r query heads of one kv head); k / v / dk / dv [bkv, K];
-  # lse / delta [r, L]. Looping over the r heads here sums the GQA group's dK/dV in registers.
+  # Refs: q [L, r, K] / do [L, r, Kv] (the r query heads of one kv head); k / dk [bkv, K],
+  # v / dv [bkv, Kv]; lse / delta [r, L]. Looping over the r heads here sums the GQA group's
+  # dK/dV in registers.
   block_q, block_kv = cfg.blocks.block_q_dkv, cfg.blocks.block_kv_dkv
   i_kv = pl.program_id(0)
   k, v = k_ref[...], v_ref[...]
@@ -150,15 +153,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, del
     lower = lax.div(i_kv * block_kv, block_q) if cfg.causal else 0
     return lax.fori_loop(lower, q_ref.shape[0] // block_q, body, carry)
 
-  zeros = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = lax.fori_loop(0, num_heads, head, (zeros, zeros))
+  zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+  dk, dv = lax.fori_loop(0, num_heads, head, zeros)
   dk_ref[...] = (dk * cfg.sm_scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, delta_ref,
                dq_ref, *, cfg: _Config):
-  # Refs: q / do / dq [bq, K]; k / v [S, K] of the kv head; lse / delta [bq].
+  # Refs: q / dq [bq, K], do [bq, Kv]; k [S, K] / v [S, Kv] of the kv head; lse / delta [bq].
   block_q, block_kv = cfg.blocks.block_q_dq, cfg.blocks.block_kv_dq
   i_q = pl.program_id(0)
   q, do = q_ref[...], do_ref[...]
@@ -198,23 +201,24 @@ def _seg_specs(q_block, kv_block, q_index, kv_index, q_seg, kv_seg):
 
 
 def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: _Config):
-  """Runs the forward kernel: (out [B, L, H, K] in q's dtype, lse [B, H, L] fp32)."""
+  """Runs the forward kernel: (out [B, L, H, Kv] in q's dtype, lse [B, H, L] fp32)."""
   b, l, h, d = q_BLHK.shape
-  s, g = k_BSGK.shape[1], k_BSGK.shape[2]
+  s, g, dv = k_BSGK.shape[1], k_BSGK.shape[2], v_BSGK.shape[-1]
   r = h // g
   bq = cfg.blocks.block_q
-  q_spec = pl.BlockSpec((None, bq, None, d), lambda i, b_, h_: (b_, i, h_, 0))
-  kv_spec = pl.BlockSpec((None, s, None, d), lambda i, b_, h_: (b_, 0, lax.div(h_, r), 0))
+  q_spec = lambda d: pl.BlockSpec((None, bq, None, d), lambda i, b_, h_: (b_, i, h_, 0))
+  kv_spec = lambda d: pl.BlockSpec((None, s, None, d),
+                                   lambda i, b_, h_: (b_, 0, lax.div(h_, r), 0))
   seg_specs = _seg_specs(bq, s, lambda i, b_, h_: (b_, i), lambda i, b_, h_: (b_, 0),
                          q_seg_BL, kv_seg_BS)
   return pl.pallas_call(
       functools.partial(_fwd_kernel, cfg=cfg),
       grid=(l // bq, b, h),
-      in_specs=[q_spec, kv_spec, kv_spec, *seg_specs],
-      out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b_, h_: (b_, h_, i))],
-      out_shape=[jax.ShapeDtypeStruct(q_BLHK.shape, q_BLHK.dtype),
+      in_specs=[q_spec(d), kv_spec(d), kv_spec(dv), *seg_specs],
+      out_specs=[q_spec(dv), pl.BlockSpec((None, None, bq), lambda i, b_, h_: (b_, h_, i))],
+      out_shape=[jax.ShapeDtypeStruct((b, l, h, dv), q_BLHK.dtype),
                  jax.ShapeDtypeStruct((b, h, l), jnp.float32)],
-      compiler_params=_compiler_params(cfg, d),
+      compiler_params=_compiler_params(cfg, max(d, dv)),
       interpret=cfg.interpret,
       name="flash_attention_fwd",
   )(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS)
@@ -237,21 +241,22 @@ def backward_from_stats(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse_BHL, de
   output being differentiated, which may span more keys than this call's (ring attention's
   blocks use the final output's): (dq, dk, dv) in the inputs' dtypes."""
   b, l, h, d = q_BLHK.shape
-  s, g = k_BSGK.shape[1], k_BSGK.shape[2]
+  s, g, dv = k_BSGK.shape[1], k_BSGK.shape[2], v_BSGK.shape[-1]
   r = h // g
-  params = _compiler_params(cfg, d)
+  params = _compiler_params(cfg, max(d, dv))
 
   bq, bkv = cfg.blocks.block_q_dkv, cfg.blocks.block_kv_dkv
-  group_spec = pl.BlockSpec((None, l, r, d), lambda j, b_, g_: (b_, 0, g_, 0))
-  kv_spec = pl.BlockSpec((None, bkv, None, d), lambda j, b_, g_: (b_, j, g_, 0))
+  group_spec = lambda d: pl.BlockSpec((None, l, r, d), lambda j, b_, g_: (b_, 0, g_, 0))
+  kv_spec = lambda d: pl.BlockSpec((None, bkv, None, d), lambda j, b_, g_: (b_, j, g_, 0))
   stat_spec = pl.BlockSpec((None, r, l), lambda j, b_, g_: (b_, g_, 0))
   seg_specs = _seg_specs(l, bkv, lambda j, b_, g_: (b_, 0), lambda j, b_, g_: (b_, j),
                          q_seg_BL, kv_seg_BS)
   dk_BSGK, dv_BSGK = pl.pallas_call(
       functools.partial(_dkv_kernel, cfg=cfg),
       grid=(s // bkv, b, g),
-      in_specs=[group_spec, kv_spec, kv_spec, *seg_specs, group_spec, stat_spec, stat_spec],
-      out_specs=[kv_spec, kv_spec],
+      in_specs=[group_spec(d), kv_spec(d), kv_spec(dv), *seg_specs, group_spec(dv), stat_spec,
+                stat_spec],
+      out_specs=[kv_spec(d), kv_spec(dv)],
       out_shape=[jax.ShapeDtypeStruct(k_BSGK.shape, k_BSGK.dtype),
                  jax.ShapeDtypeStruct(v_BSGK.shape, v_BSGK.dtype)],
       compiler_params=params,
@@ -260,16 +265,18 @@ def backward_from_stats(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse_BHL, de
   )(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, do_BLHK, lse_BHL, delta_BHL)
 
   bq, bkv = cfg.blocks.block_q_dq, cfg.blocks.block_kv_dq
-  q_spec = pl.BlockSpec((None, bq, None, d), lambda i, b_, h_: (b_, i, h_, 0))
-  kv_spec = pl.BlockSpec((None, s, None, d), lambda i, b_, h_: (b_, 0, lax.div(h_, r), 0))
+  q_spec = lambda d: pl.BlockSpec((None, bq, None, d), lambda i, b_, h_: (b_, i, h_, 0))
+  kv_spec = lambda d: pl.BlockSpec((None, s, None, d),
+                                   lambda i, b_, h_: (b_, 0, lax.div(h_, r), 0))
   stat_spec = pl.BlockSpec((None, None, bq), lambda i, b_, h_: (b_, h_, i))
   seg_specs = _seg_specs(bq, s, lambda i, b_, h_: (b_, i), lambda i, b_, h_: (b_, 0),
                          q_seg_BL, kv_seg_BS)
   dq_BLHK = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg),
       grid=(l // bq, b, h),
-      in_specs=[q_spec, kv_spec, kv_spec, *seg_specs, q_spec, stat_spec, stat_spec],
-      out_specs=q_spec,
+      in_specs=[q_spec(d), kv_spec(d), kv_spec(dv), *seg_specs, q_spec(dv), stat_spec,
+                stat_spec],
+      out_specs=q_spec(d),
       out_shape=jax.ShapeDtypeStruct(q_BLHK.shape, q_BLHK.dtype),
       compiler_params=params,
       interpret=cfg.interpret,
@@ -311,15 +318,16 @@ def _clamp_block(name: str, block: int, seq_name: str, seq: int) -> int:
 
 
 def _validate(q, k, v, q_seg, kv_seg, causal: bool, blocks: BlockSizes) -> BlockSizes:
-  if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-    raise ValueError(f"expected q [B, L, H, K] and k, v [B, S, G, K], got q {q.shape}, "
-                     f"k {k.shape}, v {v.shape}")
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+    raise ValueError(f"expected q [B, L, H, K], k [B, S, G, K] and v [B, S, G, Kv], got "
+                     f"q {q.shape}, k {k.shape}, v {v.shape}")
   (b, l, h, d), (bk, s, g, dk) = q.shape, k.shape
   if b != bk or d != dk or h % g:
     raise ValueError(f"q {q.shape} and k/v {k.shape} disagree on batch or head_dim, or the "
                      f"{h} query heads are not a multiple of the {g} kv heads")
-  if d < 16 or d & (d - 1):
-    raise ValueError(f"head_dim {d} must be a power of two >= 16 (Triton tiles)")
+  for name, dim in (("head_dim", d), ("v head_dim", v.shape[-1])):
+    if dim < 16 or dim & (dim - 1):
+      raise ValueError(f"{name} {dim} must be a power of two >= 16 (Triton tiles)")
   if causal and l != s:
     raise ValueError(f"causal attention needs q_len == kv_len, got {l} and {s}")
   if q_seg is not None and (q_seg.shape != (b, l) or kv_seg.shape != (b, s)):
@@ -336,12 +344,14 @@ def _validate(q, k, v, q_seg, kv_seg, causal: bool, blocks: BlockSizes) -> Block
 
 
 def check_shapes(q_shape, kv_shape, *, causal: bool = True,
-                 block_sizes: BlockSizes = BlockSizes()) -> BlockSizes:
-  """`flash_attention`'s shape check without arrays (q [B, L, H, K], k/v [B, S, G, K]): the
-  clamped block sizes, or the ValueError the call would raise (for config validation)."""
+                 block_sizes: BlockSizes = BlockSizes(), v_shape=None) -> BlockSizes:
+  """`flash_attention`'s shape check without arrays (q [B, L, H, K], k [B, S, G, K], v
+  `v_shape` [B, S, G, Kv], default k's): the clamped block sizes, or the ValueError the call
+  would raise (for config validation)."""
   q = jax.ShapeDtypeStruct(tuple(q_shape), jnp.float32)
-  kv = jax.ShapeDtypeStruct(tuple(kv_shape), jnp.float32)
-  return _validate(q, kv, kv, None, None, causal, block_sizes)
+  k = jax.ShapeDtypeStruct(tuple(kv_shape), jnp.float32)
+  v = k if v_shape is None else jax.ShapeDtypeStruct(tuple(v_shape), jnp.float32)
+  return _validate(q, k, v, None, None, causal, block_sizes)
 
 
 def flash_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, segment_ids=None,
@@ -350,7 +360,8 @@ def flash_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, segment_ids=
   """Softmax(q kᵀ * sm_scale) v with GQA, causal and segment masking, differentiable.
 
   Args:
-    q_BLHK: queries [B, L, H, K]. k_BSGK, v_BSGK: keys / values [B, S, G, K], H % G == 0.
+    q_BLHK: queries [B, L, H, K]. k_BSGK, v_BSGK: keys [B, S, G, K] / values [B, S, G, Kv],
+      H % G == 0 (Kv may differ from K; a power of two >= 16 like K).
     causal: query i sees keys j <= i (needs L == S).
     segment_ids: int32 [B, L] shared by q and kv (self-attention), or a (q_seg [B, L],
       kv_seg [B, S]) tuple; a query sees only keys of its segment. A query that sees no key
@@ -361,7 +372,7 @@ def flash_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, segment_ids=
     return_lse: also return lse [B, H, L] fp32 (differentiable).
 
   Returns:
-    out [B, L, H, K] in q's dtype, or (out, lse) when return_lse.
+    out [B, L, H, Kv] in q's dtype, or (out, lse) when return_lse.
   """
   if isinstance(segment_ids, (tuple, list)):
     q_seg, kv_seg = segment_ids

@@ -12,7 +12,7 @@ def reference(q_BLHK, k_BSGK, v_BSGK, causal: bool = True, segment_ids=None,
               sm_scale: float | None = None):
   """Materialised-scores attention (fp32 softmax, HIGHEST-precision matmuls).
 
-  Same arguments and masking as `flash_attention`; returns (out [B, L, H, K] in q's dtype,
+  Same arguments and masking as `flash_attention`; returns (out [B, L, H, Kv] in q's dtype,
   lse [B, H, L] fp32). Queries that see no key output 0 with lse -inf.
   """
   b, l, h, d = q_BLHK.shape
@@ -38,4 +38,4 @@ def reference(q_BLHK, k_BSGK, v_BSGK, causal: bool = True, segment_ids=None,
   o_BLGRK = jnp.einsum("BGRLS,BSGK->BLGRK", p_BGRLS, v_BSGK.astype(jnp.float32), precision=hi)
   o_BLGRK = o_BLGRK / jnp.where(l_BGRL == 0, 1.0, l_BGRL).transpose(0, 3, 1, 2)[..., None]
   lse_BHL = (m_BGRL + jnp.log(l_BGRL)).reshape(b, h, l)
-  return o_BLGRK.reshape(b, l, h, d).astype(q_BLHK.dtype), lse_BHL
+  return o_BLGRK.reshape(b, l, h, v_BSGK.shape[-1]).astype(q_BLHK.dtype), lse_BHL

@@ -12,22 +12,24 @@ import jax.numpy as jnp
 from pallas_kernels.flash_attention import kernel
 
 
-def _config(q, k, causal: bool, interpret: bool, blocks: kernel.BlockSizes) -> kernel._Config:
-  checked = kernel.check_shapes(q.shape, k.shape, causal=causal, block_sizes=blocks)
+def _config(q, k, v, causal: bool, interpret: bool, blocks: kernel.BlockSizes
+            ) -> kernel._Config:
+  checked = kernel.check_shapes(q.shape, k.shape, causal=causal, block_sizes=blocks,
+                                v_shape=v.shape)
   return kernel._Config(causal, 1.0 / math.sqrt(q.shape[-1]), checked, interpret)  # pylint: disable=protected-access
 
 
 def block_fns(interpret: bool = False, block_sizes: kernel.BlockSizes = kernel.BlockSizes()):
-  """(forward, backward) for `BlockFns`: forward(q, k, v, causal) -> (out fp32 [B, L, H, K],
+  """(forward, backward) for `BlockFns`: forward(q, k, v, causal) -> (out fp32 [B, L, H, Kv],
   lse [B, L, H]); backward(q, k, v, dout, lse, delta, causal) -> fp32 (dq, dk, dv)."""
 
   def forward(q_BLHK, k_BSGK, v_BSGK, causal: bool):
-    cfg = _config(q_BLHK, k_BSGK, causal, interpret, block_sizes)
+    cfg = _config(q_BLHK, k_BSGK, v_BSGK, causal, interpret, block_sizes)
     out, lse_BHL = kernel.forward(q_BLHK, k_BSGK, v_BSGK, None, None, cfg)
     return out.astype(jnp.float32), lse_BHL.transpose(0, 2, 1)
 
   def backward(q_BLHK, k_BSGK, v_BSGK, dout_BLHK, lse_BLH, delta_BLH, causal: bool):
-    cfg = _config(q_BLHK, k_BSGK, causal, interpret, block_sizes)
+    cfg = _config(q_BLHK, k_BSGK, v_BSGK, causal, interpret, block_sizes)
     grads = kernel.backward_from_stats(
         q_BLHK, k_BSGK, v_BSGK, None, None, lse_BLH.transpose(0, 2, 1),
         delta_BLH.transpose(0, 2, 1), dout_BLHK.astype(q_BLHK.dtype), cfg)

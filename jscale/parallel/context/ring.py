@@ -77,8 +77,9 @@ def ring_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, axis
                    block: BlockFns = blockwise_attention.JNP) -> jax.Array:
   """Causal attention of this device's sequence slice against the whole sequence.
 
-  Call inside `shard_map` with the sequence split over `axis_name` in `layout` order; GQA k/v
-  ([B, S, G, K], G dividing H). Returns [B, L, H, K] in q's dtype.
+  Call inside `shard_map` with the sequence split over `axis_name` in `layout` order; GQA k
+  [B, S, G, K] and v [B, S, G, Kv] (G dividing H; V's head size may differ from K's). Returns
+  [B, L, H, Kv] in q's dtype.
   """
   n = jax.lax.axis_size(axis_name)
   if q_BLHK.shape[1] % parts(layout):
@@ -157,7 +158,7 @@ def _forward(q, k, v, axis_name, n, layout, causal, block):
     o, lse, d = compute(t, o, lse, k, v)
     return (o, lse, k_next, v_next, done + d), None
 
-  o = jnp.zeros((b, l, h, q.shape[-1]), jnp.float32)
+  o = jnp.zeros((b, l, h, v.shape[-1]), jnp.float32)  # V's head size
   lse = jnp.full((b, l, h), _EMPTY_LSE, jnp.float32)
   (o, lse, k, v, done), _ = jax.lax.scan(body, (o, lse, k, v, jnp.int32(0)), jnp.arange(n - 1))
   o, lse, d = compute(n - 1, o, lse, k, v)

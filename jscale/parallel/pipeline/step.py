@@ -54,9 +54,10 @@ def stage_fns(cfg: Config, graphdef: nnx.GraphDef, comms: Comms,
     return y, moe_lib.with_objective(jax.tree.map(lambda v: v * share, stats), moe)
 
   def head_loss(shared, x_bLD, labels_bL, mask_bL):
-    h_bLD, head_DV = model(shared).head_inputs(x_bLD, comms)
+    m = model(shared)
+    h_bLD, head_DV = m.head_inputs(x_bLD, comms)
     return head_loss_sums(h_bLD, head_DV, labels_bL, mask_bL, comms,
-                          cfg.train.logits_chunk_mb)[0]
+                          cfg.train.logits_chunk_mb, m.dot_general)[0]
 
   return executor.StageFns(embed, layers, head_loss)
 

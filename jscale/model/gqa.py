@@ -1,0 +1,54 @@
+"""Grouped-query attention (Llama's): q / k / v projections, RoPE, the seam's attention, output.
+
+One of the block's swappable attention modules (`jscale.model.llama.Block`): constructed as
+`GQA(cfg, rngs, dot_general=...)`, called as `(h_BLD, positions_BL, inv_freq, comms) -> out_BLD`
+on the normed input inside the tensor-parallel region; the output is the row-parallel partial
+sum the block takes out of the region.
+
+Shape suffixes: B batch, L sequence, D d_model, H query heads, G kv heads, K head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jscale.config import ModelConfig
+from jscale.model import matmul
+from jscale.model.layers import einsum, param
+from jscale.model.rope import apply_rope
+from jscale.model.seam import Seam
+
+
+class GQA(nnx.Module):
+  """H query heads sharing G key/value heads (H a multiple of G; G == H is plain MHA)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs,
+               dot_general: matmul.DotGeneral = jax.lax.dot_general):
+    d, h, g, k = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+    pd, std = jnp.dtype(cfg.param_dtype), cfg.init_std
+    # Creation order is the random draws' order: wq, wk, wv, wo (seeded inits stay the same).
+    self.wq = param(rngs, (d, h, k), ("embed", "heads", "head_dim"), std, pd)
+    self.wk = param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), std, pd)
+    self.wv = param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), std, pd)
+    self.wo = param(rngs, (h, k, d), ("heads", "head_dim", "embed"), std, pd)
+    self.dtype = cfg.dtype
+    self.attention_impl = cfg.attention_impl
+    self.kernel_interpret = cfg.kernel_interpret
+    self.dot_general = dot_general
+
+  def __call__(self, h_BLD: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array,
+               comms: Seam) -> jax.Array:
+    dt, dg = self.dtype, self.dot_general
+    q = checkpoint_name(einsum("BLD,DHK->BLHK", h_BLD, self.wq, dt, dg), "q_proj")
+    k = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wk, dt, dg), "k_proj")
+    v = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wv, dt, dg), "v_proj")
+    q, k = apply_rope(q, positions_BL, inv_freq), apply_rope(k, positions_BL, inv_freq)
+    q = comms.activation(q, ("batch", "seq", "heads", "head_dim"))
+    k = comms.activation(k, ("batch", "seq", "kv_heads", "head_dim"))
+    v = comms.activation(v, ("batch", "seq", "kv_heads", "head_dim"))
+    ctx_BLHK = comms.attention(q, k, v, positions_BL, self.attention_impl,
+                               self.kernel_interpret)
+    return checkpoint_name(einsum("BLHK,HKD->BLD", ctx_BLHK, self.wo, dt, dg), "attn_out")
