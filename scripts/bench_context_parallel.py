@@ -27,7 +27,8 @@ def _measure(cfg, devices, steps):
   """(median step seconds, compiled temp + argument bytes, temp bytes, first loss) per device."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from jscale import introspect, runtime  # pylint: disable=import-outside-toplevel
+  from jscale import runtime  # pylint: disable=import-outside-toplevel
+  from jscale.analysis import introspect
   rt = runtime.build(cfg, devices)
   compiled = rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(cfg)).compile()
   mem = introspect.memory(compiled)

@@ -9,7 +9,7 @@ sweep (throughput, compiled memory per device, and the collectives of the compil
 2. mesh.expert = 1, 2, 4, 8 (mesh.data=1, so the global batch is split over `expert` too), both
    dispatches, parallel.collectives = xla and manual: tokens/s, compiled temp and argument
    memory per device (expert weights and their optimizer state are split over `expert`), and
-   per-step collective counts and bytes from the compiled HLO (`jscale.hlo.summary`).
+   per-step collective counts and bytes from the compiled HLO (`jscale.analysis.hlo.summary`).
 
 On CPU the devices are simulated (--xla_force_host_platform_device_count) and share the
 machine's cores, so tokens/s tracks the total work of all devices, not parallel speed. Writes
@@ -33,7 +33,8 @@ def _measure(cfg, devices, steps):
   """Compiles and runs the train step of `cfg` on `devices`: a dict of measurements."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from jscale import hlo, introspect, runtime  # pylint: disable=import-outside-toplevel
+  from jscale import runtime  # pylint: disable=import-outside-toplevel
+  from jscale.analysis import hlo, introspect
   rt = runtime.build(cfg, devices)
   t0 = time.perf_counter()
   compiled = rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(cfg)).compile()
@@ -121,7 +122,7 @@ def _markdown(rows, n_devices, kind, steps, cfg, elapsed):
          "EP buys. Shape: fp32, {nl} layers, d_model {d}, {h} heads, vocab {v}, {b} sequences × "
          "{l} tokens = {tok} tokens per step; dense d_ff {f}; MoE {e} experts, top-{k}, expert "
          "d_ff {fe} (top-{k} × {fe} = the dense {f}: equal active MLP width). Timing: median of "
-         "{steps} steps after one warm-up step (jscale.introspect.time_steps). Memory: XLA's "
+         "{steps} steps after one warm-up step (jscale.analysis.introspect.time_steps). Memory: XLA's "
          "compiled memory analysis per device. Whole run: {el:.0f} s.".format(
              nl=m.n_layers, d=m.d_model, h=m.n_heads, v=m.vocab_size, b=cfg.train.batch_size,
              l=cfg.train.seq_len, tok=tokens, f=m.d_ff, e=m.moe.n_experts, k=m.moe.top_k,
@@ -165,7 +166,7 @@ def _markdown(rows, n_devices, kind, steps, cfg, elapsed):
           "- temp / args per device: as above; args shrink with n as the expert weights and "
           "their AdamW moments are split over `expert` (the rest is replicated).",
           "- all-to-all ops / kB: all-to-all instructions executed per step and the sum of their "
-          "result sizes per device (`jscale.hlo.summary`; layer-scan bodies counted once per "
+          "result sizes per device (`jscale.analysis.hlo.summary`; layer-scan bodies counted once per "
           "layer). The result includes the block a device keeps for itself, a 1/n share.",
           "- min a2a kB: the minimum all-to-all traffic per device per step, see below; a2a / "
           "min: measured over it (capacity ≈ capacity_factor; dropless pays for static-shape "

@@ -25,7 +25,8 @@ def _measure(cfg, devices, steps):
   """(median step seconds, temp bytes per device, first loss)."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from jscale import introspect, runtime  # pylint: disable=import-outside-toplevel
+  from jscale import runtime  # pylint: disable=import-outside-toplevel
+  from jscale.analysis import introspect
   rt = runtime.build(cfg, devices)
   compiled = rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(cfg)).compile()
   rng, b, l = np.random.default_rng(0), cfg.train.batch_size, cfg.train.seq_len

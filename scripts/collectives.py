@@ -3,7 +3,7 @@
   python scripts/collectives.py [--out results/collectives.md] [overrides...]
 
 Compiles (does not run) the step on 8 simulated CPU devices; bytes are per device per step
-(`jscale.hlo`: loop bodies count once per iteration). Note XLA:CPU's lowering: gradient
+(`jscale.analysis.hlo`: loop bodies count once per iteration). Note XLA:CPU's lowering: gradient
 reduce-scatter appears as all-reduce + dynamic-slice, and bf16 collectives run in f32.
 """
 
@@ -36,7 +36,8 @@ def main():
   args = p.parse_args()
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8")
-  from jscale import hlo, introspect, metrics, report  # after XLA_FLAGS: jax reads it once
+  from jscale import metrics  # after XLA_FLAGS: jax reads it once
+  from jscale.analysis import hlo, introspect, report
   from jscale.config_load import load_config
   rows = []
   for name, layout in LAYOUTS.items():

@@ -7,7 +7,7 @@ compiled memory per device.
 
 Writes a markdown table, a CSV beside it and a PNG chart. On CPU it simulates 8 devices; on a
 GPU host it uses the GPUs present (the strategies below need 8). Volume is per device per step,
-counted as the playbook does (`jscale.parallel.volume`): all-reduce 2x its size, all-gather and
+counted as the playbook does (`jscale.analysis.volume`): all-reduce 2x its size, all-gather and
 reduce-scatter the full size. Step times on simulated CPU devices measure compute on 2 shared
 cores, not communication: read them on GPUs.
 """
@@ -54,7 +54,8 @@ def _batches(cfg, n):
 def _run(cfg, devices, steps):
   """Compiles and runs `steps` steps: (losses, median step seconds, compiled, runtime)."""
   import jax  # pylint: disable=import-outside-toplevel
-  from jscale import introspect, runtime  # pylint: disable=import-outside-toplevel
+  from jscale import runtime  # pylint: disable=import-outside-toplevel
+  from jscale.analysis import introspect
   rt = runtime.build(cfg, devices)
   compiled = rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(cfg)).compile()
   state, losses, times, reorder = rt.init_state(), [], [], rt.reorder()
@@ -102,9 +103,9 @@ def main():
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8")
   import jax  # pylint: disable=import-outside-toplevel  (after XLA_FLAGS: read once)
-  from jscale import hlo, introspect, report  # pylint: disable=import-outside-toplevel
+  from jscale.analysis import hlo, introspect, report  # pylint: disable=import-outside-toplevel
   from jscale.config_load import load_config  # pylint: disable=import-outside-toplevel
-  from jscale.parallel import volume  # pylint: disable=import-outside-toplevel
+  from jscale.analysis import volume  # pylint: disable=import-outside-toplevel
 
   names = [n for n in args.only.split(",") if n] or list(STRATEGIES)
   unknown = set(names) - set(STRATEGIES)

@@ -8,7 +8,7 @@ width and writes a markdown table (+ CSV beside it).
 
 import argparse
 
-from jscale import introspect, report
+from jscale.analysis import introspect, report
 from jscale.config_load import load_config
 
 

@@ -8,7 +8,7 @@ regime where selective recomputation pays (playbook: drop the attention scores, 
 
 import argparse
 
-from jscale import introspect, report
+from jscale.analysis import introspect, report
 from jscale.config_load import load_config
 
 DEFAULT = ["model.d_model=64", "model.n_heads=8", "model.n_kv_heads=8", "model.head_dim=8",

@@ -3,7 +3,7 @@
   python scripts/zero_memory.py [--fsdp 8] [--out results/zero_memory.md] [overrides...]
 
 Runs on simulated CPU devices (nothing is allocated: each step is only compiled); the default
-shape is `jscale.introspect.ZERO_SHAPE`.
+shape is `jscale.analysis.introspect.ZERO_SHAPE`.
 """
 
 import argparse
@@ -18,7 +18,7 @@ def main():
   args = p.parse_args()
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={args.fsdp}")
-  from jscale import introspect, report  # after XLA_FLAGS: jax reads it once
+  from jscale.analysis import introspect, report  # after XLA_FLAGS: jax reads it once
   rows = introspect.zero_memory_rows(args.fsdp, args.overrides)
   mb = lambda k: (lambda r: f"{r[k] / 1e6:.1f}")
   print(report.write_table(rows, [

@@ -8,8 +8,9 @@ import pytest
 
 from conftest import small_config
 from jscale import loss as loss_lib
-from jscale import hlo, runtime
-from jscale.introspect import abstract_batch, compile_train_step, memory
+from jscale import runtime
+from jscale.analysis import hlo
+from jscale.analysis.introspect import abstract_batch, compile_train_step, memory
 from parity import BASE, losses, reference
 
 

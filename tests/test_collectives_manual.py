@@ -7,8 +7,9 @@ import jax
 import pytest
 
 from conftest import small_config
-from jscale import hlo, introspect, runtime
-from jscale.parallel import volume
+from jscale import runtime
+from jscale.analysis import hlo, introspect
+from jscale.analysis import volume
 
 SHAPE = ("model.n_kv_heads=4", "train.batch_size=16", "parallel.collectives=manual")
 STRATEGIES = {

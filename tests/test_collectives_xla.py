@@ -11,7 +11,8 @@ import functools
 import pytest
 
 from conftest import small_config
-from jscale import hlo, introspect, metrics
+from jscale import metrics
+from jscale.analysis import hlo, introspect
 
 V = 256
 

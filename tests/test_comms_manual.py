@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import small_config
-from jscale import hlo, runtime
+from jscale import runtime
+from jscale.analysis import hlo
 from jscale.loss import cross_entropy_sums
 from jscale.parallel import buckets
 from jscale.parallel.comms import LOCAL

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import small_config
-from jscale import hlo, introspect, runtime
+from jscale import runtime
+from jscale.analysis import hlo, introspect
 from jscale import train as train_lib
 from jscale.config import ConfigError
 from jscale.data import make_train_iterator

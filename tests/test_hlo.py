@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jscale import hlo
+from jscale.analysis import hlo
 
 ALL8 = ((0, 1, 2, 3, 4, 5, 6, 7),)
 

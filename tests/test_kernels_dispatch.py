@@ -128,7 +128,7 @@ def test_selective_remat_keeps_the_kernel_forward():
   forward kernels as with remat none, not the extra one full remat runs in the backward. cuDNN's
   forward primitive is saved by the same policy."""
   from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=import-outside-toplevel
-  from jscale.introspect import abstract_batch  # pylint: disable=import-outside-toplevel
+  from jscale.analysis.introspect import abstract_batch  # pylint: disable=import-outside-toplevel
   from jscale.model.llama import remat_policy  # pylint: disable=import-outside-toplevel
   calls = {}
   for remat in ("none", "selective", "full"):

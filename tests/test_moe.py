@@ -10,7 +10,8 @@ import pytest
 
 import parity
 from conftest import small_config
-from jscale import hlo, introspect, runtime
+from jscale import runtime
+from jscale.analysis import hlo, introspect
 from jscale import train_step as ts
 from jscale.convert import hf_config
 from jscale.config import ConfigError, MoeConfig

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import small_config
-from jscale import introspect, runtime
+from jscale import runtime
+from jscale.analysis import introspect
 from jscale import train_step as ts
 from jscale.config import ConfigError
 from jscale.parallel.pipeline import step as pipeline_step

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import small_config
-from jscale import dots, runtime
-from jscale.introspect import abstract_batch
+from jscale import runtime
+from jscale.analysis import dots
+from jscale.analysis.introspect import abstract_batch
 from jscale.model.matmul import FP32_MATMULS, SCOPE_PREFIX
 
 ALLOWED = tuple(SCOPE_PREFIX + name for name in FP32_MATMULS)

@@ -12,7 +12,7 @@ import pytest
 from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jscale import hlo
+from jscale.analysis import hlo
 from jscale.parallel.context.order import token_order
 from jscale.model.attention import xla_attention
 from jscale.parallel.context import ring as ra

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import small_config
-from jscale import introspect
+from jscale.analysis import introspect
 from jscale import train_step as ts
 
 # Long sequence, many small heads: the L x L attention scores dominate activation memory.

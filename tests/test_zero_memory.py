@@ -3,7 +3,7 @@ XLA's collectives and with the hand-written ones (manual mode)."""
 
 import pytest
 
-from jscale import introspect
+from jscale.analysis import introspect
 
 
 # Manual mode with 1 MiB gradient buckets: a bucket and its reduced copy are temporaries, and

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jscale.hlo import Collective
+from jscale.analysis.hlo import Collective
 from jscale.sharding import spec_axes
 
 GRAD_BYTES = 4  # gradients are reduced in fp32
@@ -32,7 +32,7 @@ def collective_volume(c: Collective) -> int:
 
 
 def hlo_volume(collectives: Iterable[Collective]) -> dict[str, int]:
-  """{kind: volume bytes per step} and "total", from `jscale.hlo.collectives`."""
+  """{kind: volume bytes per step} and "total", from `jscale.analysis.hlo.collectives`."""
   out: dict[str, int] = {}
   for c in collectives:
     v = collective_volume(c)
