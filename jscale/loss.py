@@ -30,7 +30,7 @@ def cross_entropy_sums(logits_BLV: jax.Array, labels_BL: jax.Array, mask_BL: jax
 
   Sums rather than a mean so that micro-batches accumulate exactly: the step divides once by
   the total token count. The vocab axis may be sharded: max, sum-exp and the label logit are
-  reduced through the comms seam, so no device ever holds the full-vocab logits.
+  reduced through the model's seam, so no device ever holds the full-vocab logits.
   """
   stats = _softmax_stats(logits_BLV.astype(jnp.float32), labels_BL, comms)
   mask = mask_BL.astype(jnp.float32)

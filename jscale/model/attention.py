@@ -9,11 +9,11 @@ Every impl takes q [B, L, H, K], k [B, S, G, K] and v [B, S, G, Kv] with H a mul
 size may differ from Q's (e.g. MLA; not for cuDNN, whose jax.nn.dot_product_attention needs
 Kv == K). The causal mask is the usual one, or, given token positions (context parallelism
 reorders tokens), query i sees key j when pos_q[i] >= pos_k[j]. "ring" is ring attention over
-the `sequence` mesh axis (`jscale.parallel.context.ring`, called through the comms seam); on one
+the `sequence` mesh axis (`jscale.parallel.context.ring`, called through the model's seam); on one
 device it is one diagonal block, i.e. plain attention. "pallas" is the Pallas flash attention
 kernel (`pallas_kernels.flash_attention`, GPU; `interpret=True` runs it in the Pallas
-interpreter), index-causal only; under a mesh the comms seam runs it on each device's shards
-(`Comms.kernel`).
+interpreter), index-causal only; under a mesh the model's seam runs it on each device's shards
+(`Seam.kernel`).
 """
 
 from __future__ import annotations
@@ -68,10 +68,10 @@ def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
 def pallas_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
                      causal: bool = True, positions=None, interpret: bool = False) -> jax.Array:
   """Pallas flash attention (GPU, or the Pallas interpreter; GQA in the kernel; index-causal
-  only). Runs on whole arrays: under a mesh call it through `Comms.kernel`."""
+  only). Runs on whole arrays: under a mesh call it through `Seam.kernel`."""
   if positions is not None:
-    raise ValueError("pallas attention masks by index, not by token positions: under "
-                     "context parallelism the comms seam runs it as the ring's block function")
+    raise ValueError("pallas attention masks by index, not by token positions: under context "
+                     "parallelism the model's seam runs it as the ring's block function")
   from pallas_kernels.flash_attention import flash_attention  # pylint: disable=import-outside-toplevel
   return flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal, interpret=interpret)
 
@@ -117,7 +117,7 @@ def auto_impl(platform: str, dtype, head_dim: int, context_parallel: bool = Fals
   return "xla", f"{platform}: plain XLA attention"
 
 
-# Logical axis names of q and of k / v (how the comms seam lays out a kernel's operands).
+# Logical axis names of q and of k / v (how the model's seam lays out a kernel's operands).
 Q_NAMES = ("batch", "seq", "heads", "head_dim")
 KV_NAMES = ("batch", "seq", "kv_heads", "head_dim")
 

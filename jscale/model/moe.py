@@ -2,7 +2,7 @@
 an always-on shared expert, plus the router's load-balancing and z losses.
 
 Tokens are routed in groups (`Seam.expert_groups`: one per batch shard), and the experts run
-through the comms seam (`Seam.experts`): without a mesh (`LOCAL`) and in manual mode the
+through the model's seam (`Seam.experts`): without a mesh (`LOCAL`) and in manual mode the
 dropless path sorts assignments and runs grouped matmuls; in manual mode with `mesh.expert` > 1
 the rows go to the devices holding their experts by all-to-all; in xla mode (any mesh, even one
 device) the dispatch is a GShard slot buffer (dropless: one slot per token and expert) whose

@@ -6,9 +6,10 @@ and leaving the tensor-parallel region are sharding constraints on the residual 
 which GSPMD makes the all-reduce (or, with SP, the all-gather and reduce-scatter along the
 sequence).
 
-manual (`ManualTensor`): Megatron's conjugate collectives, written for shard_map. A column-parallel linear (weights split over output features) takes a replicated input and
-gives a feature-sharded output; a row-parallel linear (split over input features) takes that
-sharded input and gives partial sums. Around such a pair (attention: QKV then O; MLP: gate/up
+manual (`ManualTensor`): Megatron's conjugate collectives, written for shard_map. A
+column-parallel linear (weights split over output features) takes a replicated input and gives
+a feature-sharded output; a row-parallel linear (split over input features) takes that sharded
+input and gives partial sums. Around such a pair (attention: QKV then O; MLP: gate/up
 then down) the playbook places two operators that are each other's transpose:
 
   f (enter): identity forward, all-reduce of the input's gradient backward;
