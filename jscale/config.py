@@ -120,6 +120,21 @@ class PipelineConfig:
   virtual_stages: int = 1  # chunks of layers per stage (interleaved: >= 2)
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+  """FP8 matmuls on chosen linear layers (jscale.fp8): e4m3 operands forward, e5m2 output
+  gradients backward, per-tensor power-of-two scales, fp32 accumulation."""
+  enabled: bool = False
+  # delayed: scales from the max of the last `amax_history` steps' amaxes (Transformer Engine,
+  # Flax); current: from each tensor's amax in this step (one more pass over it before the gemm)
+  recipe: Literal["delayed", "current"] = "delayed"
+  amax_history: int = 16  # steps of amaxes delayed scaling keeps per tensor
+  margin: int = 0  # scales leave 2**margin headroom below the format's max
+  # Linear layers in FP8: groups (attention: wq wk wv wo; mlp: w_gate w_up w_down and the MoE
+  # shared expert's) or single weight names. Never the embedding, the head or the router.
+  targets: tuple[str, ...] = ("attention", "mlp")
+
+
 @dataclasses.dataclass
 class DistributedConfig:
   """Multi-process setup. All null: read SLURM's environment if present, else one process."""
@@ -193,6 +208,7 @@ class Config:
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+  fp8: Fp8Config = dataclasses.field(default_factory=Fp8Config)
   distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
 

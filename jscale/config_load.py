@@ -109,6 +109,10 @@ def _coerce(tp, value, key):
     if not isinstance(value, dict):
       raise ConfigError(f"{key}={value!r}: expected a mapping, e.g. {{mlp: tensor}}")
     return dict(value)
+  if origin is tuple:  # tuple[X, ...]: a list in YAML, a tuple (hashable) in the config
+    if not isinstance(value, (list, tuple)):
+      value = [value]  # fp8.targets=mlp
+    return tuple(_coerce(typing.get_args(tp)[0], v, key) for v in value)
   if origin is list:
     if not isinstance(value, (list, tuple)):
       raise ConfigError(f"{key}={value!r}: expected a list, e.g. {key}=[10,20]")

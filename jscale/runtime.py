@@ -19,7 +19,6 @@ from jscale import validate
 from jscale.config import Config, ConfigError
 from jscale.parallel.context.order import Reorder
 from jscale.model import attention as attn_lib
-from jscale.model import llama
 from jscale.optim import make_optimizer
 from jscale.parallel.comms import Comms
 from jscale.parallel.manual import ManualComms
@@ -57,7 +56,8 @@ class Runtime:
 
   def eval_step(self) -> Callable:
     return ts.make_eval_step(self.cfg, self.graphdef, self.comms,
-                             self.state_shardings["params"], self.layouts.batch())
+                             self.state_shardings["params"], self.layouts.batch(),
+                             self.state_shardings.get("dot_state"))
 
 
 def resolve_attention(cfg: Config, mesh: Mesh) -> tuple[Config, str]:
@@ -89,7 +89,7 @@ def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   cfg, attention_why = resolve_attention(cfg, mesh)
   validate.check_mesh(cfg, mesh)
-  abstract_model = nnx.eval_shape(lambda: llama.create(cfg.model, cfg.train.seed))
+  abstract_model = nnx.eval_shape(lambda: ts.create_model(cfg))
   graphdef = nnx.split(abstract_model)[0]
   layouts = Layouts(abstract_model, mesh, cfg.parallel)
   abstract = jax.eval_shape(lambda: ts.init_state(cfg))

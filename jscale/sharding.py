@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jscale.config import ParallelConfig
+from jscale.model import matmul
 
 Rules = dict[str, tuple[str, ...]]
 
@@ -35,6 +36,7 @@ RULES: Rules = {
     "sublayers": (),  # MoE every k-th layer: the k-1 dense layers inside one stacked group
     "experts": ("expert",),
     "router": (),  # the router's expert dim: every device routes its own tokens
+    "amax_history": (),  # FP8's amax histories: a few floats, whole on every device
 }
 
 
@@ -78,9 +80,9 @@ def add_fsdp(names: Sequence[str], shape: Sequence[int], s: P, fsdp: int) -> P:
   return P(*entries)
 
 
-def logical_names(abstract_model: nnx.Module) -> Any:
-  """Pure dict of logical-name tuples, one per parameter (from the Param metadata)."""
-  state = nnx.state(abstract_model, nnx.Param)
+def logical_names(abstract_model: nnx.Module, kind: Any = nnx.Param) -> Any:
+  """Pure dict of logical-name tuples, one per variable of `kind` (from its metadata)."""
+  state = nnx.state(abstract_model, kind)
   return nnx.to_pure_dict(jax.tree.map(
       lambda v: tuple(v.get_metadata()["out_sharding"]), state,
       is_leaf=lambda x: isinstance(x, nnx.Variable)))
@@ -104,17 +106,25 @@ class Layouts:
     self.params = self.sharded if self.zero_stage >= 3 else self.compute
     self.grads = self.sharded if self.zero_stage >= 2 else self.params
     self.opt = self.sharded if self.zero_stage >= 1 else self.params
+    # The products' state (FP8's amax histories): laid out by its names, like the layer stack
+    # it belongs to, never split over fsdp.
+    self.dot_state = jax.tree.map(lambda n: spec(n, self.rules),
+                                  logical_names(abstract_model, matmul.DotState),
+                                  is_leaf=is_names)
 
   def named(self, specs: Any) -> Any:
     return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
                         is_leaf=lambda x: isinstance(x, P))
 
   def state(self, optimizer: optax.GradientTransformation, abstract_state: dict) -> dict:
-    """NamedShardings for the whole train state {params, opt_state, step, rng}."""
+    """NamedShardings for the whole train state {params, opt_state, step, rng[, dot_state]}."""
     opt = optax.tree_map_params(optimizer, lambda _, s: s, abstract_state["opt_state"], self.opt,
                                 transform_non_params=lambda _: P(),
                                 is_leaf=lambda x: isinstance(x, P))
-    return self.named({"params": self.params, "opt_state": opt, "step": P(), "rng": P()})
+    specs = {"params": self.params, "opt_state": opt, "step": P(), "rng": P()}
+    if "dot_state" in abstract_state:
+      specs["dot_state"] = self.dot_state
+    return self.named(specs)
 
   def batch(self) -> NamedSharding:
     """Batch arrays [B, L]: B over the DP axes, L over sequence."""

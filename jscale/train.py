@@ -69,22 +69,23 @@ def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer,
     return ckptr.restore(latest, rt.abstract_state(), train_iter), latest
   state = rt.init_state()
   if cfg.checkpoint.init_from:
-    model = nnx.merge(rt.graphdef, state["params"])
+    model = ts.merge(rt.graphdef, state["params"], state.get("dot_state"))
     params_io.load_params_into(cfg.checkpoint.init_from, model)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     # init_from params are in model layer order; interleaved pipelines store chunk order.
     params = layout.params_to_storage(params, cfg.model.n_layers, rt.mesh.shape["stage"],
                                       cfg.pipeline.virtual_stages)
     optimizer = make_optimizer(cfg.train)
-    state = jax.jit(lambda p: ts.state_from_params(p, optimizer, cfg.train.seed),
-                    out_shardings=rt.state_shardings)(params)
+    state = jax.jit(lambda p, d: ts.state_from_params(p, optimizer, cfg.train.seed, d),
+                    out_shardings=rt.state_shardings)(params, state.get("dot_state"))
   return state, 0
 
 
-def _evaluate(eval_step, params, batches, sharding) -> float:
+def _evaluate(eval_step, state, batches, sharding) -> float:
   total, count = 0.0, 0.0
+  dot_state = (state["dot_state"],) if "dot_state" in state else ()
   for b in batches:
-    s, n = eval_step(params, _to_global(b, sharding))
+    s, n = eval_step(state["params"], _to_global(b, sharding), *dot_state)
     total, count = total + float(s), count + float(n)
   return total / max(count, 1.0)
 
@@ -149,7 +150,7 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
       row["peak_memory_bytes"] = metrics_lib.peak_memory_bytes()
       writer.write(done, row)
     if eval_batches and t.eval_every and (done % t.eval_every == 0 or done == t.steps):
-      val_loss = _evaluate(eval_step, state["params"], eval_batches, batch_sharding)
+      val_loss = _evaluate(eval_step, state, eval_batches, batch_sharding)
       writer.write(done, {"val_loss": val_loss})
     ckptr.save(done, state, train_iter, force=(done == end and cfg.checkpoint.every > 0))
     writer.advance()

@@ -20,6 +20,7 @@ import jax
 from jax.sharding import Mesh
 
 from jscale.config import Config, ConfigError, ModelConfig, MoeConfig, choices
+from jscale.fp8 import linears as fp8_linears
 from jscale.model import attention as attn_lib
 from jscale.parallel.context.order import chunks_per_device as parts, token_order
 from jscale.parallel.pipeline import schedules
@@ -80,6 +81,8 @@ def check_config(cfg: Config) -> None:
                         f"high_freq_factor, got {rs}")
   if m.moe is not None:
     _check_moe(m)
+  if cfg.fp8.enabled:
+    _check_fp8(cfg)
   if t.batch_size % t.microbatches:
     raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.microbatches="
                       f"{t.microbatches}: pick a batch size that is a multiple of microbatches")
@@ -130,6 +133,18 @@ def _check_moe(m: ModelConfig) -> None:
     raise ConfigError("model.moe.aux_loss_weight and z_loss_weight must be >= 0 (0 disables)")
 
 
+def _check_fp8(cfg: Config) -> None:
+  f = cfg.fp8
+  try:
+    fp8_linears.target_names(f.targets)
+  except ValueError as e:
+    raise ConfigError(f"fp8.targets={list(f.targets)}: {e}") from None
+  if f.amax_history < 1:
+    raise ConfigError(f"fp8.amax_history={f.amax_history} must be >= 1 (steps of amaxes kept)")
+  if f.margin < 0:
+    raise ConfigError(f"fp8.margin={f.margin} must be >= 0 (powers of two of headroom)")
+
+
 def check_mesh(cfg: Config, mesh: Mesh) -> None:
   """Divisibility the sharding rules need, and what the kernels, the pipeline and the experts
   need on `mesh`'s devices; ConfigError naming the key, before any compile."""
@@ -159,6 +174,10 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
       raise ConfigError(f"model.attention_impl=cudnn with mesh.sequence={cp}: cuDNN's mask is "
                         "by index, not by token position; use model.attention_impl=ring, "
                         "pallas (the ring with flash-kernel blocks) or xla")
+  if cfg.fp8.enabled and cfg.fp8.recipe == "delayed" and sizes["stage"] > 1:
+    raise ConfigError(f"fp8.recipe=delayed with mesh.stage={sizes['stage']}: the pipeline does "
+                      "not carry FP8 amax histories yet; use fp8.recipe=current (no state) or "
+                      "mesh.stage=1")
   check_backend(cfg, mesh.devices.flat[0].platform)
   if m.attention_impl == "pallas":
     check_flash_attention(cfg, sizes)

@@ -1,7 +1,8 @@
 """Grouped-query attention (Llama's): q / k / v projections, RoPE, the seam's attention, output.
 
 One of the block's swappable attention modules (`jscale.model.llama.Block`): constructed as
-`GQA(cfg, rngs, dot_general=...)`, called as `(h_BLD, positions_BL, inv_freq, comms) -> out_BLD`
+`GQA(cfg, rngs, dot_general=...)` (each projection's product is
+`matmul.for_linear(dot_general, <weight name>)`),, called as `(h_BLD, positions_BL, inv_freq, comms) -> out_BLD`
 on the normed input inside the tensor-parallel region; the output is the row-parallel partial
 sum the block takes out of the region.
 
@@ -37,18 +38,19 @@ class GQA(nnx.Module):
     self.dtype = cfg.dtype
     self.attention_impl = cfg.attention_impl
     self.kernel_interpret = cfg.kernel_interpret
-    self.dot_general = dot_general
+    self.wq_dot, self.wk_dot, self.wv_dot, self.wo_dot = (
+        matmul.for_linear(dot_general, n) for n in ("wq", "wk", "wv", "wo"))
 
   def __call__(self, h_BLD: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array,
                comms: Seam) -> jax.Array:
-    dt, dg = self.dtype, self.dot_general
-    q = checkpoint_name(einsum("BLD,DHK->BLHK", h_BLD, self.wq, dt, dg), "q_proj")
-    k = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wk, dt, dg), "k_proj")
-    v = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wv, dt, dg), "v_proj")
+    dt, c = self.dtype, comms
+    q = checkpoint_name(einsum("BLD,DHK->BLHK", h_BLD, self.wq, dt, self.wq_dot, c), "q_proj")
+    k = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wk, dt, self.wk_dot, c), "k_proj")
+    v = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wv, dt, self.wv_dot, c), "v_proj")
     q, k = apply_rope(q, positions_BL, inv_freq), apply_rope(k, positions_BL, inv_freq)
     q = comms.activation(q, ("batch", "seq", "heads", "head_dim"))
     k = comms.activation(k, ("batch", "seq", "kv_heads", "head_dim"))
     v = comms.activation(v, ("batch", "seq", "kv_heads", "head_dim"))
     ctx_BLHK = comms.attention(q, k, v, positions_BL, self.attention_impl,
                                self.kernel_interpret)
-    return checkpoint_name(einsum("BLHK,HKD->BLD", ctx_BLHK, self.wo, dt, dg), "attn_out")
+    return checkpoint_name(einsum("BLHK,HKD->BLD", ctx_BLHK, self.wo, dt, self.wo_dot, c), "attn_out")

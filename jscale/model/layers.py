@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -71,11 +71,12 @@ class RMSNorm(nnx.Module):
 
 
 def einsum(spec: str, x: jax.Array, w: nnx.Param, dtype,
-           dot_general: matmul.DotGeneral = jax.lax.dot_general) -> jax.Array:
+           dot_general: Any = jax.lax.dot_general, seam: Seam = LOCAL) -> jax.Array:
   """`x @ w` in the compute dtype, forward and backward (`jscale.model.matmul`; the product is
-  `dot_general`'s); master weights may be fp32.
+  `dot_general`'s, the layer's from `matmul.for_linear`, bound to `seam` by `matmul.on_seam`);
+  master weights may be fp32.
 
   The cast weight is named like ZeRO-3's gathered weights, so no remat policy saves a
   compute-dtype copy of every layer's weights for the backward (it is recast there)."""
   w = checkpoint_name(w[...].astype(dtype), GATHERED)
-  return matmul.einsum(spec, x, w, dtype, dot_general)
+  return matmul.einsum(spec, x, w, dtype, matmul.on_seam(dot_general, seam))

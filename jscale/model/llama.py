@@ -133,12 +133,15 @@ class Llama(nnx.Module):
   """Decoder-only Llama. `model(tokens_BL)` returns fp32 logits [B, L, vocab].
 
   `attention` / `mlp`: the blocks' module classes (`Block`); `dot_general`: the product of every
-  linear layer and of the head (default `jax.lax.dot_general`; e.g. an FP8 matmul)."""
+  linear layer and of the head (default `jax.lax.dot_general`), or a per-layer factory
+  (`matmul.for_linear`; e.g. FP8 on chosen layers, `jscale.fp8`)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, attention: type = GQA,
                mlp: type | None = None, dot_general: matmul.DotGeneral = jax.lax.dot_general):
     self.cfg = cfg
-    self.dot_general = dot_general
+    self.head_dot = matmul.for_linear(dot_general, "lm_head")
+    if isinstance(self.head_dot, nnx.Module):
+      raise ValueError("the head's product must be a plain function (jnp.einsum's static hook)")
     modules = dict(attention=attention, mlp=mlp, dot_general=dot_general)
     pd = jnp.dtype(cfg.param_dtype)
     self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, pd)
@@ -178,8 +181,9 @@ class Llama(nnx.Module):
     # the table, and the head's backward runs right after its forward.
     embed_VD = comms.gather_params(self.embed, self.cfg.dtype)[...]
     x_BLD = self.embed_tokens(tokens_BL, comms, embed_VD)
-    x_BLD, stats = run_layers(*nnx.split(self.blocks), x_BLD, positions_BL, self.cfg, comms,
-                              remat, with_stats=True)
+    graphdef, weights, dot_state = nnx.split(self.blocks, nnx.Param, ...)
+    x_BLD, stats = run_layers(graphdef, weights, x_BLD, positions_BL, self.cfg, comms, remat,
+                              with_stats=True, dot_state=dot_state)
     return x_BLD, stats, embed_VD
 
   def embed_tokens(self, tokens_BL: jax.Array, comms: Seam = LOCAL,
@@ -196,7 +200,7 @@ class Llama(nnx.Module):
                   embed_VD: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The head's operands: final-normed hidden states [B, L, D] (entering the tensor-parallel
     region) and the head weight [D, V], both in the compute dtype (`jscale.loss` multiplies
-    them, whole or in chunks of tokens, with `self.dot_general`)."""
+    them, whole or in chunks of tokens, with `self.head_dot`)."""
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     with jax.named_scope("head"):
       norm_graphdef, norm_state = nnx.split(self.final_norm)
@@ -216,26 +220,30 @@ class Llama(nnx.Module):
     h_BLD, head_DV = self.head_inputs(x_BLD, comms, embed_VD)
     with jax.named_scope("head"):
       logits_BLV = matmul.einsum_f32("BLD,DV->BLV", h_BLD, head_DV, self.cfg.dtype,
-                                     self.dot_general)
+                                     self.head_dot)
     return comms.activation(logits_BLV, ("batch", "seq", "vocab"))
 
 
 def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, positions_BL: jax.Array,
                cfg: ModelConfig, comms: Seam = LOCAL, remat: str = "none",
-               with_stats: bool = False):
-  """The blocks of `stacked` (state with a leading layers axis: the whole stack, or one
+               with_stats: bool = False, dot_state=None):
+  """The blocks of `stacked` (weights with a leading layers axis: the whole stack, or one
   pipeline chunk of it) applied in order, as a scan of rematerialised layers. With
-  `with_stats`, also the blocks' MoE router statistics averaged over the layers."""
+  `with_stats`, also the blocks' MoE router statistics averaged over the layers. `dot_state`:
+  the layers' `matmul.DotState` (stacked likewise; FP8's amax histories), scanned beside the
+  weights but never gathered or cast."""
   dt = jnp.dtype(cfg.dtype)
   inv_freq = inv_frequencies(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
 
-  def layer(x_BLD, layer_state):
-    block = nnx.merge(block_graphdef, comms.gather_layer(layer_state, dt))
+  def layer(x_BLD, inputs):
+    weights, dots = inputs
+    block = nnx.merge(block_graphdef, comms.gather_layer(weights, dt), *dots)
     return block(x_BLD, positions_BL, inv_freq, comms)
 
   layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
+  dots = () if dot_state is None else (dot_state,)
   with jax.named_scope("layers"):
-    x_BLD, stats = jax.lax.scan(layer, x_BLD, comms.layer_inputs(stacked))
+    x_BLD, stats = jax.lax.scan(layer, x_BLD, (comms.layer_inputs(stacked), dots))
   if not with_stats:
     return x_BLD
   return x_BLD, jax.tree.map(lambda v: jnp.mean(v, axis=0), stats)

@@ -16,19 +16,22 @@ and dW) with fp32 operands: TF32 gemms at half rate plus converts (measured on o
     (`jscale.analysis.dots` reads them; tests/test_precision.py allows only these).
   * `FP32_ELEMENTWISE`: where else the step computes in fp32 on purpose (no matmul).
 
-Both einsums take `dot_general` (default `jax.lax.dot_general`, jnp.einsum's own): the hook a
-low-precision matmul (FP8: scaled casts around the product) plugs into, forward and backward.
-It must be a pure, hashable function: jnp.einsum is jitted with it as a static argument, so it
-is traced once per distinct einsum signature, not once per call.
+Both einsums take `dot_general` (default `jax.lax.dot_general`): the hook a low-precision matmul
+plugs into, forward and backward (FP8: `jscale.fp8`). A model's linear layers pick theirs with
+`for_linear(dot_general, name)`, so the hook may also be a per-layer factory; a layer's product
+may keep state between steps (`DotState` variables, e.g. FP8's amax histories) and reduce over
+devices through the model's seam (`on_seam`). `einsum_f32`'s hook (the head, attention scores)
+must be a pure, hashable function: jnp.einsum is jitted with it as a static argument.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 # jax.lax.dot_general's signature: (lhs, rhs, dimension_numbers, precision=None,
 # preferred_element_type=None, out_sharding=None) -> Array.
@@ -56,12 +59,54 @@ def fp32_scope(name: str):
   return jax.named_scope(SCOPE_PREFIX + name)
 
 
+class DotState(nnx.Variable):
+  """State a linear layer's product keeps between steps (FP8's amax histories). Not a parameter:
+  the optimizer never sees it; the train step takes its new value from the backward (the
+  product's custom_vjp returns it as the state's cotangent). Stacked and scanned with its layer;
+  the train state holds it as `dot_state`."""
+
+
+def for_linear(dot_general: Any, name: str) -> Any:
+  """The product of the linear layer whose weight is `name`: `dot_general` itself, or, if it is a
+  per-layer factory (has `for_linear`, e.g. `jscale.fp8.linears.Fp8Linears`), what it builds
+  for that layer (a function, or an nnx.Module holding `DotState`)."""
+  build = getattr(dot_general, "for_linear", None)
+  return build(name) if build is not None else dot_general
+
+
+def on_seam(dot_general: Any, seam: Any) -> DotGeneral:
+  """A layer's product as a plain dot_general for one call: a product that reduces over the
+  devices holding its operands' shards (FP8's amaxes; it has `on(seam)`) is bound to the seam."""
+  bind = getattr(dot_general, "on", None)
+  return bind(seam) if bind is not None else dot_general
+
+
 def einsum(spec: str, x: jax.Array, w: jax.Array, dtype,
            dot_general: DotGeneral = jax.lax.dot_general) -> jax.Array:
   """`jnp.einsum(spec, x, w)` with both operands cast to the compute `dtype`; the result is in
   `dtype` (accumulated in fp32 by the hardware), and so is the backward's cotangent. The
-  product is `dot_general`'s (jnp.einsum's contraction hook), forward and backward."""
-  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), _dot_general=dot_general)
+  product is one `dot_general(x, w, dimension_numbers)`, forward and backward."""
+  dims, transpose = _contraction(spec)
+  y = dot_general(x.astype(dtype), w.astype(dtype), dims)
+  return y if transpose is None else jnp.transpose(y, transpose)
+
+
+@functools.lru_cache(maxsize=None)
+def _contraction(spec: str):
+  """An einsum of two operands as dot_general dimension numbers and the permutation from the
+  dot's output order (batch, lhs-free, rhs-free) to the spec's (None: already in order)."""
+  ins, out = spec.replace(" ", "").split("->")
+  a, b = ins.split(",")
+  if len(set(a)) < len(a) or len(set(b)) < len(b) or not set(out) <= set(a) | set(b) or \
+      (set(a) ^ set(b)) - set(out):
+    raise ValueError(f"einsum {spec!r}: a linear layer contracts two operands (no traces, "
+                     "no summed-away free indices)")
+  contract = [c for c in a if c in b and c not in out]
+  batch = [c for c in a if c in b and c in out]
+  dims = ((tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
+          (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)))
+  got = batch + [c for c in a if c not in b] + [c for c in b if c not in a]
+  return dims, None if got == list(out) else tuple(got.index(c) for c in out)
 
 
 def einsum_f32(spec: str, a: jax.Array, b: jax.Array, dtype,

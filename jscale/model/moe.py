@@ -59,9 +59,9 @@ def with_objective(stats: dict[str, jax.Array], moe) -> dict[str, jax.Array]:
 class MoE(nnx.Module):
   """Routed SwiGLU experts (stacked on a logical `experts` axis) and an optional shared one.
 
-  The block's MLP when `model.moe` is set (`Mlp`'s call signature). `dot_general` is the shared
-  expert's product; the routed experts' grouped matmuls run in the seam (`Seam.experts`) and
-  the router in fp32 on purpose (`matmul.FP32_MATMULS`)."""
+  The block's MLP when `model.moe` is set (`Mlp`'s call signature). `dot_general` gives the
+  shared expert's products (`matmul.for_linear`); the routed experts' grouped matmuls run in
+  the seam (`Seam.experts`) and the router in fp32 on purpose (`matmul.FP32_MATMULS`)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs,
                dot_general: matmul.DotGeneral = jax.lax.dot_general):
@@ -77,8 +77,9 @@ class MoE(nnx.Module):
       self.shared_gate = param(rngs, (d, fs), ("embed", "mlp"), std, pd)
       self.shared_up = param(rngs, (d, fs), ("embed", "mlp"), std, pd)
       self.shared_down = param(rngs, (fs, d), ("mlp", "embed"), std, pd)
+      self.shared_gate_dot, self.shared_up_dot, self.shared_down_dot = (
+          matmul.for_linear(dot_general, n) for n in ("shared_gate", "shared_up", "shared_down"))
     self.cfg, self.dtype = m, cfg.dtype
-    self.dot_general = dot_general
 
   def __call__(self, h_BLD: jax.Array, comms: Seam) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`h_BLD`: the normed input (inside the tensor-parallel region). Returns the experts'
@@ -100,8 +101,9 @@ class MoE(nnx.Module):
     stats["dropped_fraction"] = comms.token_sum(dropped.astype(jnp.float32)) / n
     y_BLD = checkpoint_name(y_GTD.reshape(b, l, d), "moe_out")
     if self.cfg.shared_d_ff:
-      dt, dg = self.dtype, self.dot_general
-      gate = einsum("BLD,DF->BLF", h_BLD, self.shared_gate, dt, dg)
-      up = einsum("BLD,DF->BLF", h_BLD, self.shared_up, dt, dg)
-      y_BLD = y_BLD + einsum("BLF,FD->BLD", jax.nn.silu(gate) * up, self.shared_down, dt, dg)
+      dt, c = self.dtype, comms
+      gate = einsum("BLD,DF->BLF", h_BLD, self.shared_gate, dt, self.shared_gate_dot, c)
+      up = einsum("BLD,DF->BLF", h_BLD, self.shared_up, dt, self.shared_up_dot, c)
+      y_BLD = y_BLD + einsum("BLF,FD->BLD", jax.nn.silu(gate) * up, self.shared_down, dt,
+                             self.shared_down_dot, c)
     return y_BLD, stats

@@ -56,6 +56,11 @@ class Seam:
     del in_names, out_names
     return fn(*args)
 
+  def amax(self, x: jax.Array) -> jax.Array:
+    """max |x| over the whole (possibly sharded) tensor, an fp32 scalar: FP8's scales. Global
+    arrays (one device, xla mode) need nothing more; manual mode takes the max over devices."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
   # ---------------------------------------------------------------- weights (DP / ZeRO)
 
   def gather_params(self, params: Any, dtype: Any) -> Any:

@@ -35,6 +35,7 @@ class ManualComms(ManualZero, ManualTensor, ManualContext, ManualExpert, ManualS
     self.batch_axes = tuple(a for a in ("data", "fsdp", "expert", "sequence") if size[a] > 1)
     # Gradients are summed over every axis that splits the tokens (CP: `sequence` too).
     self.dp_axes = tuple(a for a in ("data", "expert", "sequence") if size[a] > 1)
+    self.amax_axes = tuple(a for a, n in size.items() if n > 1 and a != "stage")
     self._init_zero(bucket_mb)
 
   def program(self, fn: Callable, in_shardings: Any, out_shardings: Any) -> Callable:
@@ -45,6 +46,12 @@ class ManualComms(ManualZero, ManualTensor, ManualContext, ManualExpert, ManualS
 
   def batch_sum(self, x: jax.Array) -> jax.Array:
     return jax.lax.psum(x, self.batch_axes) if self.batch_axes else x
+
+  def amax(self, x: jax.Array) -> jax.Array:
+    # A shard's max, then the max over every axis that may split the tensor (batch, sequence,
+    # heads / hidden, experts). Not over `stage`: stages hold different layers.
+    local = super().amax(x)
+    return jax.lax.pmax(local, self.amax_axes) if self.amax_axes else local
 
   def activation(self, x: jax.Array, names: Names) -> jax.Array:
     del names  # already a per-device shard

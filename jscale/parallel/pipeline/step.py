@@ -57,7 +57,7 @@ def stage_fns(cfg: Config, graphdef: nnx.GraphDef, comms: Comms,
     m = model(shared)
     h_bLD, head_DV = m.head_inputs(x_bLD, comms)
     return head_loss_sums(h_bLD, head_DV, labels_bL, mask_bL, comms,
-                          cfg.train.logits_chunk_mb, m.dot_general)[0]
+                          cfg.train.logits_chunk_mb, m.head_dot)[0]
 
   return executor.StageFns(embed, layers, head_loss)
 
