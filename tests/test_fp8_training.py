@@ -1,0 +1,114 @@
+"""FP8 in training: FP8 operands on exactly the targeted linears of the lowered step, the same
+losses and scale state in both collective modes and on data x tensor and fsdp x tensor meshes
+(with micro-batches), the tiny model trained 300 steps within 2% of bf16, and an exact resume
+of the amax histories."""
+
+import jax
+import numpy as np
+import pytest
+
+import parity
+from conftest import small_config
+from jscale import runtime
+from jscale import train as train_lib
+from jscale.analysis import dots
+from jscale.analysis.introspect import abstract_batch
+
+BF16 = ("model.dtype=bfloat16", "model.n_kv_heads=4", "train.batch_size=16",
+        "train.warmup_steps=0")
+FP8 = ("fp8.enabled=true",)
+
+
+@pytest.mark.parametrize("targets, linears", [("[attention,mlp]", 7), ("[mlp,wo]", 4)])
+def test_fp8_operands_on_exactly_the_targeted_linears(targets, linears):
+  cfg = small_config(None, *BF16, *FP8, "mesh.data=1", f"fp8.targets={targets}")
+  rt = runtime.build(cfg, jax.devices()[:1])
+  found = dots.dot_generals(rt.train_step().lower(rt.abstract_state(), abstract_batch(cfg)))
+  f8 = [d for d in found if any(t.startswith("f8") for t in d.operands)]
+  # Per targeted linear (the layer scan's body appears once): forward, dx and dw, in the three
+  # pairs cuBLASLt's FP8 gemm takes; every other matmul (head, attention) stays bf16.
+  assert len(f8) == 3 * linears, found
+  assert {d.operands for d in f8} == {("f8E4M3FN", "f8E4M3FN"), ("f8E5M2", "f8E4M3FN"),
+                                      ("f8E4M3FN", "f8E5M2")}
+  assert all(d.operands == ("bf16", "bf16") for d in found if d not in f8)
+
+
+def _train(overrides, n_devices, steps=3):
+  """`steps` steps on parity's batches in fp32 compute (layouts then differ only in fp32
+  summation order, which FP8's rounding would amplify from bf16's): (losses, dot_state)."""
+  cfg = small_config(None, *parity.BASE, *BF16, *FP8, "model.dtype=float32", *overrides)
+  rt = runtime.build(cfg, jax.devices()[:n_devices])
+  state, step = rt.init_state(), rt.train_step()
+  losses = []
+  for b in parity.batches(cfg, rt.reorder())[:steps]:
+    state, m = step(state, jax.device_put(b, rt.layouts.batch()))
+    losses.append(float(m["loss"]))
+  return np.array(losses), jax.device_get(state["dot_state"])
+
+
+@pytest.fixture(scope="module")
+def single_device():
+  return _train(("mesh.data=1", "train.microbatches=2"), 1)
+
+
+@pytest.mark.parametrize("layout", [
+    ("mesh.data=2", "mesh.tensor=2", "parallel.sequence_parallel=true"),
+    ("mesh.fsdp=2", "mesh.tensor=2", "mesh.data=1", "parallel.zero_stage=2",
+     "parallel.collectives=manual"),
+], ids=["xla dp x tp+sp", "manual zero2 x tp"])
+def test_fp8_losses_and_scale_state_match_across_layouts(single_device, layout):
+  # Micro-batches too: each pushes its amaxes onto the same history; the step keeps the max.
+  want_losses, want_state = single_device
+  losses, state = _train((*layout, "train.microbatches=2"), 4)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  # The same amaxes: maxima of the same tensors. The output gradient's to 1%: its elements pass
+  # through e5m2 (12.5% steps), where fp32 summation order can tip one element's rounding.
+  for path, a in jax.tree_util.tree_leaves_with_path(state):
+    b = want_state
+    for k in path:
+      b = b[k.key]
+    np.testing.assert_allclose(a, b, rtol=1e-2 if "g_amax" in str(path) else 1e-5,
+                               err_msg=jax.tree_util.keystr(path))
+  steps = len(losses)
+  for h in jax.tree.leaves(state):  # every layer's x, w and g amax of every step recorded
+    assert np.all(h[:, :steps] > 0) and np.all(h[:, steps:] == 0)
+
+
+def _run(out, cache, *overrides):
+  cfg = small_config(None, f"train.output_dir={out}", f"data.cache_dir={cache}",
+                     "model.dtype=bfloat16", "train.warmup_steps=20", "logging.every=10",
+                     *overrides)
+  return train_lib.run(cfg)
+
+
+@pytest.fixture(scope="module")
+def runs_300(tmp_path_factory, data_cache):
+  """300 steps of the tiny model in bf16 and in FP8 (delayed), the FP8 one checkpointed at the
+  end: (bf16 losses, FP8 summary, FP8 output dir)."""
+  tmp = tmp_path_factory.mktemp("fp8_300")
+  bf16 = _run(tmp / "bf16", data_cache, "train.steps=300", "checkpoint.every=0")
+  fp8 = _run(tmp / "fp8", data_cache, "train.steps=300", "checkpoint.every=300", *FP8)
+  return bf16["losses"], fp8, tmp / "fp8"
+
+
+def test_fp8_trains_300_steps_within_2_percent_of_bf16(runs_300):
+  bf16, fp8, _ = runs_300
+  # "Final loss": the mean of the last 50 steps' logged losses (one batch's loss is noisier
+  # than the 2% asked for).
+  last = [s for s in sorted(bf16) if s > 250]
+  final_bf16 = np.mean([bf16[s] for s in last])
+  final_fp8 = np.mean([fp8["losses"][s] for s in last])
+  assert final_bf16 < 0.8 * bf16[10]  # it learned
+  assert abs(final_fp8 - final_bf16) <= 0.02 * final_bf16, (final_fp8, final_bf16)
+
+
+def test_fp8_resume_restores_the_amax_histories_exactly(runs_300, data_cache):
+  _, fp8, out = runs_300
+  resumed = _run(out, data_cache, "train.steps=301", "checkpoint.every=0", *FP8)
+  assert list(resumed["losses"]) == [301]
+  before, after = fp8["state"]["dot_state"], resumed["state"]["dot_state"]
+  assert jax.tree.structure(before) == jax.tree.structure(after)
+  for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    # Step 301 pushed its amax in front of the restored history, bit for bit.
+    np.testing.assert_array_equal(np.asarray(a)[:, 1:], np.asarray(b)[:, :-1])
+    assert np.all(np.asarray(a) > 0)
