@@ -47,6 +47,10 @@ def test_overrides_and_presets():
     (["mesh.data=-1", "mesh.fsdp=-1"], "mesh"),
     (["data.source=bin"], "data.path"),
     (["trainsteps=3"], "section.key=value"),
+    (["fp8.enabled=true", "fp8.targets=[mlp,lm_head]"], "fp8.targets"),  # never the head
+    (["fp8.enabled=true", "fp8.targets=[w_qkv]"], "fp8.targets"),  # unknown linear
+    (["fp8.enabled=true", "fp8.amax_history=0"], "fp8.amax_history"),
+    (["fp8.recipe=late"], "fp8.recipe"),
 ])
 def test_bad_values_name_the_key(overrides, key):
   with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

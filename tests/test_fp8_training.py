@@ -12,6 +12,7 @@ import pytest
 import parity
 from conftest import small_config
 from jscale import runtime
+from jscale.config import ConfigError
 from jscale import train as train_lib
 from jscale.analysis import dots
 from jscale.analysis.introspect import abstract_batch
@@ -33,6 +34,12 @@ def test_fp8_operands_on_exactly_the_targeted_linears(targets, linears):
   assert {d.operands for d in f8} == {("f8E4M3FN", "f8E4M3FN"), ("f8E5M2", "f8E4M3FN"),
                                       ("f8E4M3FN", "f8E5M2")}
   assert all(d.operands == ("bf16", "bf16") for d in found if d not in f8)
+
+
+def test_delayed_fp8_under_a_pipeline_is_refused_before_compiling():
+  cfg = small_config(None, *BF16, *FP8, "mesh.stage=2", "mesh.data=1")
+  with pytest.raises(ConfigError, match=r"fp8\.recipe=delayed with mesh\.stage=2.*current"):
+    runtime.build(cfg, jax.devices()[:2])
 
 
 def _train(overrides, n_devices, recipe="delayed", steps=3):
