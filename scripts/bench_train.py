@@ -137,8 +137,10 @@ def main() -> None:
   p.add_argument("--out", default="results/bench_train.md")
   p.add_argument("extra", nargs="*", help="overrides added to every row")
   args = p.parse_args()
-  import jax  # pylint: disable=import-outside-toplevel
-  backend = jax.default_backend()
+  # Asked in a child: starting JAX here would take 75% of the GPU's memory away from the
+  # training processes this script launches (XLA preallocates on backend start).
+  backend = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
+                           capture_output=True, text=True, check=True).stdout.split()[-1]
   if backend != "gpu" and not args.quick:
     raise SystemExit(f"no GPU here (backend {backend}): the sweep measures GPU training; "
                      "`--quick` runs the script's plumbing on CPU")
