@@ -18,6 +18,22 @@ from jscale.parallel.pipeline import layout, step as pipeline_step
 BASE = ("model.n_layers=8", "model.n_kv_heads=4", "train.batch_size=16", "train.seq_len=16")
 
 
+SCHEDULE = {"afab": (), "1f1b": (), "zero_bubble": (),
+            "interleaved": ("pipeline.virtual_stages=2",)}
+
+
+def overrides(mode, schedule, p, m, extra=()):
+  """The config of a case (mode, schedule, p, m, extra overrides) on top of BASE."""
+  data = () if any(e.startswith("mesh.data") for e in extra) else ("mesh.data=1",)
+  return (f"parallel.collectives={mode}", f"pipeline.schedule={schedule}", f"mesh.stage={p}",
+          f"pipeline.microbatches={m}", *SCHEDULE[schedule], *data, *extra)
+
+
+def case_id(case):
+  mode, schedule, p, m, extra = case
+  return "-".join([mode, schedule, f"p{p}", f"m{m}", *(e.split(".")[-1] for e in extra)])
+
+
 class Result(NamedTuple):
   loss: float
   grads: Any  # in model layer order

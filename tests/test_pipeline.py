@@ -15,10 +15,7 @@ from jscale.analysis import introspect
 from jscale import train_step as ts
 from jscale.config import ConfigError
 from jscale.parallel.pipeline import step as pipeline_step
-from pipeline_harness import max_rel_err, pipeline_grads, reference
-
-SCHEDULE = {"afab": (), "1f1b": (), "zero_bubble": (),
-            "interleaved": ("pipeline.virtual_stages=2",)}
+from pipeline_harness import case_id, max_rel_err, overrides, pipeline_grads, reference
 
 # (mode, schedule, p, m, extra): in each mode every schedule, p=2 and p=4, m=4 and m=8, and
 # data=2, tensor=2 (+SP), ZeRO-1 and ZeRO-2 (fsdp=2) at least once. The first of each mode is
@@ -41,21 +38,10 @@ CASES = [
 ]
 
 
-def _overrides(mode, schedule, p, m, extra):
-  data = () if any(e.startswith("mesh.data") for e in extra) else ("mesh.data=1",)
-  return (f"parallel.collectives={mode}", f"pipeline.schedule={schedule}", f"mesh.stage={p}",
-          f"pipeline.microbatches={m}", *SCHEDULE[schedule], *data, *extra)
-
-
-def _ids(case):
-  mode, schedule, p, m, extra = case
-  return "-".join([mode, schedule, f"p{p}", f"m{m}", *(e.split(".")[-1] for e in extra)])
-
-
-@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_loss_and_grads_equal_no_pipeline(case):
   ref_loss, ref_grads = reference()
-  got = pipeline_grads(*_overrides(*case))
+  got = pipeline_grads(*overrides(*case))
   assert got.loss == pytest.approx(ref_loss, rel=1e-5)
   assert max_rel_err(got.grads, ref_grads) <= 1e-5
   # The executor ran exactly the table: F, B, W per tick and stage (a fused full backward does
@@ -74,7 +60,7 @@ def test_only_the_stage_ppermutes_move_between_stages(mode):
   # loss, pipelined gradients and their sync; the optimizer update adds no permutes.
   case = (mode, "1f1b", 2, 4, ("mesh.data=2", "mesh.tensor=2"))
   assert case in CASES
-  text = pipeline_grads(*_overrides(*case)).compiled.as_text()
+  text = pipeline_grads(*overrides(*case)).compiled.as_text()
   permutes = [l for l in text.splitlines() if re.search(r"collective-permute(-start)?\(", l)]
   assert permutes and all("ppermute" in l for l in permutes)
   pairs = {re.search(r"source_target_pairs=(\{[^ ]*\}),", l).group(1) for l in permutes}
