@@ -120,27 +120,38 @@ def test_router_losses_equal_their_formulas():
       pytest.approx(1.0)
 
 
-# Dropless expert parallelism reproduces one device's first losses, both modes.
-EP_CASES = [(mode, ep, extra) for mode in ("xla", "manual")
-            for ep, extra in ((2, ()), (4, ()), (8, ()), (2, ("mesh.data=2",)))]
-EP_CASES += [("manual", 2, ("mesh.tensor=2", "mesh.fsdp=2", "parallel.zero_stage=3")),
-             ("xla", 4, ("model.moe.shared_d_ff=32",)),
-             ("manual", 2, ("train.microbatches=2",)),
-             ("manual", 2, ("mesh.tensor=2", "mesh.data=2", "parallel.sequence_parallel=true")),
-             ("xla", 2, ("mesh.tensor=2", "mesh.fsdp=2", "parallel.zero_stage=1"))]
+# Dropless expert parallelism reproduces one device's first losses. In each mode: one local
+# expert (ep=8) and several (ep=2), with data, tensor (+SP), ZeRO and gradient accumulation;
+# xla mode also ep=4 and the shared expert. scripts/sweep_moe.py runs more combinations.
+EP_CASES = [("xla", 8, ()), ("xla", 4, ("model.moe.shared_d_ff=32",)),
+            ("xla", 2, ("mesh.data=2",)),
+            ("xla", 2, ("mesh.tensor=2", "mesh.fsdp=2", "parallel.zero_stage=1")),
+            ("manual", 8, ()),
+            ("manual", 2, ("mesh.tensor=2", "mesh.fsdp=2", "parallel.zero_stage=3")),
+            ("manual", 2, ("train.microbatches=2",)),
+            ("manual", 2, ("mesh.tensor=2", "mesh.data=2", "parallel.sequence_parallel=true"))]
 
 
-@pytest.mark.parametrize("mode,ep,extra", EP_CASES,
-                         ids=[f"{m}-ep{e}-" + "-".join(o.split(".")[-1] for o in x)
-                              for m, e, x in EP_CASES])
-def test_expert_parallel_losses_equal_one_device(mode, ep, extra):
+def ep_overrides(mode, ep, extra):
+  """(the layout's overrides, the devices it needs, the reference's overrides); shared with
+  scripts/sweep_moe.py."""
   data = () if any(e.startswith("mesh.data") for e in extra) else ("mesh.data=1",)
   n = ep * int(np.prod([int(e.split("=")[1]) for e in extra if e.startswith("mesh.")]))
-  got = parity.losses((*MOE, f"mesh.expert={ep}", f"parallel.collectives={mode}", *data, *extra),
-                      jax.devices()[:n])
   # Model and numerics overrides apply to the reference too.
   same = tuple(e for e in extra if e.startswith(("model.", "train.")))
-  np.testing.assert_allclose(got, parity.reference(*MOE, *same), rtol=1e-4)
+  layout = (*MOE, f"mesh.expert={ep}", f"parallel.collectives={mode}", *data, *extra)
+  return layout, n, (*MOE, *same)
+
+
+def ep_id(mode, ep, extra):
+  return f"{mode}-ep{ep}-" + "-".join(o.split(".")[-1] for o in extra)
+
+
+@pytest.mark.parametrize("mode,ep,extra", EP_CASES, ids=[ep_id(*c) for c in EP_CASES])
+def test_expert_parallel_losses_equal_one_device(mode, ep, extra):
+  overrides, n, ref = ep_overrides(mode, ep, extra)
+  got = parity.losses(overrides, jax.devices()[:n])
+  np.testing.assert_allclose(got, parity.reference(*ref), rtol=1e-4)
 
 
 def _a2a_bytes(*overrides):
