@@ -1,7 +1,8 @@
-"""Shared by the pipeline tests: one step's loss and gradients through the pipeline, and the
-single-device reference on the same batch."""
+"""Shared by the pipeline tests (and scripts/sweep_pipeline.py): one step's loss and gradients
+through the pipeline, and the single-device reference on the same batch."""
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,30 @@ from jscale.parallel.pipeline import layout, step as pipeline_step
 
 # 8 layers: p x v = 4 x 2 chunks of one layer. kv_heads 4: tensor=2 divides everything.
 BASE = ("model.n_layers=8", "model.n_kv_heads=4", "train.batch_size=16", "train.seq_len=16")
+
+
+SCHEDULE = {"afab": (), "1f1b": (), "zero_bubble": (),
+            "interleaved": ("pipeline.virtual_stages=2",)}
+
+
+def overrides(mode, schedule, p, m, extra=()):
+  """The config of a case (mode, schedule, p, m, extra overrides) on top of BASE."""
+  data = () if any(e.startswith("mesh.data") for e in extra) else ("mesh.data=1",)
+  return (f"parallel.collectives={mode}", f"pipeline.schedule={schedule}", f"mesh.stage={p}",
+          f"pipeline.microbatches={m}", *SCHEDULE[schedule], *data, *extra)
+
+
+def case_id(case):
+  mode, schedule, p, m, extra = case
+  return "-".join([mode, schedule, f"p{p}", f"m{m}", *(e.split(".")[-1] for e in extra)])
+
+
+class Result(NamedTuple):
+  loss: float
+  grads: Any  # in model layer order
+  codes: np.ndarray  # executed codes [p, T]
+  rt: runtime.Runtime
+  compiled: jax.stages.Compiled  # the step's program: loss, synced gradients, codes
 
 
 def batch(cfg, seed=0):
@@ -31,16 +56,27 @@ def _to_model_order(cfg, grads, p):
                                              cfg.pipeline.virtual_stages)}
 
 
-def pipeline_grads(*overrides, with_codes=False):
-  """(loss, grads in model layer order, executed codes [p, T] or None, runtime)."""
+@functools.lru_cache(maxsize=None)
+def _params():
+  """The reference's initial parameters (model layer order, on the host). Every layout starts
+  from these, put in its storage order and sharding: no per-layout init to compile (sharded
+  init is checked by the pipeline tests that run `rt.init_state()`)."""
+  return jax.device_get(ts.init_state(small_config(None, *BASE))["params"])
+
+
+@functools.lru_cache(maxsize=None)
+def pipeline_grads(*overrides) -> Result:
+  """One step of the layout `overrides` on BASE; cached, so tests of the same layout (values,
+  compiled text) share one compile."""
   cfg = small_config(None, *BASE, *overrides)
   n = int(np.prod([int(o.split("=")[1]) for o in overrides
                    if o.split("=")[0] in ("mesh.stage", "mesh.data", "mesh.tensor", "mesh.fsdp")]))
   rt = runtime.build(cfg, jax.devices()[:n])
-  state = rt.init_state()
   p = rt.mesh.shape["stage"]
   comms, params_sh = rt.comms, rt.state_shardings["params"]
   repl = NamedSharding(rt.mesh, P())
+  params = jax.device_put(layout.params_to_storage(_params(), cfg.model.n_layers, p,
+                                                   cfg.pipeline.virtual_stages), params_sh)
 
   def fn(params, b):
     out = pipeline_step.grads(cfg, rt.graphdef, comms, params, b, with_codes=True)
@@ -57,16 +93,17 @@ def pipeline_grads(*overrides, with_codes=False):
     f = jax.jit(comms.program(body, ins, outs), in_shardings=ins, out_shardings=outs)
   else:
     f = jax.jit(fn, in_shardings=ins, out_shardings=outs)
-  grads, loss, codes = f(state["params"], jax.device_put(batch(cfg), rt.layouts.batch()))
+  b = jax.device_put(batch(cfg), rt.layouts.batch())
+  compiled = f.lower(params, b).compile()
+  grads, loss, codes = compiled(params, b)
   grads = _to_model_order(cfg, jax.device_get(grads), p)
-  return float(loss), grads, np.asarray(codes), rt
+  return Result(float(loss), grads, np.asarray(codes), rt, compiled)
 
 
 @functools.lru_cache(maxsize=None)
 def reference():
   """Single device, fp32, no pipeline: (mean loss, grads) of the same batch and init."""
   cfg = small_config(None, *BASE)
-  params = ts.init_state(cfg)["params"]
   loss_fn = ts.make_loss_fn(ts.model_graphdef(cfg), cfg)
   b = jax.tree.map(jnp.asarray, batch(cfg))
 
@@ -74,7 +111,7 @@ def reference():
     loss_sum, count, _ = loss_fn(params, b)
     return loss_sum / count
 
-  loss, grads = jax.jit(jax.value_and_grad(mean_loss))(params)
+  loss, grads = jax.jit(jax.value_and_grad(mean_loss))(_params())
   return float(loss), jax.device_get(grads)
 
 

@@ -32,21 +32,15 @@ def _inputs(t=24, d=16, f=12, e=4, k=2, seed=0):
   return x, ids[0], gates[0], w, logits
 
 
-def _ffn(x_D, w, e):
-  h = jax.nn.silu(x_D @ w.gate_EDF[e]) * (x_D @ w.up_EDF[e])
-  return h @ w.down_EFD[e]
-
-
 def _reference(x, ids, gates, w, kept=None):
-  """y_t = Σ_k gate_tk · expert_{e_tk}(x_t), one token at a time (kept: drop mask)."""
-  rows = []
-  for t in range(x.shape[0]):
-    y = jnp.zeros(x.shape[1])
-    for j in range(ids.shape[1]):
-      if kept is None or kept[t, j]:
-        y = y + gates[t, j] * _ffn(x[t], w, int(ids[t, j]))
-    rows.append(y)
-  return jnp.stack(rows)
+  """y_t = Σ_k gate_tk · expert_{e_tk}(x_t) (kept: drop mask): every expert on every token,
+  then each token's k outputs picked and weighted (dense, no dispatch)."""
+  h_TEF = (jax.nn.silu(jnp.einsum("TD,EDF->TEF", x, w.gate_EDF)) *
+           jnp.einsum("TD,EDF->TEF", x, w.up_EDF))
+  y_TED = jnp.einsum("TEF,EFD->TED", h_TEF, w.down_EFD)
+  picked_TKD = jnp.take_along_axis(y_TED, jnp.asarray(ids)[:, :, None], axis=1)
+  weight_TK = gates if kept is None else jnp.where(kept, gates, 0.0)
+  return jnp.einsum("TK,TKD->TD", weight_TK, picked_TKD)
 
 
 def test_route_is_renormalised_softmax_top_k():
@@ -60,10 +54,11 @@ def test_route_is_renormalised_softmax_top_k():
 
 def test_dropless_values_and_grads_equal_per_token_reference():
   x, ids, gates, w, _ = _inputs()
-  got = md.dropless(x, ids, gates, w, jnp.float32)
-  np.testing.assert_allclose(got, _reference(x, ids, gates, w), rtol=1e-5, atol=1e-5)
+  # Jitted, as in a step (eagerly each of dispatch's many ops would compile on its own).
+  dropless = jax.jit(lambda x, w: md.dropless(x, ids, gates, w, jnp.float32))
+  np.testing.assert_allclose(dropless(x, w), _reference(x, ids, gates, w), rtol=1e-5, atol=1e-5)
   loss = lambda fn: lambda x, w: jnp.sum(jnp.sin(fn(x, w)))
-  g = jax.grad(loss(lambda x, w: md.dropless(x, ids, gates, w, jnp.float32)), (0, 1))(x, w)
+  g = jax.jit(jax.grad(loss(dropless), (0, 1)))(x, w)
   r = jax.grad(loss(lambda x, w: _reference(x, ids, gates, w)), (0, 1))(x, w)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -125,27 +120,38 @@ def test_router_losses_equal_their_formulas():
       pytest.approx(1.0)
 
 
-# Dropless expert parallelism reproduces one device's first losses, both modes.
-EP_CASES = [(mode, ep, extra) for mode in ("xla", "manual")
-            for ep, extra in ((2, ()), (4, ()), (8, ()), (2, ("mesh.data=2",)))]
-EP_CASES += [("manual", 2, ("mesh.tensor=2", "mesh.fsdp=2", "parallel.zero_stage=3")),
-             ("xla", 4, ("model.moe.shared_d_ff=32",)),
-             ("manual", 2, ("train.microbatches=2",)),
-             ("manual", 2, ("mesh.tensor=2", "mesh.data=2", "parallel.sequence_parallel=true")),
-             ("xla", 2, ("mesh.tensor=2", "mesh.fsdp=2", "parallel.zero_stage=1"))]
+# Dropless expert parallelism reproduces one device's first losses. In each mode: one local
+# expert (ep=8) and several (ep=2), with data, tensor (+SP), ZeRO and gradient accumulation;
+# xla mode also ep=4 and the shared expert. scripts/sweep_moe.py runs more combinations.
+EP_CASES = [("xla", 8, ()), ("xla", 4, ("model.moe.shared_d_ff=32",)),
+            ("xla", 2, ("mesh.data=2",)),
+            ("xla", 2, ("mesh.tensor=2", "mesh.fsdp=2", "parallel.zero_stage=1")),
+            ("manual", 8, ()),
+            ("manual", 2, ("mesh.tensor=2", "mesh.fsdp=2", "parallel.zero_stage=3")),
+            ("manual", 2, ("train.microbatches=2",)),
+            ("manual", 2, ("mesh.tensor=2", "mesh.data=2", "parallel.sequence_parallel=true"))]
 
 
-@pytest.mark.parametrize("mode,ep,extra", EP_CASES,
-                         ids=[f"{m}-ep{e}-" + "-".join(o.split(".")[-1] for o in x)
-                              for m, e, x in EP_CASES])
-def test_expert_parallel_losses_equal_one_device(mode, ep, extra):
+def ep_overrides(mode, ep, extra):
+  """(the layout's overrides, the devices it needs, the reference's overrides); shared with
+  scripts/sweep_moe.py."""
   data = () if any(e.startswith("mesh.data") for e in extra) else ("mesh.data=1",)
   n = ep * int(np.prod([int(e.split("=")[1]) for e in extra if e.startswith("mesh.")]))
-  got = parity.losses((*MOE, f"mesh.expert={ep}", f"parallel.collectives={mode}", *data, *extra),
-                      jax.devices()[:n])
   # Model and numerics overrides apply to the reference too.
   same = tuple(e for e in extra if e.startswith(("model.", "train.")))
-  np.testing.assert_allclose(got, parity.reference(*MOE, *same), rtol=1e-4)
+  layout = (*MOE, f"mesh.expert={ep}", f"parallel.collectives={mode}", *data, *extra)
+  return layout, n, (*MOE, *same)
+
+
+def ep_id(mode, ep, extra):
+  return f"{mode}-ep{ep}-" + "-".join(o.split(".")[-1] for o in extra)
+
+
+@pytest.mark.parametrize("mode,ep,extra", EP_CASES, ids=[ep_id(*c) for c in EP_CASES])
+def test_expert_parallel_losses_equal_one_device(mode, ep, extra):
+  overrides, n, ref = ep_overrides(mode, ep, extra)
+  got = parity.losses(overrides, jax.devices()[:n])
+  np.testing.assert_allclose(got, parity.reference(*ref), rtol=1e-4)
 
 
 def _a2a_bytes(*overrides):
