@@ -68,12 +68,42 @@ def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
 def pallas_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
                      causal: bool = True, positions=None, interpret: bool = False) -> jax.Array:
   """Pallas flash attention (GPU, or the Pallas interpreter; GQA in the kernel; index-causal
-  only). Runs on whole arrays: under a mesh call it through `Seam.kernel`."""
+  only): the Hopper (Mosaic GPU) kernels where `pallas_backend` picks them, else the portable
+  (Triton-lowered) ones. Runs on whole arrays: under a mesh call it through `Seam.kernel`."""
   if positions is not None:
     raise ValueError("pallas attention masks by index, not by token positions: under context "
                      "parallelism the model's seam runs it as the ring's block function")
+  backend, _ = pallas_backend(q_BLHK.shape, k_BSGK.shape, v_BSGK.shape, q_BLHK.dtype, causal,
+                              None if interpret else _compute_capability())
+  if backend == "hopper":
+    from pallas_kernels.flash_attention import hopper  # pylint: disable=import-outside-toplevel
+    return hopper.flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal)
   from pallas_kernels.flash_attention import flash_attention  # pylint: disable=import-outside-toplevel
   return flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal, interpret=interpret)
+
+
+def _compute_capability() -> str | None:
+  dev = jax.devices()[0]
+  return getattr(dev, "compute_capability", None) if dev.platform == "gpu" else None
+
+
+def pallas_backend(q_shape, k_shape, v_shape, dtype, causal: bool,
+                   compute_capability: str | None) -> tuple[str, str]:
+  """("hopper" | "portable", why) for `attention_impl: pallas`: the warp-specialised Mosaic
+  GPU kernels on compute capability 9.x where they tile the shapes (bf16 / fp16, V's head size
+  equal to K's, a multiple of 64), the portable Triton-lowered kernels otherwise (other GPUs,
+  the interpreter, fp32, odd head sizes)."""
+  if compute_capability is None or not str(compute_capability).startswith("9"):
+    return "portable", f"compute capability {compute_capability}: not Hopper"
+  from pallas_kernels.flash_attention import hopper  # pylint: disable=import-outside-toplevel
+  if tuple(v_shape) != tuple(k_shape):
+    return "portable", f"V {tuple(v_shape)} differs from K {tuple(k_shape)}"
+  try:
+    hopper.check_shapes(q_shape, k_shape, dtype, causal=causal)
+  except ValueError as e:
+    return "portable", str(e)
+  sm = str(compute_capability).replace(".", "")
+  return "hopper", f"Hopper (sm_{sm}): Mosaic GPU kernels"
 
 
 IMPLS: dict[str, Callable[..., jax.Array]] = {"xla": xla_attention, "cudnn": cudnn_attention,

@@ -1,0 +1,191 @@
+"""Block sizes, validation and shared pieces of the Hopper (Mosaic GPU) flash attention kernels.
+
+The kernels (`hopper_fwd`, `hopper_bwd`) are warp specialised the way FlashAttention-3 is: each
+CUDA block runs two compute warpgroups, each owning `block` rows of the resident operand, and
+one memory warpgroup that streams the other operand's blocks through `max_concurrent_steps`
+shared-memory slots with TMA copies and mbarriers. Products are warpgroup MMAs (wgmma) with
+fp32 accumulators in registers; scores stay in base 2 (exp2 is one MUFU instruction).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# Finite, so a row whose keys are all masked in one block gives exp2(0), not NaN; such rows are
+# wiped by the rescale of the next visible block, or zeroed at the end if none is (as in the
+# portable kernel).
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+LOG2E = math.log2(math.e)
+COMPUTE_WGS = 2  # compute warpgroups per CUDA block; the memory warpgroup is the third
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperBlocks:
+  """Tile sizes of the Hopper kernels (multiples of 64: one wgmma M tile per warpgroup).
+
+  block_q / block_kv tile the forward (each compute warpgroup owns block_q query rows, so a
+  CUDA block covers 2 * block_q); *_dkv the dK/dV kernel (each warpgroup owns block_kv_dkv
+  keys and streams the query blocks of every head of its GQA group); *_dq the dQ kernel.
+  max_concurrent_steps: shared-memory slots of the streamed operand (TMA runs that many ahead).
+  """
+  block_q: int = 64
+  block_kv: int = 128
+  block_q_dkv: int = 64
+  block_kv_dkv: int = 64
+  block_q_dq: int = 64
+  block_kv_dq: int = 64
+  max_concurrent_steps: int = 2
+
+
+# Starting points by head_dim (FlashAttention-3's H100 forward tiles per warpgroup; the
+# backward's 64 x 64 keeps dK and dV accumulators within the 240-register budget at K = 128).
+# Not yet tuned on a GPU: scripts/bench_kernels.py measures them.
+TUNED: dict[int, HopperBlocks] = {
+    64: HopperBlocks(block_q=64, block_kv=128),
+    128: HopperBlocks(block_q=64, block_kv=128),
+    256: HopperBlocks(block_q=64, block_kv=64, block_kv_dkv=64, block_q_dkv=64),
+}
+
+
+def blocks_for(seq_len: int, head_dim: int) -> HopperBlocks:
+  """The tuned tiles for `head_dim`, shrunk (by halving the kv tiles) to divide `seq_len`."""
+  blocks = TUNED.get(head_dim, HopperBlocks())
+  fit = lambda b: b if seq_len % b == 0 else max(64, math.gcd(b, seq_len))
+  return dataclasses.replace(blocks, block_kv=fit(blocks.block_kv),
+                             block_kv_dkv=fit(blocks.block_kv_dkv),
+                             block_kv_dq=fit(blocks.block_kv_dq))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Static parameters of one call (hashable: a custom_vjp nondiff argument)."""
+  causal: bool
+  sm_scale: float
+  blocks: HopperBlocks
+  segments: bool
+
+
+def validate(q, k, v, q_seg, kv_seg, causal: bool, blocks: HopperBlocks) -> None:
+  """Raises ValueError naming what the Hopper kernels cannot run, before any tracing."""
+  if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+    raise ValueError(f"expected q [B, L, H, K] and k, v [B, S, G, K], got q {q.shape}, "
+                     f"k {k.shape}, v {v.shape} (the Hopper kernel needs V's head size equal "
+                     f"to K's: use the portable kernel for MLA-style heads)")
+  (b, l, h, d), (bk, s, g, dk) = q.shape, k.shape
+  if b != bk or d != dk or h % g:
+    raise ValueError(f"q {q.shape} and k/v {k.shape} disagree on batch or head_dim, or the "
+                     f"{h} query heads are not a multiple of the {g} kv heads")
+  if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or not (
+      q.dtype == k.dtype == v.dtype):
+    raise ValueError(f"the Hopper kernel takes bf16 or fp16 q, k, v of one dtype, got "
+                     f"{q.dtype}, {k.dtype}, {v.dtype}: set model.dtype=bfloat16")
+  if d % 64 or d > 256:
+    raise ValueError(f"head_dim {d} must be a multiple of 64 up to 256 (wgmma tiles and the "
+                     f"128-byte swizzle)")
+  if causal and l != s:
+    raise ValueError(f"causal attention needs q_len == kv_len, got {l} and {s}")
+  for name, blk, seq in (("block_q", 2 * blocks.block_q, l), ("block_kv", blocks.block_kv, s),
+                         ("block_q_dkv", blocks.block_q_dkv, l),
+                         ("block_kv_dkv", 2 * blocks.block_kv_dkv, s),
+                         ("block_q_dq", 2 * blocks.block_q_dq, l),
+                         ("block_kv_dq", blocks.block_kv_dq, s)):
+    if blk % 64 or seq % blk:
+      raise ValueError(f"sequence {seq} is not a multiple of {blk} ({name}"
+                       f"{' x 2 compute warpgroups' if blk != getattr(blocks, name) else ''}):"
+                       f" pad the sequence or pass HopperBlocks({name}=...)")
+  if blocks.max_concurrent_steps < 2:
+    raise ValueError(f"max_concurrent_steps={blocks.max_concurrent_steps} must be >= 2")
+  if q_seg is not None and (q_seg.shape != (b, l) or kv_seg.shape != (b, s)):
+    raise ValueError(f"segment ids must be [B, L] = {(b, l)} (and [B, S] = {(b, s)} for "
+                     f"kv), got {q_seg.shape} and {kv_seg.shape}")
+
+
+def smem(shape, dtype):
+  """A shared-memory buffer in the layout TMA and wgmma share: 8 x 64 tiles, 128-byte swizzle
+  (a 64-wide bf16 row is one 128-byte line: conflict-free for both)."""
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+                                              plgpu.SwizzleTransform(128)))
+
+
+def wgmma_zeros(shape):
+  """fp32 zeros in the wgmma accumulator's register layout."""
+  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def row_vector(ref, start, n: int):
+  """ref[start:start + n] laid out as one value per row of a [n, *] wgmma tile."""
+  # Plain per-thread loads (optimized=False): Mosaic GPU has no optimised GMEM load of these
+  # layouts, and they are once per tile (or a few bytes per step) beside the TMA streams.
+  return plgpu.load(ref.at[pl.ds(start, n)], (), layout=plgpu.Layout.WGMMA.reduce(1),
+                    optimized=False)
+
+
+def col_vector(ref, start, n: int):
+  """ref[start:start + n] laid out as one value per column of a [*, n] wgmma tile."""
+  return plgpu.load(ref.at[pl.ds(start, n)], (), layout=plgpu.Layout.WGMMA.reduce(0),
+                    optimized=False)
+
+
+def mask(shape, row_start, col_start, causal: bool, row_seg=None, col_seg=None,
+         rows_are_q: bool = True):
+  """[rows, cols] visibility of keys to queries in a wgmma-layout tile, or None when all
+  visible. Rows are queries (cols keys) unless `rows_are_q` is False (the transposed tiles of
+  the dK/dV kernel). row_seg / col_seg: segment ids per row / column (row_vector/col_vector)."""
+  visible = None
+  if causal:
+    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row_start
+    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col_start
+    visible = rows >= cols if rows_are_q else cols >= rows
+  if row_seg is not None:
+    same = (lax.broadcast_in_dim(row_seg, shape, [0])
+            == lax.broadcast_in_dim(col_seg, shape, [1]))
+    visible = same if visible is None else visible & same
+  return visible
+
+
+def slot_of(step, slots: int):
+  """The shared-memory slot that holds stream step `step`."""
+  return lax.rem(step, jnp.array(slots, step.dtype))
+
+
+
+def when(cond, fn) -> None:
+  """fn() under a traced condition, or now / never for a Python bool."""
+  if isinstance(cond, bool):
+    if cond:
+      fn()
+  else:
+    pl.when(cond)(fn)
+
+
+def stream_kv(k_ref, v_ref, k_smem, v_smem, loaded, consumed, kv_index, block: int,
+              slots: int, steps) -> None:
+  """The memory warpgroup's loop: K / V blocks 0..steps-1 of k_ref / v_ref.at[kv_index]
+  ([S, K] views) into slot step % slots, each copy arriving on its `loaded` barrier; a slot
+  is refilled once both compute warpgroups arrived on its `consumed` barrier."""
+  (k_loaded, v_loaded), (k_consumed, v_consumed) = loaded, consumed
+  batch, kv_head = kv_index
+
+  def load(step, slot, wait: bool):
+    idx = (batch, pl.ds(step * block, block), kv_head)
+    if wait:
+      plgpu.barrier_wait(k_consumed.at[slot])
+    plgpu.copy_gmem_to_smem(k_ref.at[idx], k_smem.at[slot], k_loaded.at[slot])
+    if wait:
+      plgpu.barrier_wait(v_consumed.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[idx], v_smem.at[slot], v_loaded.at[slot])
+
+  for i in range(slots):
+    when(i < steps, functools.partial(load, i, i, False))
+
+  @pl.loop(0, steps - slots)
+  def _refill(step):
+    load(step + slots, slot_of(step, slots), True)

@@ -1,0 +1,105 @@
+"""The Hopper (Mosaic GPU) flash attention kernels.
+
+On CPU: every kernel (forward, dK/dV, dQ) lowers through Pallas' Mosaic GPU pipeline for the
+`cuda` platform (layouts, wgmma shapes, TMA transfers and the shared-memory budget are checked
+there), the scores never exist outside them, bad shapes are refused with the fix, and the
+model's `attention_impl: pallas` picks them on Hopper only. jax 0.10's GPU interpreter cannot
+run them (it has no `run_state`, no register-operand or transposed-operand wgmma), so values
+and gradients against the reference are checked compiled, on an H100 (skipped elsewhere).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from close import assert_close
+from jscale.model.attention import pallas_backend
+from pallas_kernels.flash_attention import hopper, reference
+from pallas_kernels.flash_attention.hopper import HopperBlocks, blocks_for
+
+ON_HOPPER = (jax.default_backend() == "gpu"
+             and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
+
+
+def _fwd_bwd(causal, segments):
+  def f(q, k, v, do, seg):
+    fn = lambda q, k, v: hopper.flash_attention(q, k, v, causal=causal, segment_ids=seg,
+                                                return_lse=True)
+    (out, lse), vjp = jax.vjp(fn, q, k, v)
+    return out, lse, vjp((do, jnp.zeros_like(lse)))
+  return f
+
+
+# (batch, seq, heads, kv_heads, head_dim, causal, segments, dtype)
+LOWERED = {
+    "causal_gqa_d128_bf16": (1, 512, 4, 2, 128, True, False, jnp.bfloat16),
+    "full_mha_d64_f16": (2, 256, 2, 2, 64, False, False, jnp.float16),
+    "causal_segments_gqa_d64_bf16": (1, 512, 4, 1, 64, True, True, jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", list(LOWERED))
+def test_kernels_lower_for_hopper(case):
+  b, l, h, g, d, causal, segments, dtype = LOWERED[case]
+  q = jax.ShapeDtypeStruct((b, l, h, d), dtype)
+  kv = jax.ShapeDtypeStruct((b, l, g, d), dtype)
+  seg = jax.ShapeDtypeStruct((b, l), jnp.int32) if segments else None
+  lowered = jax.jit(_fwd_bwd(causal, segments)).trace(q, kv, kv, q, seg).lower(
+      lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  # Forward, dK/dV and dQ: three Mosaic GPU kernels, and nothing [L, S]-sized around them.
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 3, text[:2000]
+  assert f"x{l}x{l}x" not in text and f"{l}x{l}xf32" not in text
+
+
+@pytest.mark.parametrize("shape, kv_shape, dtype, match", [
+    ((1, 256, 2, 96), (1, 256, 2, 96), jnp.bfloat16, "head_dim 96 must be a multiple of 64"),
+    ((1, 256, 2, 64), (1, 256, 2, 64), jnp.float32, "bf16 or fp16"),
+    ((1, 192, 2, 64), (1, 192, 2, 64), jnp.bfloat16, r"sequence 192 is not a multiple of 128"),
+    ((1, 256, 3, 64), (1, 256, 2, 64), jnp.bfloat16, "not a multiple of the 2 kv heads"),
+])
+def test_untileable_inputs_rejected(shape, kv_shape, dtype, match):
+  with pytest.raises(ValueError, match=match):
+    hopper.check_shapes(shape, kv_shape, dtype, causal=True)
+
+
+def test_blocks_shrink_to_the_sequence():
+  assert blocks_for(4096, 128) == HopperBlocks(block_q=64, block_kv=128)
+  assert blocks_for(192, 64).block_kv == 64  # 128 does not divide 192
+
+
+@pytest.mark.parametrize("cc, dtype, d, v_d, backend", [
+    ("9.0", jnp.bfloat16, 128, 128, "hopper"),
+    ("9.0", jnp.float16, 64, 64, "hopper"),
+    ("8.0", jnp.bfloat16, 128, 128, "portable"),
+    (None, jnp.bfloat16, 128, 128, "portable"),
+    ("9.0", jnp.float32, 128, 128, "portable"),
+    ("9.0", jnp.bfloat16, 32, 32, "portable"),
+    ("9.0", jnp.bfloat16, 128, 64, "portable"),
+])
+def test_pallas_impl_picks_hopper_kernels_only_where_they_run(cc, dtype, d, v_d, backend):
+  got, why = pallas_backend((1, 1024, 8, d), (1, 1024, 2, d), (1, 1024, 2, v_d), dtype, True, cc)
+  assert got == backend, why
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="compiles only for Hopper GPUs (sm_90)")
+@pytest.mark.parametrize("causal, g, d, segments", [
+    (True, 2, 128, False), (False, 4, 64, False), (True, 1, 64, True), (False, 2, 128, True)])
+def test_values_and_gradients_match_reference_on_hopper(causal, g, d, segments):
+  rng = np.random.default_rng(0)
+  b, l, h = 2, 512, 4
+  normal = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32)).astype(jnp.bfloat16)
+  q, do, k, v = normal(b, l, h, d), normal(b, l, h, d), normal(b, l, g, d), normal(b, l, g, d)
+  seg = (jnp.asarray(np.searchsorted([37, 300], np.arange(l), side="right")[None]
+                     .repeat(b, 0), jnp.int32) if segments else None)
+  out, lse, grads = jax.jit(_fwd_bwd(causal, segments))(q, k, v, do, seg)
+  f32 = lambda x: x.astype(jnp.float32)
+  ref = lambda q, k, v: reference(f32(q), f32(k), f32(v), causal=causal, segment_ids=seg)
+  (ref_out, ref_lse), ref_vjp = jax.vjp(ref, q, k, v)
+  ref_grads = ref_vjp((f32(do), jnp.zeros_like(ref_lse)))
+  assert_close("out", out, ref_out, 2e-2)
+  assert_close("lse", lse, ref_lse, 2e-2)
+  for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+    assert got.dtype == jnp.bfloat16
+    assert_close(name, got, want, 2e-2)
