@@ -54,7 +54,7 @@ def test_kernels_lower_for_hopper(case):
 
 
 @pytest.mark.parametrize("shape, kv_shape, dtype, match", [
-    ((1, 256, 2, 96), (1, 256, 2, 96), jnp.bfloat16, "head_dim 96 must be a multiple of 64"),
+    ((1, 256, 2, 96), (1, 256, 2, 96), jnp.bfloat16, "head_dim 96 must be 64 or 128"),
     ((1, 256, 2, 64), (1, 256, 2, 64), jnp.float32, "bf16 or fp16"),
     ((1, 192, 2, 64), (1, 192, 2, 64), jnp.bfloat16, r"sequence 192 is not a multiple of 128"),
     ((1, 256, 3, 64), (1, 256, 2, 64), jnp.bfloat16, "not a multiple of the 2 kv heads"),
@@ -103,3 +103,12 @@ def test_values_and_gradients_match_reference_on_hopper(causal, g, d, segments):
   for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
     assert got.dtype == jnp.bfloat16
     assert_close(name, got, want, 2e-2)
+
+
+def test_shared_memory_budget_is_checked_on_cpu():
+  """The CPU lowering is a real check: tiles that overflow an H100's 227 KiB fail there."""
+  q = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+  big = HopperBlocks(block_kv=256, max_concurrent_steps=4)
+  fn = jax.jit(lambda q, k, v: hopper.flash_attention(q, k, v, block_sizes=big))
+  with pytest.raises(ValueError, match="exceeds available shared memory"):
+    fn.trace(q, q, q).lower(lowering_platforms=("cuda",))

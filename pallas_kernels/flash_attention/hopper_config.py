@@ -51,7 +51,6 @@ class HopperBlocks:
 TUNED: dict[int, HopperBlocks] = {
     64: HopperBlocks(block_q=64, block_kv=128),
     128: HopperBlocks(block_q=64, block_kv=128),
-    256: HopperBlocks(block_q=64, block_kv=64, block_kv_dkv=64, block_q_dkv=64),
 }
 
 
@@ -87,9 +86,10 @@ def validate(q, k, v, q_seg, kv_seg, causal: bool, blocks: HopperBlocks) -> None
       q.dtype == k.dtype == v.dtype):
     raise ValueError(f"the Hopper kernel takes bf16 or fp16 q, k, v of one dtype, got "
                      f"{q.dtype}, {k.dtype}, {v.dtype}: set model.dtype=bfloat16")
-  if d % 64 or d > 256:
-    raise ValueError(f"head_dim {d} must be a multiple of 64 up to 256 (wgmma tiles and the "
-                     f"128-byte swizzle)")
+  if d not in (64, 128):
+    raise ValueError(f"head_dim {d} must be 64 or 128 (wgmma tiles, the 128-byte swizzle, and "
+                     f"the backward's dK + dV accumulators within the register budget): use "
+                     f"the portable kernel")
   if causal and l != s:
     raise ValueError(f"causal attention needs q_len == kv_len, got {l} and {s}")
   for name, blk, seq in (("block_q", 2 * blocks.block_q, l), ("block_kv", blocks.block_kv, s),
