@@ -78,6 +78,21 @@ def resolve_attention(cfg: Config, mesh: Mesh) -> tuple[Config, str]:
   return _with_attention(cfg, impl), why
 
 
+def pallas_kernels(cfg: Config, mesh: Mesh) -> tuple[str, str]:
+  """Which flash kernels `attention_impl: pallas` runs on `mesh`'s devices, and why
+  (`attention.pallas_backend`): "hopper", "portable", or "" for other impls."""
+  m = cfg.model
+  if m.attention_impl != "pallas":
+    return "", ""
+  if m.kernel_interpret or mesh.shape["sequence"] > 1:
+    return "portable", ("the Pallas interpreter" if m.kernel_interpret
+                        else "ring-attention blocks (mesh.sequence > 1)")
+  device, seq, hd = mesh.devices.flat[0], cfg.train.seq_len, m.resolved_head_dim
+  cc = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
+  return attn_lib.pallas_backend((1, seq, m.n_heads, hd), (1, seq, m.n_kv_heads, hd),
+                                 (1, seq, m.n_kv_heads, hd), m.dtype, True, cc)
+
+
 def _with_attention(cfg: Config, impl: str) -> Config:
   return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
 

@@ -102,6 +102,9 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
   if distributed.is_main():
     why = f" (model.attention_impl=auto: {rt.attention_why})" if requested == "auto" else ""
     print(f"attention: {cfg.model.attention_impl}{why}", flush=True)
+    kernels, kernels_why = runtime.pallas_kernels(cfg, rt.mesh)
+    if kernels:
+      print(f"flash kernels: {kernels} ({kernels_why})", flush=True)
   write_run_info(cfg, rt, requested)
   reorder = rt.reorder()  # context parallelism's token order, applied once at load
   train_iter = make_train_iterator(cfg.data, t.seq_len, t.batch_size, pi, pc, reorder)

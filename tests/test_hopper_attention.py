@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from close import assert_close
+from conftest import small_config
+from jscale import mesh as mesh_lib, runtime
 from jscale.model.attention import pallas_backend
 from pallas_kernels.flash_attention import hopper, reference
 from pallas_kernels.flash_attention.hopper import HopperBlocks, blocks_for
@@ -81,6 +83,18 @@ def test_blocks_shrink_to_the_sequence():
 def test_pallas_impl_picks_hopper_kernels_only_where_they_run(cc, dtype, d, v_d, backend):
   got, why = pallas_backend((1, 1024, 8, d), (1, 1024, 2, d), (1, 1024, 2, v_d), dtype, True, cc)
   assert got == backend, why
+
+
+@pytest.mark.parametrize("overrides, kernels, why", [
+    (("model.attention_impl=pallas", "model.kernel_interpret=true"), "portable", "interpreter"),
+    (("model.attention_impl=pallas",), "portable", "not Hopper"),
+    (("model.attention_impl=xla",), "", ""),
+])
+def test_runtime_reports_which_flash_kernels_run(overrides, kernels, why):
+  cfg = small_config(None, *overrides)
+  mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1])
+  got, got_why = runtime.pallas_kernels(cfg, mesh)
+  assert got == kernels and why in got_why
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="compiles only for Hopper GPUs (sm_90)")
