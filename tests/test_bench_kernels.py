@@ -1,6 +1,9 @@
-"""scripts/kernel_timing.py's trace reading (synthetic GPU / CPU traces, a real CPU trace)."""
+"""scripts/bench_kernels.py on CPU (the --interpret --quick smoke run, the GPU-only refusal) and
+scripts/kernel_timing.py's trace reading (synthetic GPU / CPU traces, a real CPU trace)."""
 
+import csv
 import os
+import subprocess
 import sys
 
 import jax
@@ -54,3 +57,39 @@ def test_kernel_seconds_on_cpu_is_none_with_a_note():
   assert timing.seconds == timing.loop_s and timing.source == "loop"
   assert kernel_timing.Timing(1.0, 0.5).seconds == 0.5
   assert kernel_timing.Timing(None, note="oom").source is None
+
+
+def test_refuses_cpu_without_interpret_quick(capsys):
+  import bench_kernels  # pylint: disable=import-outside-toplevel
+  assert bench_kernels.main(["--quick"]) == 2
+  assert "GPU benchmark" in capsys.readouterr().err
+
+
+def test_quick_smoke_run(tmp_path):
+  """--interpret --quick end to end: fwd and fwd+bwd rows of every CPU impl, the fused
+  residual rows, the copy references, and both tables."""
+  out = tmp_path / "x"
+  # Compile speed, not code speed, decides this run's time (the timings mean nothing here).
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+  r = subprocess.run([sys.executable, "scripts/bench_kernels.py", "--interpret", "--quick",
+                      "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                     env=env)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+  with open(f"{out}.csv", newline="") as f:
+    rows = list(csv.DictReader(f))
+  done = {(r["bench"], r["impl"], r["kind"]) for r in rows if r["ms_loop"]}
+  for impl in ("pallas", "xla"):
+    for kind in ("fwd", "fwd+bwd"):
+      assert ("attention", impl, kind) in done
+    for kind in ("fwd", "fwd+bwd", "fused fwd", "fused fwd+bwd"):
+      assert ("rmsnorm", impl, kind) in done
+  assert {("copy", c, "read+write") for c in ("x + 1", "jit copy", "device_put")} <= done
+  measured = [r for r in rows if r["bench"] in ("attention", "rmsnorm", "copy")]
+  assert all(r["gbs"] or r["tflops"] for r in measured)
+  assert not any(r["ms_kernel"] for r in rows)  # no GPU: no profiler kernel time
+  assert {r["impl"] for r in rows if r["bench"] == "skipped"} == {"cudnn", "hopper", "tokamax",
+                                                                  "triton"}
+  md = (tmp_path / "x.md").read_text()
+  assert "## Attention" in md and "## RMSNorm" in md and "## Copy reference" in md
+  assert "TFLOP/s from loop time" in md and "| 64 | 64 | fused fwd+bwd |" in md
+
