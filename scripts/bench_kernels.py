@@ -13,16 +13,17 @@ Timing (scripts/kernel_timing.py), each function jitted and compiled first, two 
              GPU plane's stream lines (kernels, memcpys, memsets) / calls. Excludes the gaps
              between a call's kernels.
 TFLOP/s and GB/s use ms_kernel where it was measured, else ms_loop; each table says which. (The
-former method, block_until_ready after every call, read an H100's copy at 1.5 of its ~3 TB/s.)
+former method, block_until_ready after every call, read an H100's copy at 1.5 TB/s of ~3.)
 
 Attention: bf16, causal, [B, L, H, K] with B = tokens / L and H = hidden / K (MHA), forward and
-forward + backward (a vjp with a fixed cotangent) of: pallas (the Triton-lowered flash kernel),
-xla and cudnn (jax.nn.dot_product_attention), hopper (the Mosaic GPU kernel in
-pallas_kernels/flash_attention/hopper.py, when it imports) and tokamax (implementation="mosaic",
-when installed); the last three on GPU only. A kernel that is missing or fails gets a note, not
-a crash. FLOPs count only the causal half of the scores: forward 4·B·H·L²·K / 2 (QKᵀ and PV),
-backward 2.5x the forward (FlashAttention-2's convention: QKᵀ recomputed, dV, dP, dQ, dK), so
-forward + backward = 3.5x forward. `err` is max |out - out_xla| of the forward.
+forward + backward (a vjp with a fixed cotangent; out, dq, dk, dv returned) of: pallas (the
+Triton-lowered flash kernel), xla and cudnn (jax.nn.dot_product_attention), hopper (the Mosaic
+GPU kernel in pallas_kernels/flash_attention/hopper.py, when it imports) and tokamax
+(implementation="mosaic", when installed); the last three on GPU only. A kernel that is missing
+or fails gets a note, not a crash. FLOPs count only the causal half of the scores: forward
+4·B·H·L²·K / 2 (QKᵀ and PV), backward 2.5x the forward (FlashAttention-2's convention: QKᵀ
+recomputed, dV, dP, dQ, dK), so forward + backward = 3.5x forward. `err` is max |out - out_xla|
+of the forward.
 
 RMSNorm: bf16 [N, D] rows, fp32 weight: pallas (pallas_kernels.rms_norm), xla (its jnp
 reference, jitted), triton (jax-triton, when it imports); fwd, fwd+bwd (vjp with a fixed
@@ -35,8 +36,8 @@ cannot avoid (e = 2 bytes of x, 4 of w):
   fused fwd+bwd  fused fwd + read h, dy, dh, write dx, read w, write dw 8·N·D·e + 3·4·D
 (the residual's gradient is dx itself: not returned twice). % of copy is against the best of
 three copies of the largest input (read + write 2·N·D·e): x + 1 (an XLA loop fusion), jnp.copy
-under jit (an HLO copy, a device-to-device memcpy) and jax.device_put(x, may_alias=False); a
-copy whose result turns out to be the input's buffer (elided) is reported and not used.
+under jit (an HLO copy of the parameter) and jax.device_put(x, may_alias=False) (a runtime
+copy); a copy whose result is the input's own buffer (elided) is reported and not used.
 
 Refuses to run on CPU except as `--interpret --quick` (a smoke run of the script itself:
 interpreter timings mean nothing, and there is no kernel time).
@@ -118,7 +119,7 @@ def attention_impls(opts, on_gpu: bool):
   skipped = []
   impls["cudnn"] = functools.partial(jax.nn.dot_product_attention, is_causal=True,
                                      implementation="cudnn")
-  try:  # being written beside this script; Hopper only: a failed import or call is a note
+  try:  # in progress elsewhere, Hopper only: a failed import (here) or call (_run) is a note
     hopper = importlib.import_module("pallas_kernels.flash_attention.hopper")
     impls["hopper"] = functools.partial(hopper.flash_attention, causal=True)
   except Exception as e:  # pylint: disable=broad-except
@@ -145,7 +146,9 @@ def bench_attention(opts, on_gpu: bool) -> list[dict]:
       fwd_flops = 4 * b * h * l * l * k / 2
       shape_rows, outs = [], {}
       for name, fn in impls.items():
-        fb = lambda q, k_, v, do, fn=fn: jax.vjp(fn, q, k_, v)[1](do)
+        def fb(q, k_, v, do, fn=fn):  # the output too, as a step uses it (XLA could skip PV)
+          out, vjp = jax.vjp(fn, q, k_, v)
+          return (out, *vjp(do))
         for kind, f, args, flops in (("fwd", fn, (q, kk, v), fwd_flops),
                                      ("fwd+bwd", fb, (q, kk, v, do), 3.5 * fwd_flops)):
           timing, out = _run(f, args, opts)
