@@ -115,7 +115,8 @@ def _events(trace: str) -> tuple[str, list[tuple[str, str, float, float]]]:
   return "/host:CPU device 0 (XLA:CPU thunks)", out
 
 
-def _union_ns(intervals: list[tuple[float, float]]) -> float:
+def union_ns(intervals) -> float:
+  """Total length of the union of (start, end) intervals (overlaps counted once)."""
   total, end = 0.0, float("-inf")
   for s, e in sorted(intervals):
     if e > end:
@@ -139,7 +140,7 @@ def summarize(path: str) -> Summary:
     by_category[k.category] += dur
   spans = [(s, s + d) for _, _, s, d in events]
   return Summary(trace, device, max(e for _, e in spans) - min(s for s, _ in spans),
-                 _union_ns(spans), by_category,
+                 union_ns(spans), by_category,
                  sorted(kernels.values(), key=lambda k: -k.total_ns), _traced_steps(trace))
 
 

@@ -30,6 +30,8 @@ import time
 
 import jax
 
+from jscale.profile import union_ns
+
 GPU_PLANE_PREFIX = "/device:GPU"
 STREAM_LINE_PREFIX = "Stream"  # CUPTI names device lines "Stream #<id>(<activity kinds>)"
 
@@ -74,15 +76,6 @@ def loop_seconds(fn, args, *, iters: int = 30, repeats: int = 3, warmup: int = 3
   return statistics.median(per_call)
 
 
-def _union_ns(intervals) -> float:
-  total, end = 0.0, float("-inf")
-  for s, e in sorted(intervals):
-    if e > end:
-      total += e - max(s, end)
-      end = e
-  return total
-
-
 def stream_busy_ns(profile) -> float | None:
   """Busy nanoseconds on the GPU planes' stream lines of a trace, or None with no GPU plane.
 
@@ -102,7 +95,7 @@ def stream_busy_ns(profile) -> float | None:
     return None
   # Only this process's work is traced, so the idle GPUs' planes add nothing: sum them all
   # rather than guess which plane ordinal the benchmarked device has.
-  return sum(_union_ns((e.start_ns, e.start_ns + e.duration_ns) for e in line.events)
+  return sum(union_ns((e.start_ns, e.start_ns + e.duration_ns) for e in line.events)
              for plane in gpus for line in plane.lines
              if line.name.startswith(STREAM_LINE_PREFIX))
 

@@ -25,9 +25,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.flash_attention import hopper_config as hc
 
-_PARAMS = plgpu.CompilerParams(approx_math=True)
-_MESH = dict(num_threads=hc.COMPUTE_WGS + 1, thread_name="wg")
-
 
 def _recompute_p(s, lse2, visible, scale: float, lse_dim: int):
   """exp2(s * scale - lse) with masked entries 0 (selected, not multiplied: they may be inf)."""
@@ -175,8 +172,7 @@ def dkv(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse2_BHL, delta_BHL, do_BLH
       ],
       grid=(g, s // (hc.COMPUTE_WGS * bkv), b),
       grid_names=("kv_heads", "kv_seq", "batch"),
-      compiler_params=_PARAMS,
-      **_MESH,
+      **hc.KERNEL_ARGS,
   )(*args, lse2_BHL, delta_BHL, do_BLHK)
 
 
@@ -267,12 +263,8 @@ def dq(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse2_BHL, delta_BHL, do_BLHK
       plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == hc.COMPUTE_WGS)
-    def _memory():
-      plgpu.set_max_registers(40, action="decrease")
-      kv_head = lax.div(q_head, jnp.array(r, q_head.dtype))
-      hc.stream_kv(k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded), (k_consumed, v_consumed),
-                   (batch, kv_head), bkv, slots, stream_steps)
+    hc.stream_kv(wg, k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded),
+                 (k_consumed, v_consumed), batch, q_head, r, bkv, slots, stream_steps)
 
   args = [q_BLHK, k_BSGK, v_BSGK] + ([q_seg_BL, kv_seg_BS] if cfg.segments else [])
   return plgpu.kernel(
@@ -287,6 +279,5 @@ def dq(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse2_BHL, delta_BHL, do_BLHK
       ],
       grid=(h, n_tiles, b),
       grid_names=("heads", "q_seq", "batch"),
-      compiler_params=_PARAMS,
-      **_MESH,
+      **hc.KERNEL_ARGS,
   )(*args, lse2_BHL, delta_BHL, do_BLHK)

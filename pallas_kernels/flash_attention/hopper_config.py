@@ -25,6 +25,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2E = math.log2(math.e)
 COMPUTE_WGS = 2  # compute warpgroups per CUDA block; the memory warpgroup is the third
+# plgpu.kernel arguments every kernel shares: warpgroups as Pallas threads, exp2 / rcp approx.
+KERNEL_ARGS = dict(num_threads=COMPUTE_WGS + 1, thread_name="wg",
+                   compiler_params=plgpu.CompilerParams(approx_math=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,26 +169,30 @@ def when(cond, fn) -> None:
     pl.when(cond)(fn)
 
 
-def stream_kv(k_ref, v_ref, k_smem, v_smem, loaded, consumed, kv_index, block: int,
-              slots: int, steps) -> None:
-  """The memory warpgroup's loop: K / V blocks 0..steps-1 of k_ref / v_ref.at[kv_index]
-  ([S, K] views) into slot step % slots, each copy arriving on its `loaded` barrier; a slot
-  is refilled once both compute warpgroups arrived on its `consumed` barrier."""
+def stream_kv(wg, k_ref, v_ref, k_smem, v_smem, loaded, consumed, batch, q_head, r: int,
+              block: int, slots: int, steps) -> None:
+  """The memory warpgroup (wg == COMPUTE_WGS): K / V blocks 0..steps-1 of query head q_head's
+  kv head (q_head // r) into slot step % slots, each copy arriving on its `loaded` barrier; a
+  slot is refilled once both compute warpgroups arrived on its `consumed` barrier."""
   (k_loaded, v_loaded), (k_consumed, v_consumed) = loaded, consumed
-  batch, kv_head = kv_index
 
-  def load(step, slot, wait: bool):
-    idx = (batch, pl.ds(step * block, block), kv_head)
-    if wait:
-      plgpu.barrier_wait(k_consumed.at[slot])
-    plgpu.copy_gmem_to_smem(k_ref.at[idx], k_smem.at[slot], k_loaded.at[slot])
-    if wait:
-      plgpu.barrier_wait(v_consumed.at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[idx], v_smem.at[slot], v_loaded.at[slot])
+  @pl.when(wg == COMPUTE_WGS)
+  def _memory():
+    plgpu.set_max_registers(40, action="decrease")  # the compute warpgroups get the rest
+    kv_head = lax.div(q_head, jnp.array(r, q_head.dtype))
 
-  for i in range(slots):
-    when(i < steps, functools.partial(load, i, i, False))
+    def load(step, slot, wait: bool):
+      idx = (batch, pl.ds(step * block, block), kv_head)
+      if wait:
+        plgpu.barrier_wait(k_consumed.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[idx], k_smem.at[slot], k_loaded.at[slot])
+      if wait:
+        plgpu.barrier_wait(v_consumed.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[idx], v_smem.at[slot], v_loaded.at[slot])
 
-  @pl.loop(0, steps - slots)
-  def _refill(step):
-    load(step + slots, slot_of(step, slots), True)
+    for i in range(slots):
+      when(i < steps, functools.partial(load, i, i, False))
+
+    @pl.loop(0, steps - slots)
+    def _refill(step):
+      load(step + slots, slot_of(step, slots), True)

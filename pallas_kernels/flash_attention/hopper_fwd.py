@@ -153,12 +153,8 @@ def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: hc.Config):
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, q_head, pl.ds(q_base, bq)])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == hc.COMPUTE_WGS)
-    def _memory():
-      plgpu.set_max_registers(40, action="decrease")
-      kv_head = lax.div(q_head, jnp.array(r, q_head.dtype))
-      hc.stream_kv(k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded), (k_consumed, v_consumed),
-                   (batch, kv_head), bkv, slots, stream_steps)
+    hc.stream_kv(wg, k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded),
+                 (k_consumed, v_consumed), batch, q_head, r, bkv, slots, stream_steps)
 
   args = [q_BLHK, k_BSGK, v_BSGK] + ([q_seg_BL, kv_seg_BS] if cfg.segments else [])
   out, lse2 = plgpu.kernel(
@@ -175,8 +171,6 @@ def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: hc.Config):
       ],
       grid=(h, n_tiles, b),
       grid_names=("heads", "q_seq", "batch"),
-      num_threads=hc.COMPUTE_WGS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      **hc.KERNEL_ARGS,
   )(*args)
   return out, lse2
