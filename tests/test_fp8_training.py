@@ -76,13 +76,16 @@ def test_fp8_losses_and_scale_state_match_across_layouts(recipe, layout):
   losses, state = _train(layout, 4, recipe)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   assert jax.tree.structure(state) == jax.tree.structure(want_state)
-  # The same amaxes: maxima of the same tensors. The output gradient's to 1%: its elements pass
-  # through e5m2 (12.5% steps), where fp32 summation order can tip one element's rounding.
+  # The same amaxes: maxima of the same tensors, as close as fp32 summation order (layout,
+  # compiler) allows: weights to 1e-4; activations to 1% (they come out of FP8 products, where
+  # an order change can tip one element's e4m3 rounding, 6.25% steps: 0.14% seen); output
+  # gradients to 5% (through e5m2, 12.5% steps: 1.4% seen on 1 of 32 entries).
   for path, a in jax.tree_util.tree_leaves_with_path(state):
     b = want_state
     for k in path:
       b = b[k.key]
-    np.testing.assert_allclose(a, b, rtol=1e-2 if "g_amax" in str(path) else 1e-5,
+    rtol = {"g_amax": 5e-2, "x_amax": 1e-2}.get(str(path[-1].key), 1e-4)
+    np.testing.assert_allclose(a, b, rtol=rtol,
                                err_msg=jax.tree_util.keystr(path))
     steps = len(losses)  # every layer's x, w and g amax of every step recorded
     assert np.all(a[:, :steps] > 0) and np.all(a[:, steps:] == 0)
