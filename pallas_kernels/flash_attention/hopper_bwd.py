@@ -196,11 +196,7 @@ def dq(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse2_BHL, delta_BHL, do_BLHK
     q_loaded, do_loaded, k_loaded, v_loaded = loaded
     k_consumed, v_consumed = consumed
     batch, q_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    tile = n_tiles - 1 - lax.axis_index("q_seq")  # heaviest causal tiles first
-    if cfg.causal:
-      stream_steps = pl.cdiv((tile + 1) * (hc.COMPUTE_WGS * bq), jnp.array(bkv, jnp.int32))
-    else:
-      stream_steps = n_kv
+    tile, stream_steps = hc.q_tile(n_tiles, bq, bkv, n_kv, cfg.causal)
 
     @pl.when(wg < hc.COMPUTE_WGS)
     def _compute():
@@ -215,11 +211,7 @@ def dq(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse2_BHL, delta_BHL, do_BLHK
       q_seg = hc.row_vector(q_seg_ref.at[batch], q_base, bq) if cfg.segments else None
       plgpu.barrier_wait(q_loaded.at[wg])
       plgpu.barrier_wait(do_loaded.at[wg])
-      if cfg.causal:
-        kv_steps = pl.cdiv(q_base + bq, jnp.array(bkv, jnp.int32))
-        unmasked_steps = lax.div(q_base, jnp.array(bkv, jnp.int32))
-      else:
-        kv_steps = unmasked_steps = n_kv
+      kv_steps, unmasked_steps = hc.kv_range(q_base, bq, bkv, n_kv, cfg.causal)
 
       def kv_step(step, dq_acc, causal: bool):
         slot = hc.slot_of(step, slots)

@@ -154,6 +154,24 @@ def mask(shape, row_start, col_start, causal: bool, row_seg=None, col_seg=None,
   return visible
 
 
+def q_tile(n_tiles: int, block_q: int, block_kv: int, n_kv: int, causal: bool):
+  """(tile, stream_steps) of a CUDA block over query tiles of COMPUTE_WGS * block_q rows: its
+  tile (heaviest causal tiles launch first) and the K / V blocks its last row sees."""
+  tile = n_tiles - 1 - lax.axis_index("q_seq")
+  if not causal:
+    return tile, n_kv
+  return tile, pl.cdiv((tile + 1) * (COMPUTE_WGS * block_q), jnp.array(block_kv, jnp.int32))
+
+
+def kv_range(q_base, block_q: int, block_kv: int, n_kv: int, causal: bool):
+  """(kv_steps, unmasked_steps) of a warpgroup's block_q rows from q_base: the K / V blocks
+  they see, and how many of those lie fully below the diagonal (no causal mask)."""
+  if not causal:
+    return n_kv, n_kv
+  return (pl.cdiv(q_base + block_q, jnp.array(block_kv, jnp.int32)),
+          lax.div(q_base, jnp.array(block_kv, jnp.int32)))
+
+
 def slot_of(step, slots: int):
   """The shared-memory slot that holds stream step `step`."""
   return lax.rem(step, jnp.array(slots, step.dtype))

@@ -46,28 +46,18 @@ def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: hc.Config):
     k_consumed, v_consumed = consumed
     batch, q_head = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    # Heaviest causal tiles first: the last blocks launched are the short ones.
-    tile = n_tiles - 1 - lax.axis_index("q_seq")
+    tile, stream_steps = hc.q_tile(n_tiles, bq, bkv, n_kv, cfg.causal)
 
     def take_turn():  # the two compute warpgroups alternate on the tensor cores
       plgpu.barrier_arrive(schedule)
       plgpu.barrier_wait(schedule)
-
-    if cfg.causal:  # the K / V blocks this CUDA block's last query row sees
-      stream_steps = pl.cdiv((tile + 1) * (hc.COMPUTE_WGS * bq), jnp.array(bkv, jnp.int32))
-    else:
-      stream_steps = n_kv
 
     @pl.when(wg < hc.COMPUTE_WGS)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
       qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
       q_base = tile * (hc.COMPUTE_WGS * bq) + wg * bq
-      if cfg.causal:
-        kv_steps = pl.cdiv(q_base + bq, jnp.array(bkv, jnp.int32))
-        unmasked_steps = lax.div(q_base, jnp.array(bkv, jnp.int32))
-      else:
-        kv_steps = unmasked_steps = n_kv
+      kv_steps, unmasked_steps = hc.kv_range(q_base, bq, bkv, n_kv, cfg.causal)
       plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), q_head], qo_smem,
                               q_loaded.at[wg])
       q_seg = hc.row_vector(q_seg_ref.at[batch], q_base, bq) if cfg.segments else None
