@@ -24,12 +24,14 @@ ON_HOPPER = (jax.default_backend() == "gpu"
              and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
 
 
-def _fwd_bwd(causal, segments):
+def _fwd_bwd(causal, segments, with_dlse=False):
   def f(q, k, v, do, seg):
     fn = lambda q, k, v: hopper.flash_attention(q, k, v, causal=causal, segment_ids=seg,
                                                 return_lse=True)
     (out, lse), vjp = jax.vjp(fn, q, k, v)
-    return out, lse, vjp((do, jnp.zeros_like(lse)))
+    # An lse cotangent (ring attention's merge has one) exercises delta's dlse term.
+    dlse = jnp.cos(lse) if with_dlse else jnp.zeros_like(lse)
+    return out, lse, vjp((do, dlse))
   return f
 
 
@@ -107,11 +109,11 @@ def test_values_and_gradients_match_reference_on_hopper(causal, g, d, segments):
   q, do, k, v = normal(b, l, h, d), normal(b, l, h, d), normal(b, l, g, d), normal(b, l, g, d)
   seg = (jnp.asarray(np.searchsorted([37, 300], np.arange(l), side="right")[None]
                      .repeat(b, 0), jnp.int32) if segments else None)
-  out, lse, grads = jax.jit(_fwd_bwd(causal, segments))(q, k, v, do, seg)
+  out, lse, grads = jax.jit(_fwd_bwd(causal, segments, with_dlse=True))(q, k, v, do, seg)
   f32 = lambda x: x.astype(jnp.float32)
   ref = lambda q, k, v: reference(f32(q), f32(k), f32(v), causal=causal, segment_ids=seg)
   (ref_out, ref_lse), ref_vjp = jax.vjp(ref, q, k, v)
-  ref_grads = ref_vjp((f32(do), jnp.zeros_like(ref_lse)))
+  ref_grads = ref_vjp((f32(do), jnp.cos(ref_lse)))
   assert_close("out", out, ref_out, 2e-2)
   assert_close("lse", lse, ref_lse, 2e-2)
   for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):

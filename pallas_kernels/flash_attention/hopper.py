@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.flash_attention import hopper_bwd, hopper_config as hc, hopper_fwd
 from pallas_kernels.flash_attention.hopper_config import HopperBlocks, blocks_for
+from pallas_kernels.flash_attention.kernel import split_segments
 
 __all__ = ["HopperBlocks", "blocks_for", "check_shapes", "flash_attention"]
 
@@ -75,16 +76,10 @@ def flash_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, segment_ids=
   Returns:
     out [B, L, H, K] in q's dtype, or (out, lse) when return_lse.
   """
-  if isinstance(segment_ids, (tuple, list)):
-    q_seg, kv_seg = segment_ids
-  else:
-    q_seg = kv_seg = segment_ids
+  q_seg, kv_seg = split_segments(segment_ids)
   blocks = block_sizes or blocks_for(q_BLHK.shape[1], q_BLHK.shape[-1])
   hc.validate(q_BLHK, k_BSGK, v_BSGK, q_seg, kv_seg, causal, blocks)
-  if q_seg is not None:
-    q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
-  if sm_scale is None:
-    sm_scale = 1.0 / math.sqrt(q_BLHK.shape[-1])
+  sm_scale = 1.0 / math.sqrt(q_BLHK.shape[-1]) if sm_scale is None else sm_scale
   cfg = hc.Config(causal=causal, sm_scale=float(sm_scale), blocks=blocks,
                   segments=q_seg is not None)
   out, lse = _flash(q_BLHK, k_BSGK, v_BSGK, q_seg, kv_seg, cfg)

@@ -354,6 +354,18 @@ def check_shapes(q_shape, kv_shape, *, causal: bool = True,
   return _validate(q, k, v, None, None, causal, block_sizes)
 
 
+def split_segments(segment_ids):
+  """(q_seg, kv_seg) int32 from `segment_ids`: one [B, L] array shared by q and kv, a
+  (q_seg, kv_seg) pair, or None (no segments: (None, None))."""
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    q_seg, kv_seg = segment_ids
+  else:
+    q_seg = kv_seg = segment_ids
+  return jnp.asarray(q_seg).astype(jnp.int32), jnp.asarray(kv_seg).astype(jnp.int32)
+
+
 def flash_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, segment_ids=None,
                     sm_scale: float | None = None, block_sizes: BlockSizes = BlockSizes(),
                     interpret: bool = False, return_lse: bool = False):
@@ -374,15 +386,9 @@ def flash_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, segment_ids=
   Returns:
     out [B, L, H, Kv] in q's dtype, or (out, lse) when return_lse.
   """
-  if isinstance(segment_ids, (tuple, list)):
-    q_seg, kv_seg = segment_ids
-  else:
-    q_seg = kv_seg = segment_ids
+  q_seg, kv_seg = split_segments(segment_ids)
   blocks = _validate(q_BLHK, k_BSGK, v_BSGK, q_seg, kv_seg, causal, block_sizes)
-  if q_seg is not None:
-    q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
-  if sm_scale is None:
-    sm_scale = 1.0 / math.sqrt(q_BLHK.shape[-1])
+  sm_scale = 1.0 / math.sqrt(q_BLHK.shape[-1]) if sm_scale is None else sm_scale
   cfg = _Config(causal=causal, sm_scale=float(sm_scale), blocks=blocks, interpret=interpret)
   out, lse = _flash(q_BLHK, k_BSGK, v_BSGK, q_seg, kv_seg, cfg)
   return (out, lse) if return_lse else out
