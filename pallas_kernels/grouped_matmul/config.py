@@ -1,0 +1,184 @@
+"""Tile sizes, validation and shared pieces of the grouped matmul kernels (Mosaic GPU, Hopper).
+
+Both kernels are persistent and warp specialised the way JAX's `hopper_matmul_mgpu.py` is: one
+CUDA block per SM loops over output tiles; in each, one memory warpgroup streams the operands'
+K blocks through `max_concurrent_steps` shared-memory slots with TMA, and two compute
+warpgroups each own `tile_n` of the block's 2 * tile_n output columns (fp32 accumulators in
+registers, wgmma). Rows are sorted by group (an MoE's tokens by expert); group sizes are an
+input, so the tiling is decided on the device.
+
+In interpret mode (CPU, jax's Mosaic GPU interpreter) the same kernels run with two
+substitutions the interpreter needs: operands the GPU reads transposed out of shared memory
+(`plgpu.transpose_ref`) are transposed in HBM first, and register layouts are not annotated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+COMPUTE_WGS = 2  # compute warpgroups per CUDA block; the memory warpgroup is the third
+MEMORY_REGISTERS = 40  # per thread for the memory warpgroup; compute gets (512 - 40) / 2
+H100_SMS = 132  # persistent grid size when lowering without a GPU (AOT, tests)
+INTERPRET_SMS = 2  # CUDA blocks in interpret mode: enough to exercise the persistent loop
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmBlocks:
+  """Tiles of the grouped matmuls (hashable: a custom_vjp nondiff argument).
+
+  tile_m: rows per output tile (one group's rows; a tile across a group boundary is visited
+    once per group); tile_n: output columns per compute warpgroup (a CUDA block covers
+    2 * tile_n); tile_k: contraction per pipeline step; max_concurrent_steps: shared-memory
+    slots; grid_tile_width: output tiles walked in snake order in bands this wide (L2 reuse).
+  The dW kernel (`tgmm`) uses tile_m for its output rows (over K) and tile_k for the row
+  blocks it streams of each group.
+  """
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  max_concurrent_steps: int = 4
+  grid_tile_width: int = 8
+
+  def smem_bytes(self, itemsize: int = 2) -> int:
+    """Shared memory of the forward kernel: operand slots plus each warpgroup's output tile."""
+    slot = (self.tile_m * self.tile_k + self.tile_k * COMPUTE_WGS * self.tile_n) * itemsize
+    return self.max_concurrent_steps * slot + COMPUTE_WGS * self.tile_m * self.tile_n * itemsize
+
+
+# 128 x 256 per CUDA block (CUTLASS's Hopper GEMM shape: 128 fp32 accumulator registers per
+# thread); 3 slots of 48 KiB + 64 KiB of output staging fit the 227 KiB of shared memory.
+# A starting point, not yet tuned on a GPU: scripts/bench_moe.py --kernels sweeps it.
+DEFAULT = GmmBlocks(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=3)
+SMEM_LIMIT = 227 * 1024
+
+
+def fit(blocks: GmmBlocks, k: int, n: int) -> GmmBlocks:
+  """`blocks` with tile_n / tile_k halved (down to 64) until they divide n and k."""
+  tn, tk = blocks.tile_n, blocks.tile_k
+  while tn > 64 and n % (COMPUTE_WGS * tn):
+    tn //= 2
+  while tk > 64 and k % tk:
+    tk //= 2
+  return dataclasses.replace(blocks, tile_n=tn, tile_k=tk)
+
+
+def validate(lhs, rhs, group_sizes, blocks: GmmBlocks, transpose_rhs: bool = False) -> None:
+  """Raises ValueError naming what the grouped matmul kernels cannot run, before tracing."""
+  if lhs.ndim != 2 or rhs.ndim != 3:
+    raise ValueError(f"expected lhs [M, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}")
+  (m, k), (g, k2, n) = lhs.shape, rhs.shape
+  if transpose_rhs:
+    k2, n = n, k2
+  if k != k2:
+    raise ValueError(f"lhs {lhs.shape} and rhs {rhs.shape} disagree on the contraction size")
+  if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise ValueError(f"group_sizes must be int [{g}] (one per rhs group), got "
+                     f"{group_sizes.dtype}{list(group_sizes.shape)}")
+  if jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or (
+      lhs.dtype != rhs.dtype):
+    raise ValueError(f"the grouped matmul kernel takes bf16 or fp16 operands of one dtype, got "
+                     f"{lhs.dtype} and {rhs.dtype}: set model.dtype=bfloat16 or "
+                     f"model.moe.gemm=ragged_dot")
+  for name, size, tile in (("K", k, blocks.tile_k), ("N", n, COMPUTE_WGS * blocks.tile_n)):
+    if size % tile:
+      raise ValueError(f"{name}={size} is not a multiple of {tile} (the kernel's tiles): use "
+                       f"model.moe.gemm=ragged_dot for this width, or a width that is")
+  for name in ("tile_m", "tile_n", "tile_k"):
+    if getattr(blocks, name) % 64:
+      raise ValueError(f"GmmBlocks.{name}={getattr(blocks, name)} must be a multiple of 64 "
+                       f"(one wgmma tile, one 128-byte swizzled row)")
+  if blocks.max_concurrent_steps < 2:
+    raise ValueError(f"GmmBlocks.max_concurrent_steps={blocks.max_concurrent_steps} must be "
+                     f">= 2 (one slot loads while the other is multiplied)")
+  if blocks.smem_bytes(jnp.dtype(lhs.dtype).itemsize) > SMEM_LIMIT:
+    raise ValueError(f"{blocks} needs {blocks.smem_bytes() // 1024} KiB of shared memory, over "
+                     f"the H100's {SMEM_LIMIT // 1024}: lower max_concurrent_steps or the tiles")
+  del m
+
+
+def transforms(dtype):
+  """The shared-memory layout TMA and wgmma share: 8-row tiles, 128-byte swizzle."""
+  swizzle = 128
+  elems = swizzle // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def interpret_params():
+  """The Mosaic GPU interpreter's parameters (public from jax 0.11; jax 0.10 has them private)."""
+  params = getattr(plgpu, "InterpretParams", None)
+  if params is None:
+    from jax._src.pallas.mosaic_gpu.interpret import params as p  # pylint: disable=import-outside-toplevel
+    params = p.InterpretGPUParams
+  return params()
+
+
+def num_sms(interpret: bool) -> int:
+  """CUDA blocks of the persistent grid: one per SM of the GPU in use (H100's when lowering
+  without one)."""
+  if interpret:
+    return INTERPRET_SMS
+  dev = jax.devices()[0]
+  return int(getattr(dev, "core_count", 0) or H100_SMS) if dev.platform == "gpu" else H100_SMS
+
+
+def kernel_args(interpret: bool) -> dict:
+  """plgpu.kernel arguments both kernels share: persistent grid, warpgroups as threads, and
+  warpgroup lowering semantics (Mosaic GPU infers register layouts, as in JAX's Hopper matmul)."""
+  args = dict(grid=(num_sms(interpret),), grid_names=("sm",), num_threads=COMPUTE_WGS + 1,
+              thread_name="wg", compiler_params=plgpu.CompilerParams(
+                  lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  if interpret:
+    args["interpret"] = interpret_params()
+  return args
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTile:
+  """Which rows a visit of the row-grouped kernel owns: visit `v` of the grid covers row block
+  `block` for group `group`; rows [start, start + size) of it are the group's (size may be 0)."""
+  group: jax.Array
+  block: jax.Array
+  start: jax.Array  # within the block
+  size: jax.Array
+
+  @classmethod
+  def of(cls, sizes_ref, n_groups: int, tile: int, visit) -> "RowTile":
+    """Visits run group by group, block by block; a block that straddles a boundary is visited
+    once per group it holds (so there are at most cdiv(M, tile) + groups - 1 visits). Unrolled
+    over the groups (an MoE has few) with selects, as JAX's ragged_dot_mgpu does."""
+    zero = jnp.int32(0)
+    end = group = block = g_start = g_end = zero
+    for i in range(n_groups):
+      start, end = end, end + sizes_ref[i]
+      first_block = lax.div(start, jnp.int32(tile))
+      n_blocks = lax.div(end - 1, jnp.int32(tile)) + 1 - first_block
+      first_visit = first_block + i
+      mine = (first_visit <= visit) & (visit < first_visit + n_blocks)
+      block = lax.select(mine, visit - i, block)
+      group = lax.select(mine, jnp.int32(i), group)
+      g_start = lax.select(mine, start, g_start)
+      g_end = lax.select(mine, end, g_end)
+    row0 = block * tile
+    lo, hi = jnp.maximum(g_start, row0), jnp.minimum(g_end, row0 + tile)
+    return cls(group=group, block=block, start=lo - row0, size=jnp.maximum(hi - lo, 0))
+
+
+def store_rows(src_smem, dst_gmem, row0, start, size, max_rows: int) -> None:
+  """Copies rows [start, start + size) of src_smem to rows row0 + start.. of dst_gmem (size <=
+  max_rows, traced). TMA boxes are static, so the rows go out as a ladder of power-of-two boxes,
+  one per set bit of `size` (JAX's ragged_dot_mgpu)."""
+  rows = 1 << (max_rows.bit_length() - 1)
+  offset = start
+  while rows:
+    @pl.when(size & rows != 0)
+    def _store(rows=rows, offset=offset):
+      plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(offset, rows)],
+                              dst_gmem.at[pl.ds(row0 + offset, rows)])
+    offset = offset + (size & rows)
+    rows //= 2

@@ -1,0 +1,71 @@
+"""`grouped_matmul`: jax.lax.ragged_dot's contract on Hopper kernels, differentiable.
+
+out[rows of group i] = lhs[rows of group i] @ rhs[i], rows sorted by group, group sizes an
+input (an MoE's tokens sorted by expert). The backward is two more grouped products:
+dlhs = dout @ rhs[i]^T (the row-grouped kernel reading rhs transposed) and
+drhs[i] = lhs_i^T @ dout_i (the transposed kernel, `tgmm`), both in the operands' dtype with
+fp32 accumulation, as the forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+from pallas_kernels.grouped_matmul import config as C
+from pallas_kernels.grouped_matmul.gmm import gmm
+from pallas_kernels.grouped_matmul.tgmm import tgmm
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  blocks: C.GmmBlocks
+  interpret: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gmm(lhs, rhs, sizes, cfg: _Static):
+  k, n = rhs.shape[1:]
+  return gmm(lhs, rhs, sizes, blocks=C.fit(cfg.blocks, k, n), interpret=cfg.interpret)
+
+
+def _gmm_fwd(lhs, rhs, sizes, cfg):
+  return _gmm(lhs, rhs, sizes, cfg), (lhs, rhs, sizes)
+
+
+def _gmm_bwd(cfg, res, dout):
+  lhs, rhs, sizes = res
+  k, n = rhs.shape[1:]
+  dout = dout.astype(lhs.dtype)
+  dlhs = gmm(dout, rhs, sizes, blocks=C.fit(cfg.blocks, n, k), transpose_rhs=True,
+             interpret=cfg.interpret)
+  drhs = tgmm(lhs, dout, sizes, blocks=C.fit(cfg.blocks, 1 << 30, n), interpret=cfg.interpret)
+  return dlhs, drhs, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def check_shapes(lhs, rhs, group_sizes, blocks: C.GmmBlocks | None = None) -> None:
+  """Raises ValueError (naming the fix) unless the kernels can run these shapes, forward and
+  backward; `lhs`, `rhs`, `group_sizes` may be arrays or ShapeDtypeStructs."""
+  blocks = blocks or C.DEFAULT
+  C.validate(lhs, rhs, group_sizes, C.fit(blocks, *rhs.shape[1:]) if rhs.ndim == 3 else blocks)
+  k, n = rhs.shape[1:]
+  dout = jax.ShapeDtypeStruct((lhs.shape[0], n), lhs.dtype)
+  C.validate(dout, rhs, group_sizes, C.fit(blocks, n, k), transpose_rhs=True)
+  if k % blocks.tile_m:
+    raise ValueError(f"K={k} is not a multiple of tile_m={blocks.tile_m} (the weight "
+                     f"gradient's output rows): use model.moe.gemm=ragged_dot for this width")
+
+
+def grouped_matmul(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, *,
+                   blocks: C.GmmBlocks | None = None, interpret: bool = False) -> jax.Array:
+  """[M, N] = ragged_dot(lhs_MK, rhs_GKN, group_sizes_G) in lhs's dtype (bf16 / fp16), rows past
+  sum(group_sizes) zero; differentiable in lhs and rhs. `interpret`: run on CPU in JAX's
+  Mosaic GPU interpreter (tests). Shapes that do not tile raise ValueError (`check_shapes`)."""
+  blocks = blocks or C.DEFAULT
+  check_shapes(lhs_MK, rhs_GKN, group_sizes_G, blocks)
+  return _gmm(lhs_MK, rhs_GKN, group_sizes_G, _Static(blocks, interpret))
