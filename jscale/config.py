@@ -35,6 +35,9 @@ class MoeConfig:
   # dropless (sort + grouped matmul) | capacity (drop overflow)
   dispatch: Literal["dropless", "capacity"] = "dropless"
   capacity_factor: float = 1.25  # capacity: slots per expert = factor * tokens * top_k / experts
+  # dropless grouped matmul: auto (the Pallas kernel on Hopper where it tiles, else ragged_dot)
+  # | ragged_dot (XLA's) | pallas (Mosaic GPU kernel; model.kernel_interpret runs it on CPU)
+  gemm: Literal["auto", "ragged_dot", "pallas"] = "auto"
   aux_loss_weight: float = 0.01  # Switch load-balancing loss
   z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
   every: int = 1  # MoE in every k-th layer (layers k-1, 2k-1, ...), dense SwiGLU in the others

@@ -19,6 +19,7 @@ from jscale import validate
 from jscale.config import Config, ConfigError
 from jscale.parallel.context.order import Reorder
 from jscale.model import attention as attn_lib
+from jscale.model import moe_gemm as moe_gemm_lib
 from jscale.optim import make_optimizer
 from jscale.parallel.comms import Comms
 from jscale.parallel.manual import ManualComms
@@ -91,6 +92,25 @@ def pallas_kernels(cfg: Config, mesh: Mesh) -> tuple[str, str]:
   cc = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
   return attn_lib.pallas_backend((1, seq, m.n_heads, hd), (1, seq, m.n_kv_heads, hd),
                                  (1, seq, m.n_kv_heads, hd), m.dtype, True, cc)
+
+
+def moe_gemm(cfg: Config, mesh: Mesh) -> tuple[str, str]:
+  """Which grouped matmul an MoE's dropless experts run on `mesh`'s devices, and why
+  (`moe_gemm.auto_gemm` for model.moe.gemm=auto): "pallas", "ragged_dot", or "" (no MoE)."""
+  m = cfg.model
+  if m.moe is None:
+    return "", ""
+  if m.moe.dispatch != "dropless":
+    return "", "capacity dispatch: batched dense matmuls over slot buffers"
+  if cfg.parallel.collectives == "xla" and mesh.size > 1:
+    return "", "xla collectives on several devices: GShard slot buffers (dense batched matmuls)"
+  if m.moe.gemm != "auto":
+    return m.moe.gemm, f"model.moe.gemm={m.moe.gemm}"
+  if m.kernel_interpret:
+    return "ragged_dot", "model.kernel_interpret: auto keeps XLA's ragged_dot"
+  f = (m.moe.d_ff or m.d_ff) // mesh.shape["tensor"]
+  return moe_gemm_lib.auto_gemm(m.dtype, m.d_model, f, m.moe.n_experts // mesh.shape["expert"],
+                                moe_gemm_lib.compute_capability(mesh.devices.flat[0]))
 
 
 def _with_attention(cfg: Config, impl: str) -> Config:

@@ -46,6 +46,8 @@ def write_run_info(cfg: Config, rt: runtime.Runtime, requested_attention: str) -
           "devices": int(rt.mesh.size), "processes": jax.process_count(),
           "mesh": {k: int(v) for k, v in rt.mesh.shape.items()}, "jax": jax.__version__,
           "config": config_lib.to_dict(cfg)}
+  if cfg.model.moe is not None:
+    info["moe_gemm"], info["moe_gemm_why"] = runtime.moe_gemm(cfg, rt.mesh)
   os.makedirs(cfg.train.output_dir, exist_ok=True)
   path = os.path.join(cfg.train.output_dir, "run.json")
   with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -105,6 +107,9 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
     kernels, kernels_why = runtime.pallas_kernels(cfg, rt.mesh)
     if kernels:
       print(f"flash kernels: {kernels} ({kernels_why})", flush=True)
+    gemm, gemm_why = runtime.moe_gemm(cfg, rt.mesh)
+    if cfg.model.moe is not None:
+      print(f"moe experts: {gemm or 'slot buffers'} ({gemm_why})", flush=True)
   write_run_info(cfg, rt, requested)
   reorder = rt.reorder()  # context parallelism's token order, applied once at load
   train_iter = make_train_iterator(cfg.data, t.seq_len, t.batch_size, pi, pc, reorder)

@@ -185,6 +185,8 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
     _check_pipeline(cfg, sizes)
   if cfg.model.moe is not None or sizes["expert"] > 1:
     _check_experts(cfg, sizes)
+  if cfg.model.moe is not None and cfg.model.moe.gemm == "pallas":
+    check_moe_gemm(cfg, sizes, mesh.devices.flat[0])
 
 
 def check_backend(cfg: Config, backend: str) -> None:
@@ -200,6 +202,28 @@ def check_backend(cfg: Config, backend: str) -> None:
       fix = (f"Pallas kernels here compile for GPUs (Triton); use {key}=xla, or set "
              "model.kernel_interpret=true to run it in the (slow) Pallas interpreter")
     raise ConfigError(f"{key}={impl} cannot run on backend {backend!r}: {fix}")
+  if m.moe is not None and m.moe.gemm == "pallas" and backend != "gpu" and not m.kernel_interpret:
+    raise ConfigError(f"model.moe.gemm=pallas cannot run on backend {backend!r}: the grouped "
+                      "matmul kernel compiles for Hopper GPUs; use model.moe.gemm=ragged_dot "
+                      "(or auto), or set model.kernel_interpret=true to run it in the (slow) "
+                      "Mosaic GPU interpreter")
+
+
+def check_moe_gemm(cfg: Config, sizes: dict[str, int], device=None) -> None:
+  """model.moe.gemm=pallas: a Hopper GPU (or the interpreter), and the kernel tiles each
+  device's expert matmuls (bf16 / fp16, widths that divide into its tiles; the expert hidden
+  dim is split over mesh.tensor)."""
+  from jscale.model import moe_gemm  # pylint: disable=import-outside-toplevel
+  m = cfg.model
+  cc = moe_gemm.compute_capability(device) if device is not None else None
+  if device is not None and device.platform == "gpu" and not str(cc).startswith("9"):
+    raise ConfigError(f"model.moe.gemm=pallas needs a Hopper GPU (compute capability 9.x), "
+                      f"this is {cc}: use model.moe.gemm=auto or ragged_dot")
+  f = (m.moe.d_ff or m.d_ff) // sizes["tensor"]
+  why_not = moe_gemm.kernel_fits(m.dtype, m.d_model, f, m.moe.n_experts // sizes["expert"])
+  if why_not is not None:
+    raise ConfigError(f"model.moe.gemm=pallas cannot run this MoE (model.d_model={m.d_model}, "
+                      f"expert width {f} per device, model.dtype={m.dtype}): {why_not}")
 
 
 def check_flash_attention(cfg: Config, sizes: dict[str, int]) -> None:

@@ -120,3 +120,20 @@ def test_compiled_on_hopper(case):
   for name, got, ref in zip(("out", "dlhs", "drhs"), (out, *vjp(dout)),
                             (want, *ref_vjp(f32(dout)))):
     assert_close(name, got, ref, 1e-2)
+
+
+def test_benchmark_script_runs_its_kernel_table_on_cpu(tmp_path):
+  # The GPU benchmark's plumbing (interpreted kernel, ragged_dot, dense; timings meaningless).
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "bench_moe_gpu.md"
+  proc = subprocess.run([sys.executable, "scripts/bench_moe_gpu.py", "--quick", "--part",
+                         "kernels", "--out", str(out)], cwd=root, capture_output=True,
+                        text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  table = (tmp_path / "bench_moe_gpu_kernels.md").read_text()
+  for impl in ("pallas default", "ragged_dot", "dense (same FLOPs)"):
+    assert f"| {impl} |" in table
+  assert "failed" not in table

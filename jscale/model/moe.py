@@ -2,11 +2,12 @@
 an always-on shared expert, plus the router's load-balancing and z losses.
 
 Tokens are routed in groups (`Seam.expert_groups`: one per batch shard), and the experts run
-through the model's seam (`Seam.experts`): without a mesh (`LOCAL`) and in manual mode the
-dropless path sorts assignments and runs grouped matmuls; in manual mode with `mesh.expert` > 1
-the rows go to the devices holding their experts by all-to-all; in xla mode (any mesh, even one
-device) the dispatch is a GShard slot buffer (dropless: one slot per token and expert) whose
-expert dim XLA reshards over `expert`.
+through the model's seam (`Seam.experts`): without a mesh (`LOCAL`), on one device and in
+manual mode the dropless path sorts assignments and runs grouped matmuls (`model.moe.gemm`:
+ragged_dot or the Hopper Pallas kernel, `moe_gemm`); in manual mode with `mesh.expert` > 1 the
+rows go to the devices holding their experts by all-to-all; in xla mode on several devices the
+dispatch is a GShard slot buffer (dropless: one slot per token and expert) whose expert dim XLA
+reshards over `expert`.
 
 Shape suffixes: B batch, L sequence, D model, F expert hidden, E experts, K experts per token,
 G token groups, T tokens per group.
@@ -20,7 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jscale.config import ModelConfig
-from jscale.model import matmul
+from jscale.model import matmul, moe_gemm
 from jscale.model.layers import einsum, param
 from jscale.model.moe_dispatch import ExpertWeights
 from jscale.model.seam import GATHERED, Seam
@@ -80,6 +81,7 @@ class MoE(nnx.Module):
       self.shared_gate_dot, self.shared_up_dot, self.shared_down_dot = (
           matmul.for_linear(dot_general, n) for n in ("shared_gate", "shared_up", "shared_down"))
     self.cfg, self.dtype = m, cfg.dtype
+    self.kernel_interpret = cfg.kernel_interpret
 
   def __call__(self, h_BLD: jax.Array, comms: Seam) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`h_BLD`: the normed input (inside the tensor-parallel region). Returns the experts'
@@ -95,8 +97,10 @@ class MoE(nnx.Module):
     # Cast in the seam's view (not saved by remat policies, like the dense layers' weights).
     w = ExpertWeights(*(checkpoint_name(x[...].astype(self.dtype), GATHERED)
                         for x in (self.w_gate, self.w_up, self.w_down)))
+    e, d, f = self.w_gate.shape  # this device's (under manual tensor parallelism: its slice)
+    grouped = moe_gemm.for_model(self.cfg.gemm, self.dtype, d, f, e, self.kernel_interpret)
     y_GTD, dropped = comms.experts(h_GTD, ids_GTK, comms.expert_gates(gates_GTK), w, self.cfg,
-                                   self.dtype)
+                                   self.dtype, grouped)
     n = comms.token_sum(jnp.asarray(b * l * self.cfg.top_k, jnp.float32))
     stats["dropped_fraction"] = comms.token_sum(dropped.astype(jnp.float32)) / n
     y_BLD = checkpoint_name(y_GTD.reshape(b, l, d), "moe_out")

@@ -19,8 +19,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jscale.model import matmul
+from jscale.model.moe_gemm import GroupedDot
 
 
 class ExpertWeights(NamedTuple):
@@ -36,10 +38,11 @@ def capacity(tokens: int, k: int, n_experts: int, factor: float) -> int:
   return max(1, min(tokens, math.ceil(factor * tokens * k / n_experts)))
 
 
-def ragged_ffn(x_AD: jax.Array, sizes_E: jax.Array, w: ExpertWeights, dtype) -> jax.Array:
+def ragged_ffn(x_AD: jax.Array, sizes_E: jax.Array, w: ExpertWeights, dtype,
+               gemm: GroupedDot = GroupedDot()) -> jax.Array:
   """SwiGLU of rows sorted by expert (`sizes_E` rows each, in order); rows past sum(sizes_E)
   come out zero. Operands and result in `dtype` (so are the backward's: `jscale.model.matmul`)."""
-  dot = lambda x, m: jax.lax.ragged_dot(x.astype(dtype), m.astype(dtype), sizes_E)
+  dot = lambda x, m: gemm(x, m, sizes_E, dtype)
   h_AF = jax.nn.silu(dot(x_AD, w.gate_EDF)) * dot(x_AD, w.up_EDF)
   return dot(h_AF, w.down_EFD)
 
@@ -52,34 +55,73 @@ def dense_ffn(x_ECD: jax.Array, w: ExpertWeights, dtype) -> jax.Array:
   return dot("ECF,EFD->ECD", h_ECF, w.down_EFD)
 
 
+@jax.custom_vjp
+def permute(x_AD: jax.Array, perm_A: jax.Array, inverse_A: jax.Array) -> jax.Array:
+  """x_AD[perm_A] for a permutation perm_A with inverse inverse_A: its transpose is the gather
+  g[inverse_A] (XLA would otherwise transpose a gather into a scatter-add)."""
+  return x_AD[perm_A]
+
+
+def _permute_fwd(x, perm, inverse):
+  return x[perm], (perm, inverse)
+
+
+def _permute_bwd(res, g):
+  perm, inverse = res
+  zero = lambda i: np.zeros(i.shape, jax.dtypes.float0)
+  return g[inverse], zero(perm), zero(inverse)
+
+
+permute.defvjp(_permute_fwd, _permute_bwd)
+
+
 class Sorted(NamedTuple):
-  """The assignments sorted by expert: source token, gate and expert of each row."""
-  token_A: jax.Array
-  gate_A: jax.Array
-  expert_A: jax.Array
+  """The T·K assignments (a = token · K + choice) sorted by expert: sorted row r holds
+  assignment order_A[r]; assignment a sits at row rank_A[a]."""
+  order_A: jax.Array
+  rank_A: jax.Array
+  expert_A: jax.Array  # by sorted row
   sizes_E: jax.Array
 
+  @property
+  def token_A(self) -> jax.Array:
+    """The source token of each sorted row."""
+    return self.order_A // self.k
 
-def sort_by_expert(ids_TK: jax.Array, gates_TK: jax.Array, n_experts: int) -> Sorted:
+  k: int = 1  # experts per token
+
+
+def sort_by_expert(ids_TK: jax.Array, n_experts: int) -> Sorted:
   """Stable sort of the T·K assignments by expert (ties keep token order)."""
   k = ids_TK.shape[1]
   flat_A = ids_TK.reshape(-1)
-  order_A = jnp.argsort(flat_A, stable=True)
+  order_A = jnp.argsort(flat_A, stable=True).astype(jnp.int32)
+  rank_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0], dtype=jnp.int32))
   sizes_E = jnp.zeros((n_experts,), jnp.int32).at[flat_A].add(1)
-  return Sorted(order_A // k, gates_TK.reshape(-1)[order_A], flat_A[order_A], sizes_E)
+  return Sorted(order_A, rank_A, flat_A[order_A], sizes_E, k)
 
 
-def combine_sorted(out_AD: jax.Array, s: Sorted, n_tokens: int) -> jax.Array:
-  """Σ_k gate · expert output back onto the tokens (fp32 sum, in `out_AD`'s dtype)."""
-  y_TD = jnp.zeros((n_tokens, out_AD.shape[-1]), jnp.float32)
-  y_TD = y_TD.at[s.token_A].add(out_AD.astype(jnp.float32) * s.gate_A[:, None])
+def dispatch_sorted(x_TD: jax.Array, s: Sorted) -> jax.Array:
+  """[T·K, D]: each token's copy for each of its experts, in sorted order (gathers only)."""
+  t, d = x_TD.shape
+  copies_AD = jnp.broadcast_to(x_TD[:, None], (t, s.k, d)).reshape(t * s.k, d)
+  return permute(copies_AD, s.order_A, s.rank_A)
+
+
+def combine_sorted(out_AD: jax.Array, s: Sorted, gate_TK: jax.Array) -> jax.Array:
+  """Σ_k gate · expert output back onto the tokens: a gather into [T, K, D] and an fp32
+  weighted sum over K (elementwise, fused), in `out_AD`'s dtype."""
+  out_TKD = permute(out_AD, s.rank_A, s.order_A).reshape(*gate_TK.shape, -1)
+  y_TD = jnp.sum(out_TKD.astype(jnp.float32) * gate_TK[..., None], axis=1)
   return y_TD.astype(out_AD.dtype)
 
 
-def dropless(x_TD: jax.Array, ids_TK, gates_TK, w: ExpertWeights, dtype) -> jax.Array:
+def dropless(x_TD: jax.Array, ids_TK, gates_TK, w: ExpertWeights, dtype,
+             gemm: GroupedDot = GroupedDot()) -> jax.Array:
   """All experts on this group's tokens, nothing dropped."""
-  s = sort_by_expert(ids_TK, gates_TK, w.gate_EDF.shape[0])
-  return combine_sorted(ragged_ffn(x_TD[s.token_A], s.sizes_E, w, dtype), s, x_TD.shape[0])
+  s = sort_by_expert(ids_TK, w.gate_EDF.shape[0])
+  out_AD = ragged_ffn(dispatch_sorted(x_TD.astype(dtype), s), s.sizes_E, w, dtype, gemm)
+  return combine_sorted(out_AD, s, gates_TK)
 
 
 def slots(ids_TK: jax.Array, n_experts: int) -> jax.Array:

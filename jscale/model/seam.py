@@ -149,13 +149,15 @@ class Seam:
     return gates_GTK
 
   def experts(self, x_GTD: jax.Array, ids_GTK: jax.Array, gates_GTK: jax.Array,
-              w: moe_dispatch.ExpertWeights, moe: Any, dtype: Any):
+              w: moe_dispatch.ExpertWeights, moe: Any, dtype: Any,
+              gemm: moe_dispatch.GroupedDot = moe_dispatch.GroupedDot()):
     """Applies each token's chosen experts, weighted by its gates, per group:
-    (output [G, T, D], number of dropped assignments). `moe`: the model's MoeConfig."""
+    (output [G, T, D], number of dropped assignments). `moe`: the model's MoeConfig; `gemm`:
+    the dropless grouped matmul (`moe_gemm`)."""
     outs, dropped = [], 0
     for g in range(x_GTD.shape[0]):
       if moe.dispatch == "dropless":
-        outs.append(moe_dispatch.dropless(x_GTD[g], ids_GTK[g], gates_GTK[g], w, dtype))
+        outs.append(moe_dispatch.dropless(x_GTD[g], ids_GTK[g], gates_GTK[g], w, dtype, gemm))
       else:
         y, d = moe_dispatch.with_capacity(x_GTD[g], ids_GTK[g], gates_GTK[g], w, dtype,
                                           moe.capacity_factor)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jscale.model import moe_dispatch as md
+from jscale.model.moe_gemm import GroupedDot
 from jscale.parallel import tensor
 
 
@@ -68,13 +69,14 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
 
 
 def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis: str,
-                      n_ep: int, native_ragged: bool = False):
+                      n_ep: int, native_ragged: bool = False, gemm: GroupedDot = GroupedDot()):
   """Dropless experts over `axis`: output [T, D] (nothing is dropped). `native_ragged`: use
-  the backend's ragged_all_to_all (GPU), else its padded emulation."""
+  the backend's ragged_all_to_all (GPU), else its padded emulation. `gemm`: the grouped
+  matmul of the received rows."""
   e_l = w.gate_EDF.shape[0]
   t, k = ids_TK.shape
   d = x_TD.shape[1]
-  s = md.sort_by_expert(ids_TK, gates_TK, e_l * n_ep)
+  s = md.sort_by_expert(ids_TK, e_l * n_ep)
   rows = t * min(k, e_l)  # the most rows one device can be sent by this one
   # Sorted rows are contiguous per destination device: block j starts at start_N[j].
   per_dev_N = s.sizes_E.reshape(n_ep, e_l).sum(axis=1)
@@ -88,18 +90,18 @@ def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis: 
   exchange = lambda x, in_off, send, recv: ragged_all_to_all(
       x, jnp.zeros((n_ep * rows, d), x.dtype), in_off, send, mine_N, recv, axis, rows,
       native_ragged)
-  recv_RD = exchange(x_TD.astype(dtype)[s.token_A], start_N, per_dev_N, recv_N)
+  recv_RD = exchange(md.dispatch_sorted(x_TD.astype(dtype), s), start_N, per_dev_N, recv_N)
   # Each source's block is sorted by local expert; padding rows get expert e_l (last).
   i_R = jnp.arange(rows)
   local_NR = jax.vmap(lambda c: jnp.searchsorted(c, i_R, side="right"))(jnp.cumsum(sizes_NE, 1))
   order = jnp.argsort(local_NR.reshape(-1), stable=True)
-  out = md.ragged_ffn(recv_RD[order], sizes_NE.sum(0), w, dtype)
+  out = md.ragged_ffn(recv_RD[order], sizes_NE.sum(0), w, dtype, gemm)
   out_RD = jnp.zeros_like(out).at[order].set(out)
   back_NRD = exchange(out_RD, block_N, recv_N, per_dev_N).reshape(n_ep, rows, d)
   # Sorted assignment r went to device j = expert // e_l as row r - start_N[j].
   dev_A = s.expert_A // e_l
   out_AD = back_NRD[dev_A, jnp.arange(t * k) - start_N[dev_A]]
-  return md.combine_sorted(out_AD, s, t)
+  return md.combine_sorted(out_AD, s, gates_TK)
 
 
 class XlaExpert:
@@ -109,7 +111,11 @@ class XlaExpert:
     size = self.layouts.mesh.shape
     return math.prod(size[a] for a in self.layouts.rules["batch"])
 
-  def experts(self, x_GTD, ids_GTK, gates_GTK, w, moe, dtype):
+  def experts(self, x_GTD, ids_GTK, gates_GTK, w, moe, dtype, gemm=GroupedDot()):
+    if moe.dispatch == "dropless" and self.layouts.mesh.size == 1:
+      # One device: nothing to constrain, so the sorted grouped matmul (E / K times fewer
+      # products than the slot buffer below, whose dropless C = T).
+      return super().experts(x_GTD, ids_GTK, gates_GTK, w, moe, dtype, gemm)
     # GShard: a per-group [E, C, D] slot buffer (dropless: C = T, so nothing overflows); the
     # constraint moving its expert dim onto `expert` (and groups off it) is an all-to-all.
     rules = self.layouts.rules
@@ -146,14 +152,14 @@ class ManualExpert:
   def expert_gates(self, gates_GTK: jax.Array) -> jax.Array:
     return tensor.copy_to_tp(gates_GTK, "tensor") if self.tp > 1 else gates_GTK
 
-  def experts(self, x_GTD, ids_GTK, gates_GTK, w, moe, dtype):
+  def experts(self, x_GTD, ids_GTK, gates_GTK, w, moe, dtype, gemm=GroupedDot()):
     n_ep = self.mesh.shape["expert"]
     if n_ep == 1:
-      return super().experts(x_GTD, ids_GTK, gates_GTK, w, moe, dtype)
+      return super().experts(x_GTD, ids_GTK, gates_GTK, w, moe, dtype, gemm)
     if moe.dispatch == "dropless":
       gpu = self.mesh.devices.flat[0].platform == "gpu"  # native ragged_all_to_all there
       y_TD = dropless_exchange(x_GTD[0], ids_GTK[0], gates_GTK[0], w, dtype, "expert", n_ep,
-                               native_ragged=gpu)
+                               native_ragged=gpu, gemm=gemm)
       return y_TD[None], jnp.zeros((), jnp.int32)
     y_TD, dropped = capacity_exchange(x_GTD[0], ids_GTK[0], gates_GTK[0], w, dtype,
                                       moe.capacity_factor, "expert", n_ep)

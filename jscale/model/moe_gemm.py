@@ -1,0 +1,73 @@
+"""Which grouped matmul runs an MoE's experts (`model.moe.gemm`), and the call itself.
+
+  * ragged_dot: `jax.lax.ragged_dot` (XLA's grouped matmul; any backend, any dtype).
+  * pallas: the Hopper Mosaic GPU kernels (`pallas_kernels.grouped_matmul`): persistent, warp
+    specialised, tiles that never mix two experts' weights; bf16 / fp16, widths that tile.
+    With model.kernel_interpret they run in JAX's Mosaic GPU interpreter (CPU tests).
+  * auto: pallas on compute capability 9.x where it tiles the experts, ragged_dot elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+GEMMS = ("auto", "ragged_dot", "pallas")
+
+
+def compute_capability(device: jax.Device | None = None) -> str | None:
+  """The GPU's compute capability ("9.0"), None off GPU."""
+  dev = device or jax.devices()[0]
+  return getattr(dev, "compute_capability", None) if dev.platform == "gpu" else None
+
+
+def kernel_fits(dtype, d_model: int, d_ff: int, n_experts: int) -> str | None:
+  """None if the Pallas kernels tile this MoE's expert matmuls (gate / up: d_model -> d_ff,
+  down: d_ff -> d_model; forward and backward), else why not (naming the fix)."""
+  from pallas_kernels import grouped_matmul as gm  # pylint: disable=import-outside-toplevel
+  s = jax.ShapeDtypeStruct
+  sizes = s((n_experts,), jnp.int32)
+  try:
+    for k, n in ((d_model, d_ff), (d_ff, d_model)):
+      gm.check_shapes(s((256, k), dtype), s((n_experts, k, n), dtype), sizes)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+def auto_gemm(dtype, d_model: int, d_ff: int, n_experts: int,
+              cc: str | None) -> tuple[str, str]:
+  """(impl, why) that `model.moe.gemm: auto` runs on a device of compute capability `cc`."""
+  if cc is None or not str(cc).startswith("9"):
+    return "ragged_dot", f"compute capability {cc}: the Pallas grouped matmul is for Hopper"
+  why_not = kernel_fits(dtype, d_model, d_ff, n_experts)
+  if why_not is not None:
+    return "ragged_dot", why_not
+  return "pallas", f"Hopper (sm_{str(cc).replace('.', '')}): Mosaic GPU grouped matmul"
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedDot:
+  """The experts' grouped matmul: rows sorted by expert (sizes_E each), weights [E, K, N]."""
+  impl: str = "ragged_dot"  # ragged_dot | pallas (resolved: never auto)
+  interpret: bool = False
+
+  def __call__(self, x_AK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array,
+               dtype) -> jax.Array:
+    """[A, N] in `dtype` (so are the backward's products); rows past sum(sizes_E) zero."""
+    x, w = x_AK.astype(dtype), w_EKN.astype(dtype)
+    if self.impl == "pallas":
+      from pallas_kernels.grouped_matmul import grouped_matmul  # pylint: disable=import-outside-toplevel
+      return grouped_matmul(x, w, sizes_E, interpret=self.interpret)
+    return jax.lax.ragged_dot(x, w, sizes_E)
+
+
+def for_model(gemm: str, dtype, d_model: int, d_ff: int, n_experts: int,
+              interpret: bool = False) -> GroupedDot:
+  """The GroupedDot `model.moe.gemm` asks for (auto: decided for this process's devices)."""
+  if gemm == "auto":
+    gemm = "ragged_dot" if interpret else auto_gemm(dtype, d_model, d_ff, n_experts,
+                                                    compute_capability())[0]
+  return GroupedDot(gemm, interpret and gemm == "pallas")

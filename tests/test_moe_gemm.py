@@ -1,0 +1,108 @@
+"""`model.moe.gemm`: the Hopper grouped matmul kernel inside the MoE layer (interpreted on CPU)
+against ragged_dot, what `auto` picks and why, bad choices refused before compile, and the
+dispatch's data movement (gathers both ways: no scatter-add of token rows in the step)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from close import assert_close
+from conftest import small_config
+from jscale import runtime
+from jscale.config import ConfigError
+from jscale.model import moe_dispatch as md
+from jscale.model import moe_gemm
+from jscale.model.moe_gemm import GroupedDot
+
+E, D, F, T, K = 4, 128, 128, 64, 2
+
+
+def _inputs(dtype=jnp.bfloat16, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 5)
+  x = jax.random.normal(keys[0], (T, D), jnp.float32).astype(dtype)
+  w = md.ExpertWeights(*(jax.random.normal(k, s, jnp.float32) / np.sqrt(s[1])
+                         for k, s in zip(keys[1:4], ((E, D, F), (E, D, F), (E, F, D)))))
+  # Skewed routing: expert 3 never chosen (an empty group), expert 0 most.
+  logits = jax.random.normal(keys[4], (T, E)) + jnp.array([2.0, 1.0, 0.5, -1e9])
+  top, ids = jax.lax.top_k(jax.nn.softmax(logits), K)
+  return x, ids, top / top.sum(-1, keepdims=True), w
+
+
+def test_pallas_experts_match_ragged_dot_values_and_gradients():
+  x, ids, gates, w = _inputs()
+  assert not np.any(np.asarray(ids) == 3)
+
+  def loss(gemm):
+    def f(x, gates, w):
+      y = md.dropless(x, ids, gates, w, jnp.bfloat16, gemm)
+      return jnp.sum(jnp.sin(y.astype(jnp.float32))), y
+    return jax.jit(jax.value_and_grad(f, (0, 1, 2), has_aux=True))
+
+  (_, y), grads = loss(GroupedDot("pallas", interpret=True))(x, gates, w)
+  (_, y_ref), grads_ref = loss(GroupedDot("ragged_dot"))(x, gates, w)
+  assert_close("y", y, y_ref, 2e-2)
+  for name, g, r in zip(("dx", "dgates", "dw_gate", "dw_up", "dw_down"),
+                        jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+    assert_close(name, g, r, 3e-2)
+  assert not np.any(np.asarray(grads[2].gate_EDF[3]))  # the unchosen expert's weights: zero
+
+
+def test_dispatch_moves_rows_by_gathers_only():
+  # The permutation into expert order and back are gathers with gather transposes: the only
+  # scatters left in the differentiated step are of int32 indices (the sort's inverse and the
+  # group sizes), never of [tokens, D] activations or their fp32 sum.
+  x, ids, gates, w = _inputs(jnp.float32)
+  f = lambda x, g, w: jnp.sum(md.dropless(x, ids, g, w, jnp.bfloat16).astype(jnp.float32))
+  text = jax.jit(jax.grad(f, (0, 1, 2))).lower(x, gates, w).as_text()
+  scatters = re.findall(r'"stablehlo.scatter".*?\}\) : \(tensor<([^>]*)>', text, re.S)
+  assert scatters and all(s.endswith("i32") for s in scatters), scatters
+
+
+def test_auto_picks_the_kernel_on_hopper_where_it_tiles():
+  assert moe_gemm.auto_gemm(jnp.bfloat16, 2048, 2048, 8, "9.0") == (
+      "pallas", "Hopper (sm_90): Mosaic GPU grouped matmul")
+  impl, why = moe_gemm.auto_gemm(jnp.bfloat16, 2048, 2048, 8, "8.0")
+  assert impl == "ragged_dot" and "for Hopper" in why
+  impl, why = moe_gemm.auto_gemm(jnp.float32, 2048, 2048, 8, "9.0")
+  assert impl == "ragged_dot" and "bf16 or fp16" in why
+  impl, why = moe_gemm.auto_gemm(jnp.bfloat16, 2048, 96, 8, "9.0")
+  assert impl == "ragged_dot" and "not a multiple" in why
+  assert moe_gemm.for_model("auto", jnp.bfloat16, 2048, 2048, 8) == GroupedDot("ragged_dot")
+
+
+MOE = ("model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.d_ff=128", "mesh.data=1")
+
+
+def test_runtime_reports_what_the_experts_run():
+  cfg = small_config(None, *MOE)
+  rt = runtime.build(cfg, jax.devices()[:1])
+  impl, why = runtime.moe_gemm(rt.cfg, rt.mesh)
+  assert impl == "ragged_dot" and "compute capability None" in why
+  cfg = small_config(None, *MOE, "model.moe.dispatch=capacity")
+  assert runtime.moe_gemm(cfg, rt.mesh)[0] == ""
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (("model.moe.gemm=pallas",), r"model.moe.gemm=pallas cannot run on backend 'cpu'"),
+    (("model.moe.gemm=pallas", "model.kernel_interpret=true"),
+     r"model.moe.gemm=pallas cannot run this MoE .*model.dtype=float32.*bf16 or fp16"),
+    (("model.moe.gemm=pallas", "model.kernel_interpret=true", "model.dtype=bfloat16",
+      "model.moe.d_ff=96"), r"expert width 96 per device.*not a multiple"),
+])
+def test_bad_gemm_choices_fail_before_compile(overrides, match):
+  with pytest.raises(ConfigError, match=match):
+    runtime.build(small_config(None, *MOE, *overrides), jax.devices()[:1])
+
+
+def test_one_device_xla_mode_runs_the_sorted_grouped_matmul():
+  # No GShard slot buffer (dropless C = T: E / K times the products) on a single device.
+  cfg = small_config(None, *MOE, "parallel.collectives=xla")
+  rt = runtime.build(cfg, jax.devices()[:1])
+  from jscale.analysis import introspect  # pylint: disable=import-outside-toplevel
+  text = rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(rt.cfg)).as_text()
+  t, d = cfg.train.batch_size * cfg.train.seq_len, cfg.model.d_model
+  assert "stablehlo.sort" in text  # the assignments sorted by expert
+  assert f"x{E}x{t}x{d}x" not in text and f"<{E}x{t}x{d}x" not in text  # no [G, E, C = T, D]
