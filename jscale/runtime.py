@@ -102,8 +102,8 @@ def moe_gemm(cfg: Config, mesh: Mesh) -> tuple[str, str]:
     return "", ""
   if m.moe.dispatch != "dropless":
     return "", "capacity dispatch: batched dense matmuls over slot buffers"
-  if cfg.parallel.collectives == "xla" and mesh.size > 1:
-    return "", "xla collectives on several devices: GShard slot buffers (dense batched matmuls)"
+  if cfg.parallel.collectives == "xla" and (mesh.shape["expert"] > 1 or mesh.shape["tensor"] > 1):
+    return "", "xla collectives, experts split: GShard slot buffers (dense batched matmuls)"
   if m.moe.gemm != "auto":
     return m.moe.gemm, f"model.moe.gemm={m.moe.gemm}"
   if m.kernel_interpret:

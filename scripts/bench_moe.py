@@ -11,6 +11,9 @@ sweep (throughput, compiled memory per device, and the collectives of the compil
    memory per device (expert weights and their optimizer state are split over `expert`), and
    per-step collective counts and bytes from the compiled HLO (`jscale.analysis.hlo.summary`).
 
+On a GPU, dropless at scale (the grouped matmul kernel, capacity, dense at equal active
+parameters, tokens/s and MFU) is scripts/bench_moe_gpu.py.
+
 On CPU the devices are simulated (--xla_force_host_platform_device_count) and share the
 machine's cores, so tokens/s tracks the total work of all devices, not parallel speed. Writes
 <out>/bench_moe.md, <out>/bench_moe.csv and <out>/bench_moe.png, and prints the markdown.

@@ -106,3 +106,20 @@ def test_one_device_xla_mode_runs_the_sorted_grouped_matmul():
   t, d = cfg.train.batch_size * cfg.train.seq_len, cfg.model.d_model
   assert "stablehlo.sort" in text  # the assignments sorted by expert
   assert f"x{E}x{t}x{d}x" not in text and f"<{E}x{t}x{d}x" not in text  # no [G, E, C = T, D]
+
+
+@pytest.mark.parametrize("layout", [("mesh.data=2", "mesh.fsdp=2", "parallel.zero_stage=3")])
+def test_xla_data_parallel_dropless_runs_per_device_and_matches_one_device(layout):
+  # Experts not split (mesh.expert = tensor = 1): each device sorts and multiplies its own
+  # token groups in a shard_map; no [G, E, C = T, D] slot buffer, and one device's losses.
+  import parity  # pylint: disable=import-outside-toplevel
+  from jscale.analysis import introspect  # pylint: disable=import-outside-toplevel
+  moe = ("model.moe.n_experts=8", "model.moe.top_k=2", "model.moe.d_ff=32")
+  overrides = (*moe, "parallel.collectives=xla", *layout)
+  got = parity.losses(overrides, jax.devices()[:4])
+  np.testing.assert_allclose(got, parity.reference(*moe), rtol=1e-4)
+  cfg = small_config(None, *overrides)
+  rt = runtime.build(cfg, jax.devices()[:4])
+  text = rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(rt.cfg)).as_text()
+  t = cfg.train.batch_size * cfg.train.seq_len // 4
+  assert f"x8x{t}x{cfg.model.d_model}x" not in text and "stablehlo.sort" in text

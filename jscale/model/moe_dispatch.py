@@ -75,6 +75,11 @@ def _permute_bwd(res, g):
 permute.defvjp(_permute_fwd, _permute_bwd)
 
 
+def inverse_permutation(perm_A: jax.Array) -> jax.Array:
+  """inv with inv[perm[i]] = i (an int32 scatter of A indices, no rows)."""
+  return jnp.zeros_like(perm_A).at[perm_A].set(jnp.arange(perm_A.shape[0], dtype=perm_A.dtype))
+
+
 class Sorted(NamedTuple):
   """The T·K assignments (a = token · K + choice) sorted by expert: sorted row r holds
   assignment order_A[r]; assignment a sits at row rank_A[a]."""
@@ -82,13 +87,7 @@ class Sorted(NamedTuple):
   rank_A: jax.Array
   expert_A: jax.Array  # by sorted row
   sizes_E: jax.Array
-
-  @property
-  def token_A(self) -> jax.Array:
-    """The source token of each sorted row."""
-    return self.order_A // self.k
-
-  k: int = 1  # experts per token
+  k: int = 1  # experts per token (the source token of sorted row r is order_A[r] // k)
 
 
 def sort_by_expert(ids_TK: jax.Array, n_experts: int) -> Sorted:
@@ -96,7 +95,7 @@ def sort_by_expert(ids_TK: jax.Array, n_experts: int) -> Sorted:
   k = ids_TK.shape[1]
   flat_A = ids_TK.reshape(-1)
   order_A = jnp.argsort(flat_A, stable=True).astype(jnp.int32)
-  rank_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0], dtype=jnp.int32))
+  rank_A = inverse_permutation(order_A)
   sizes_E = jnp.zeros((n_experts,), jnp.int32).at[flat_A].add(1)
   return Sorted(order_A, rank_A, flat_A[order_A], sizes_E, k)
 

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jscale.model import moe_dispatch as md
 from jscale.model.moe_gemm import GroupedDot
+from jscale.model.seam import Seam
 from jscale.parallel import tensor
 
 
@@ -94,9 +95,10 @@ def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis: 
   # Each source's block is sorted by local expert; padding rows get expert e_l (last).
   i_R = jnp.arange(rows)
   local_NR = jax.vmap(lambda c: jnp.searchsorted(c, i_R, side="right"))(jnp.cumsum(sizes_NE, 1))
-  order = jnp.argsort(local_NR.reshape(-1), stable=True)
-  out = md.ragged_ffn(recv_RD[order], sizes_NE.sum(0), w, dtype, gemm)
-  out_RD = jnp.zeros_like(out).at[order].set(out)
+  order = jnp.argsort(local_NR.reshape(-1), stable=True).astype(jnp.int32)
+  inverse = md.inverse_permutation(order)
+  out = md.ragged_ffn(md.permute(recv_RD, order, inverse), sizes_NE.sum(0), w, dtype, gemm)
+  out_RD = md.permute(out, inverse, order)
   back_NRD = exchange(out_RD, block_N, recv_N, per_dev_N).reshape(n_ep, rows, d)
   # Sorted assignment r went to device j = expert // e_l as row r - start_N[j].
   dev_A = s.expert_A // e_l
@@ -112,10 +114,18 @@ class XlaExpert:
     return math.prod(size[a] for a in self.layouts.rules["batch"])
 
   def experts(self, x_GTD, ids_GTK, gates_GTK, w, moe, dtype, gemm=GroupedDot()):
-    if moe.dispatch == "dropless" and self.layouts.mesh.size == 1:
-      # One device: nothing to constrain, so the sorted grouped matmul (E / K times fewer
-      # products than the slot buffer below, whose dropless C = T).
-      return super().experts(x_GTD, ids_GTK, gates_GTK, w, moe, dtype, gemm)
+    size = self.layouts.mesh.shape
+    if moe.dispatch == "dropless" and size["expert"] == 1 and size["tensor"] == 1:
+      # Experts not split: each device runs its own token groups' sorted grouped matmul (a
+      # shard_map over the batch, as the Pallas kernels run; weights whole), not the slot
+      # buffer below, whose dropless C = T costs E / K times the products.
+      per_device = lambda x, ids, gates, *ws: Seam.experts(
+          self, x, ids, gates, md.ExpertWeights(*ws), moe, dtype, gemm)[0]
+      rows, weight = ("batch", None, "embed"), (None, None, None)
+      y_GTD = self.kernel(per_device, (x_GTD, ids_GTK, gates_GTK, *w),
+                          (rows, ("batch", None, None), ("batch", None, None), *(weight,) * 3),
+                          rows)
+      return y_GTD, jnp.zeros((), jnp.int32)
     # GShard: a per-group [E, C, D] slot buffer (dropless: C = T, so nothing overflows); the
     # constraint moving its expert dim onto `expert` (and groups off it) is an all-to-all.
     rules = self.layouts.rules
