@@ -215,6 +215,11 @@ def check_moe_gemm(cfg: Config, sizes: dict[str, int], device=None) -> None:
   dim is split over mesh.tensor)."""
   from jscale.model import moe_gemm  # pylint: disable=import-outside-toplevel
   m = cfg.model
+  if m.kernel_interpret and cfg.train.remat != "none":
+    raise ConfigError(f"model.moe.gemm=pallas with model.kernel_interpret and "
+                      f"train.remat={cfg.train.remat}: JAX's Mosaic GPU interpreter runs the "
+                      f"kernel through ordered host callbacks, which remat cannot replay; set "
+                      f"train.remat=none (interpreted runs are for tests)")
   cc = moe_gemm.compute_capability(device) if device is not None else None
   if device is not None and device.platform == "gpu" and not str(cc).startswith("9"):
     raise ConfigError(f"model.moe.gemm=pallas needs a Hopper GPU (compute capability 9.x), "

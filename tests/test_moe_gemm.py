@@ -91,6 +91,8 @@ def test_runtime_reports_what_the_experts_run():
      r"model.moe.gemm=pallas cannot run this MoE .*model.dtype=float32.*bf16 or fp16"),
     (("model.moe.gemm=pallas", "model.kernel_interpret=true", "model.dtype=bfloat16",
       "model.moe.d_ff=96"), r"expert width 96 per device.*not a multiple"),
+    (("model.moe.gemm=pallas", "model.kernel_interpret=true", "model.dtype=bfloat16",
+      "train.remat=full"), r"train.remat=full.*set train.remat=none"),
 ])
 def test_bad_gemm_choices_fail_before_compile(overrides, match):
   with pytest.raises(ConfigError, match=match):
