@@ -2,11 +2,12 @@
 an always-on shared expert, plus the router's load-balancing and z losses.
 
 Tokens are routed in groups (`Seam.expert_groups`: one per batch shard), and the experts run
-through the model's seam (`Seam.experts`): without a mesh (`LOCAL`), on one device and in
-manual mode the dropless path sorts assignments and runs grouped matmuls (`model.moe.gemm`:
-ragged_dot or the Hopper Pallas kernel, `moe_gemm`); in manual mode with `mesh.expert` > 1 the
-rows go to the devices holding their experts by all-to-all; in xla mode on several devices the
-dispatch is a GShard slot buffer (dropless: one slot per token and expert) whose expert dim XLA
+through the model's seam (`Seam.experts`): without a mesh (`LOCAL`), in manual mode, and in
+xla mode with the experts not split (per device, in a shard_map) the dropless path sorts
+assignments and runs grouped matmuls (`model.moe.gemm`: ragged_dot or the Hopper Pallas
+kernel, `moe_gemm`); in manual mode with `mesh.expert` > 1 the rows go to the devices holding
+their experts by all-to-all; in xla mode with `mesh.expert` or `mesh.tensor` > 1 the dispatch
+is a GShard slot buffer (dropless: one slot per token and expert) whose expert dim XLA
 reshards over `expert`.
 
 Shape suffixes: B batch, L sequence, D model, F expert hidden, E experts, K experts per token,
