@@ -125,3 +125,25 @@ def test_xla_data_parallel_dropless_runs_per_device_and_matches_one_device(layou
   text = rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(rt.cfg)).as_text()
   t = cfg.train.batch_size * cfg.train.seq_len // 4
   assert f"x8x{t}x{cfg.model.d_model}x" not in text and "stablehlo.sort" in text
+
+
+def test_moe_layer_with_the_kernel_lowers_for_hopper():
+  # The model's path (MoE module -> seam -> GroupedDot -> kernels) compiled for a GPU: forward
+  # gate / up / down, their dx and dW — nine Mosaic GPU kernels, no XLA grouped matmul left.
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from jscale.model.moe import MoE  # pylint: disable=import-outside-toplevel
+  from jscale.model.seam import LOCAL  # pylint: disable=import-outside-toplevel
+  cfg = small_config(None, "model.preset=tiny_moe", "model.dtype=bfloat16", "model.d_model=256",
+                     "model.moe.d_ff=256", "model.moe.gemm=pallas").model
+  graphdef, state = nnx.split(MoE(cfg, nnx.Rngs(0)))
+
+  def loss(state, h):
+    y, stats = nnx.merge(graphdef, state)(h, LOCAL)
+    return jnp.sum(y.astype(jnp.float32)) + stats["aux_loss"]
+
+  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  text = jax.jit(jax.grad(loss, (0, 1))).trace(
+      jax.tree.map(spec, state), jax.ShapeDtypeStruct((2, 256, 256), jnp.bfloat16)).lower(
+          lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 9
+  assert "chlo.ragged_dot" not in text and "stablehlo.ragged_dot" not in text
