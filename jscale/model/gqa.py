@@ -2,9 +2,10 @@
 
 One of the block's swappable attention modules (`jscale.model.llama.Block`): constructed as
 `GQA(cfg, rngs, dot_general=...)` (each projection's product is
-`matmul.for_linear(dot_general, <weight name>)`),, called as `(h_BLD, positions_BL, inv_freq, comms) -> out_BLD`
-on the normed input inside the tensor-parallel region; the output is the row-parallel partial
-sum the block takes out of the region.
+`matmul.for_linear(dot_general, <weight name>)`), called as
+`(h_BLD, positions_BL, inv_freq, comms) -> out_BLD` on the normed input inside the
+tensor-parallel region; the output is the row-parallel partial sum the block takes out of the
+region. `cached` is the generation path (a KV cache, `jscale.model.kv_cache`).
 
 Shape suffixes: B batch, L sequence, D d_model, H query heads, G kv heads, K head dim.
 """
@@ -17,10 +18,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jscale.config import ModelConfig
-from jscale.model import matmul
+from jscale.model import kv_cache, matmul
 from jscale.model.layers import einsum, param
 from jscale.model.rope import apply_rope
-from jscale.model.seam import Seam
+from jscale.model.seam import LOCAL, Seam
 
 
 class GQA(nnx.Module):
@@ -43,6 +44,14 @@ class GQA(nnx.Module):
 
   def __call__(self, h_BLD: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array,
                comms: Seam) -> jax.Array:
+    q, k, v = self.project(h_BLD, positions_BL, inv_freq, comms)
+    ctx_BLHK = comms.attention(q, k, v, positions_BL, self.attention_impl,
+                               self.kernel_interpret)
+    return self.output(ctx_BLHK, comms)
+
+  def project(self, h_BLD: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array,
+              comms: Seam = LOCAL) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(q [B, L, H, K], k [B, L, G, K], v [B, L, G, K]): projections, RoPE on q and k."""
     dt, c = self.dtype, comms
     q = checkpoint_name(einsum("BLD,DHK->BLHK", h_BLD, self.wq, dt, self.wq_dot, c), "q_proj")
     k = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wk, dt, self.wk_dot, c), "k_proj")
@@ -51,6 +60,21 @@ class GQA(nnx.Module):
     q = comms.activation(q, ("batch", "seq", "heads", "head_dim"))
     k = comms.activation(k, ("batch", "seq", "kv_heads", "head_dim"))
     v = comms.activation(v, ("batch", "seq", "kv_heads", "head_dim"))
-    ctx_BLHK = comms.attention(q, k, v, positions_BL, self.attention_impl,
-                               self.kernel_interpret)
-    return checkpoint_name(einsum("BLHK,HKD->BLD", ctx_BLHK, self.wo, dt, self.wo_dot, c), "attn_out")
+    return q, k, v
+
+  def output(self, ctx_BLHK: jax.Array, comms: Seam = LOCAL) -> jax.Array:
+    """The output projection (row-parallel: a partial sum under tensor parallelism)."""
+    return checkpoint_name(einsum("BLHK,HKD->BLD", ctx_BLHK, self.wo, self.dtype, self.wo_dot,
+                                  comms), "attn_out")
+
+  def cached(self, h_BLD: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array,
+             cache: kv_cache.KVCache, layer: jax.Array, prefill: bool
+             ) -> tuple[jax.Array, kv_cache.KVCache]:
+    """Attention for generation (one device, or GSPMD-sharded: no seam): stores this call's
+    K / V in layer `layer` of `cache` at `positions_BL` and attends (`kv_cache.attend`).
+    Returns (out [B, L, D], the updated cache)."""
+    q, k, v = self.project(h_BLD, positions_BL, inv_freq)
+    cache = kv_cache.write(cache, layer, k, v, positions_BL)
+    ctx_BLHK = kv_cache.attend(q, k, v, cache, layer, positions_BL, prefill,
+                               self.attention_impl, self.kernel_interpret)
+    return self.output(ctx_BLHK), cache

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jscale.config import ModelConfig
-from jscale.model import matmul
+from jscale.model import kv_cache, matmul
 from jscale.model.gqa import GQA
 from jscale.model.layers import RMSNorm, param
 from jscale.model.mlp import Mlp
@@ -64,6 +64,16 @@ class Block(nnx.Module):
     out_BLD, stats = self.mlp(h_BLD, comms)
     return x_BLD + comms.leave_tensor_parallel(out_BLD), stats
 
+  def cached(self, x_BLD, positions_BL, inv_freq, cache: kv_cache.KVCache, layer: jax.Array,
+             prefill: bool) -> tuple[jax.Array, kv_cache.KVCache]:
+    """The block for generation: attention through layer `layer` of the KV cache (the
+    attention module's `cached`), no seam (one device, or GSPMD-sharded weights)."""
+    out_BLD, cache = self.attn.cached(self.attn_norm(x_BLD), positions_BL, inv_freq, cache,
+                                      layer, prefill)
+    x_BLD = x_BLD + out_BLD
+    out_BLD, _ = self.mlp(self.mlp_norm(x_BLD), LOCAL)
+    return x_BLD + out_BLD, cache
+
 
 class MoeGroup(nnx.Module):
   """`moe.every` = k consecutive layers: k-1 dense blocks (stacked on `sublayers`), then one
@@ -78,6 +88,7 @@ class MoeGroup(nnx.Module):
       return Block(dense_cfg, rngs, **modules)
 
     self.dense = make_dense(rngs)
+    self.dense_count = cfg.moe.every - 1
     self.moe_block = Block(cfg, rngs, **modules)
 
   def __call__(self, x_BLD, positions_BL, inv_freq, comms: Seam):
@@ -88,6 +99,24 @@ class MoeGroup(nnx.Module):
 
     x_BLD, _ = jax.lax.scan(dense, x_BLD, stacked)
     return self.moe_block(x_BLD, positions_BL, inv_freq, comms)
+
+  def cached(self, x_BLD, positions_BL, inv_freq, cache: kv_cache.KVCache, group: jax.Array,
+             prefill: bool) -> tuple[jax.Array, kv_cache.KVCache]:
+    """`Block.cached` over the group's layers: cache layers group·k .. group·k + k-1."""
+    graphdef, stacked = nnx.split(self.dense)
+    every = self.dense_count + 1
+    first = group * every
+
+    def dense(carry, inputs):
+      x_BLD, cache = carry
+      state, j = inputs
+      return nnx.merge(graphdef, state).cached(x_BLD, positions_BL, inv_freq, cache, first + j,
+                                               prefill), None
+
+    (x_BLD, cache), _ = jax.lax.scan(dense, (x_BLD, cache),
+                                     (stacked, jnp.arange(self.dense_count)))
+    return self.moe_block.cached(x_BLD, positions_BL, inv_freq, cache, first + every - 1,
+                                 prefill)
 
 
 def _save_all_but_gathered(prim, *_, **params) -> bool:
@@ -185,6 +214,28 @@ class Llama(nnx.Module):
     x_BLD, stats = run_layers(graphdef, weights, x_BLD, positions_BL, self.cfg, comms, remat,
                               with_stats=True, dot_state=dot_state)
     return x_BLD, stats, embed_VD
+
+  def cached_hidden(self, tokens_BL: jax.Array, positions_BL: jax.Array,
+                    cache: kv_cache.KVCache, prefill: bool
+                    ) -> tuple[jax.Array, kv_cache.KVCache]:
+    """Generation's forward (one device or GSPMD-sharded; `jscale.model.kv_cache`): hidden
+    states [B, L, D] before the final norm (`logits` takes them), and the cache with these
+    tokens' K / V stored. `prefill`: the tokens are positions 0..L-1 of every row."""
+    embed_VD = self.embed[...].astype(self.cfg.dtype)
+    x_BLD = self.embed_tokens(tokens_BL, LOCAL, embed_VD)
+    inv_freq = inv_frequencies(self.cfg.resolved_head_dim, self.cfg.rope_theta,
+                               self.cfg.rope_scaling)
+    graphdef, weights, rest = nnx.split(self.blocks, nnx.Param, ...)
+
+    def layer(carry, inputs):
+      x_BLD, cache = carry
+      w, r, index = inputs
+      return nnx.merge(graphdef, w, r).cached(x_BLD, positions_BL, inv_freq, cache, index,
+                                              prefill), None
+
+    n = jax.tree.leaves(weights)[0].shape[0]
+    (x_BLD, cache), _ = jax.lax.scan(layer, (x_BLD, cache), (weights, rest, jnp.arange(n)))
+    return x_BLD, cache
 
   def embed_tokens(self, tokens_BL: jax.Array, comms: Seam = LOCAL,
                    embed_VD: jax.Array | None = None) -> jax.Array:

@@ -1,0 +1,1 @@
+"""Using a trained model: sampling, generation with a KV cache (`Generator`), evaluation."""

@@ -1,0 +1,75 @@
+"""What `python -m jscale.generate` and `python -m jscale.eval` share: the model's numerics for
+this machine, the tokenizer that goes with a model, a tensor-parallel mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+from flax import nnx
+
+from jscale import mesh as mesh_lib
+from jscale.config import ConfigError, MeshConfig, ModelConfig
+from jscale.data import load_tokenizer
+from jscale.data.tokenizer import Tokenizer
+from jscale.model import attention, llama
+from jscale.model.llama import Llama
+
+
+def for_this_backend(cfg: ModelConfig, model: Llama, dtype: str | None = None
+                     ) -> tuple[ModelConfig, Llama]:
+  """(cfg, model) with the same weights, runnable here: compute `dtype` if given; the attention `auto` picks for this
+  backend and dtype (cuDNN on a GPU where it applies; a run trained with other kernels may be
+  sampled anywhere); GPU-only kernels (Pallas norm, the Pallas grouped matmul) replaced by
+  XLA's off the GPU; MoE dropless."""
+  dtype = dtype or cfg.dtype
+  on_gpu = jax.default_backend() == "gpu"
+  impl = attention.local_impl("auto", jax.ShapeDtypeStruct((1, 1, 1, cfg.resolved_head_dim),
+                                                           dtype))
+  moe = cfg.moe
+  if moe is not None:
+    moe = dataclasses.replace(moe, dispatch="dropless",  # generation never drops a token
+                              gemm=moe.gemm if on_gpu else "ragged_dot")
+  cfg = dataclasses.replace(cfg, dtype=dtype, attention_impl=impl, moe=moe,
+                            norm_impl=cfg.norm_impl if on_gpu else "xla", kernel_interpret=False)
+  rebuilt = nnx.eval_shape(lambda: llama.create(cfg))
+  nnx.update(rebuilt, nnx.state(model, nnx.Param))
+  return cfg, rebuilt
+
+
+def tokenizer_path(model_path: str, run_tokenizer: str | None, explicit: str | None) -> str:
+  """The tokenizer to use with the model at `model_path`: `explicit` (--tokenizer), else the
+  run's `data.tokenizer`, else a tokenizer.json beside the weights; ConfigError if none."""
+  if explicit:
+    return explicit
+  if run_tokenizer:
+    return run_tokenizer
+  beside = os.path.join(model_path, "tokenizer.json")
+  if os.path.isfile(beside):
+    return beside
+  raise ConfigError(f"{model_path} has no tokenizer.json and is not a training run: pass "
+                    "--tokenizer byte or --tokenizer path/to/tokenizer.json")
+
+
+def check_vocab(tokenizer: Tokenizer, cfg: ModelConfig, where: str) -> None:
+  """Refuses a tokenizer that produces ids the model has no embedding for."""
+  if tokenizer.vocab_size > cfg.vocab_size:
+    raise ConfigError(f"the tokenizer ({where}) has {tokenizer.vocab_size} ids, more than the "
+                      f"model's vocab_size {cfg.vocab_size}: pass the model's own tokenizer "
+                      "(--tokenizer)")
+
+
+def load_tokenizer_at(path: str) -> Tokenizer:
+  """"byte" or a tokenizer.json path -> the tokenizer."""
+  from jscale.config import DataConfig  # pylint: disable=import-outside-toplevel
+  return load_tokenizer(DataConfig(tokenizer=path))
+
+
+def tensor_mesh(tensor: int) -> jax.sharding.Mesh | None:
+  """A mesh of `tensor` devices splitting the model over `tensor` (None for 1)."""
+  if tensor <= 1:
+    return None
+  if tensor > jax.device_count():
+    raise ConfigError(f"--tensor {tensor}: only {jax.device_count()} devices here")
+  return mesh_lib.make_mesh(MeshConfig(data=1, tensor=tensor), jax.devices()[:tensor])

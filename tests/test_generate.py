@@ -1,0 +1,124 @@
+"""Generation: the KV-cache path equals recomputing the prefix, greedy decoding equals
+transformers' generate token for token, sampling, EOS, one compiled decode step, tensor
+parallelism, and the CLI."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jscale.config import ModelConfig, MoeConfig
+from jscale.convert import load_hf
+from jscale.infer import sampling as sampling_lib
+from jscale.infer.generator import Generator
+from jscale.infer.sampling import Sampling
+from jscale.model import llama
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
+NEW = 10
+
+
+def _cfg(**kw) -> ModelConfig:
+  base = dict(vocab_size=97, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64,
+              dtype="float32", max_seq_len=256, init_std=0.2)
+  return ModelConfig(**{**base, **kw})
+
+
+def _recomputed(model, prompt: list[int], n: int) -> list[int]:
+  """Greedy continuation by running the whole prefix through the model for every token."""
+  seq = list(prompt)
+  forward = jax.jit(lambda t: model(t)[0, -1])
+  for _ in range(n):
+    seq.append(int(jnp.argmax(forward(jnp.asarray([seq])))))
+  return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("moe", [None, MoeConfig(n_experts=4, top_k=2, every=2)],
+                         ids=["dense_gqa", "moe_every2"])
+def test_cache_equals_recompute(moe):
+  model = llama.create(_cfg(moe=moe), seed=1)
+  gen = Generator(model)
+  out = gen.generate(PROMPTS, NEW)
+  assert out.tokens == [_recomputed(model, p, NEW) for p in PROMPTS]
+  # Other prompt lengths (same bucket), token budget and sampling settings: still the one
+  # compiled decode step.
+  gen.generate([[3, 1, 4, 1, 5, 9, 2, 6], [2], [7, 1]], 5,
+               Sampling(temperature=0.7, top_k=5, top_p=0.9))
+  assert gen.compiled_decode_steps() == 1
+
+
+@pytest.fixture(scope="module")
+def hf_pair(tmp_path_factory):
+  """A small random transformers Llama (GQA, llama3 RoPE) saved to disk, and jscale's load."""
+  from test_convert import LLAMA3, reinit  # pylint: disable=import-outside-toplevel
+  cfg = transformers.LlamaConfig(
+      vocab_size=128, hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+      rms_norm_eps=1e-5, rope_parameters=LLAMA3, tie_word_embeddings=False)
+  cfg._attn_implementation = "eager"  # pylint: disable=protected-access
+  torch.manual_seed(0)
+  hf = reinit(transformers.LlamaForCausalLM(cfg).eval())
+  path = tmp_path_factory.mktemp("hf_llama")
+  hf.save_pretrained(path)
+  _, model = load_hf(str(path), dtype="float32")
+  return hf, model
+
+
+def test_greedy_equals_transformers_generate(hf_pair):
+  hf, model = hf_pair
+  prompts = [[5, 17, 99, 3, 42, 8, 120], [64, 1], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+  ours = Generator(model).generate(prompts, 16).tokens
+  for prompt, got in zip(prompts, ours):
+    with torch.no_grad():
+      ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16,
+                        min_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    assert got == ref[0, len(prompt):].tolist()
+
+
+def test_eos_ends_a_row():
+  model = llama.create(_cfg(), seed=1)
+  free = Generator(model).generate(PROMPTS, NEW).tokens
+  eos = free[0][3]  # the first row's fourth token
+  out = Generator(model).generate(PROMPTS, NEW, eos_id=eos)
+  for row, got, done in zip(free, out.tokens, out.finished):
+    cut = row.index(eos) if eos in row else len(row)
+    assert got == row[:cut] and done == (eos in row)
+  assert out.finished[0] and len(out.tokens[0]) == 3
+
+
+def test_sampling_truncation_and_seed():
+  logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
+  kept = lambda k, p: np.isfinite(np.asarray(sampling_lib.truncate(logits, k, p)))[0].tolist()
+  assert kept(0, 1.0) == [True] * 4
+  assert kept(2, 1.0) == [True, True, False, False]
+  assert kept(0, 0.5) == [True, False, False, False]  # 0.5 alone reaches top_p
+  assert kept(0, 0.7) == [True, True, False, False]
+  assert kept(3, 0.9) == [True, True, True, False]
+  model = llama.create(_cfg(), seed=1)
+  gen = Generator(model)
+  greedy = gen.generate(PROMPTS, NEW).tokens
+  assert gen.generate(PROMPTS, NEW, Sampling(temperature=1.0, top_k=1)).tokens == greedy
+  hot = Sampling(temperature=1.5)
+  a, b = (gen.generate(PROMPTS, NEW, hot, seed=s).tokens for s in (3, 3))
+  assert a == b and a != greedy and gen.generate(PROMPTS, NEW, hot, seed=4).tokens != a
+  with pytest.raises(ValueError, match="top_p"):
+    Sampling(top_p=0.0).check()
+
+
+def test_tensor_parallel_equals_one_device():
+  from jscale.infer import setup  # pylint: disable=import-outside-toplevel
+  model = llama.create(_cfg(vocab_size=98, n_layers=2), seed=1)
+  gen = Generator(model, setup.tensor_mesh(2))
+  wq = gen.state["blocks"]["attn"]["wq"][...]
+  assert wq.sharding.spec[2] == "tensor"  # heads split over the devices
+  assert gen.generate(PROMPTS, NEW).tokens == Generator(model).generate(PROMPTS, NEW).tokens
+
+
+def test_too_long_is_refused_naming_the_limit():
+  model = llama.create(_cfg(max_seq_len=16), seed=1)
+  with pytest.raises(ValueError, match="max_seq_len=16"):
+    Generator(model).generate(PROMPTS, 10)
