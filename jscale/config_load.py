@@ -134,3 +134,14 @@ def _coerce(tp, value, key):
   if tp is str and not isinstance(value, str):
     raise ConfigError(f"{key}={value!r}: expected a string")
   return value
+
+
+def from_overrides(raw: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Config:
+  """A validated Config from nested dicts `raw` (e.g. a saved run's) with dotted `key=value`
+  `overrides` applied on top."""
+  raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+  for item in overrides:
+    _apply_override(raw, item)
+  cfg = from_dict(raw)
+  validate.check_config(cfg)
+  return cfg

@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from jscale import checkpoint as ckpt_lib
@@ -31,6 +30,7 @@ from jscale import config as config_lib
 from jscale.config import Config, ConfigError
 from jscale.config_load import load_config
 from jscale.data import make_eval_batches, make_train_iterator
+from jscale.infer import evaluate
 from jscale.optim import make_optimizer
 
 def write_run_info(cfg: Config, rt: runtime.Runtime, requested_attention: str) -> None:
@@ -55,13 +55,6 @@ def write_run_info(cfg: Config, rt: runtime.Runtime, requested_attention: str) -
   os.replace(path + ".tmp", path)
 
 
-def _to_global(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
-  """This process's rows of the global batch -> global arrays laid out by `sharding`."""
-  if jax.process_count() == 1:
-    return jax.device_put(batch, sharding)
-  return distributed.global_batch(batch, sharding)
-
-
 def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer,
                    train_iter) -> tuple[Any, int]:
   """Resumes from the latest checkpoint, else starts from init_from params or random init."""
@@ -81,15 +74,6 @@ def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer,
     state = jax.jit(lambda p, d: ts.state_from_params(p, optimizer, cfg.train.seed, d),
                     out_shardings=rt.state_shardings)(params, state.get("dot_state"))
   return state, 0
-
-
-def _evaluate(eval_step, state, batches, sharding) -> float:
-  total, count = 0.0, 0.0
-  dot_state = (state["dot_state"],) if "dot_state" in state else ()
-  for b in batches:
-    s, n = eval_step(state["params"], _to_global(b, sharding), *dot_state)
-    total, count = total + float(s), count + float(n)
-  return total / max(count, 1.0)
 
 
 def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
@@ -135,7 +119,7 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
     if t.profile_steps and step == t.profile_steps[0]:
       jax.profiler.start_trace(os.path.join(t.output_dir, "profile"))
       tracing = True
-    state, m = train_step(state, _to_global(next(train_iter), batch_sharding))
+    state, m = train_step(state, evaluate.to_global(next(train_iter), batch_sharding))
     done = step + 1
     if last_time is None:  # the first step includes compilation: time from its end
       jax.block_until_ready(m)
@@ -158,7 +142,8 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
       row["peak_memory_bytes"] = metrics_lib.peak_memory_bytes()
       writer.write(done, row)
     if eval_batches and t.eval_every and (done % t.eval_every == 0 or done == t.steps):
-      val_loss = _evaluate(eval_step, state, eval_batches, batch_sharding)
+      val_loss = evaluate.mean_loss(eval_step, state["params"], eval_batches, batch_sharding,
+                                    state.get("dot_state")).loss
       writer.write(done, {"val_loss": val_loss})
     ckptr.save(done, state, train_iter, force=(done == end and cfg.checkpoint.every > 0))
     writer.advance()

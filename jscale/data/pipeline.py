@@ -54,14 +54,21 @@ def make_train_iterator(data_cfg: DataConfig, seq_len: int, global_batch: int,
 
 def make_eval_batches(data_cfg: DataConfig, seq_len: int, global_batch: int, num_batches: int,
                       process_index: int = 0, process_count: int = 1,
-                      transform: Transform | None = None) -> list[Batch]:
-  """`num_batches` of this process's validation batches, in order (cycling if too few)."""
+                      transform: Transform | None = None, split: str = "val") -> list[Batch]:
+  """`num_batches` of this process's batches of a split ("val" or "train"), in order, cycling
+  if too few; `num_batches=0`: every full batch of the split, once (`jscale.eval`)."""
   local = _local_batch(global_batch, process_index, process_count)
   splits = load_splits(data_cfg)
-  if len(splits.val) < 2:
-    raise ConfigError(f"data.val_fraction={data_cfg.val_fraction} leaves no validation tokens: "
-                      "raise data.val_fraction (e.g. 0.01), or set train.eval_every=0")
-  windows = _windows(splits.val, seq_len, splits.eos_id, "validation")
+  stream = splits.val if split == "val" else splits.train
+  if len(stream) < 2:
+    raise ConfigError(f"data.val_fraction={data_cfg.val_fraction} leaves no {split} tokens: "
+                      "change data.val_fraction (e.g. 0.01), or set train.eval_every=0")
+  windows = _windows(stream, seq_len, splits.eos_id, "validation" if split == "val" else split)
+  if num_batches == 0:
+    num_batches = len(windows) // global_batch
+    if num_batches == 0:
+      raise ConfigError(f"the {split} split holds {len(windows)} windows of {seq_len} tokens, "
+                        f"fewer than one batch of {global_batch}: lower the batch size")
   ds = grain.MapDataset.source(windows).repeat()[process_index::process_count]
   if transform is not None:
     ds = ds.map(transform)
