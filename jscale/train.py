@@ -23,13 +23,14 @@ from jscale import distributed
 from jscale import metrics as metrics_lib
 from jscale import params_io
 from jscale import runtime
+from jscale import startup
 from jscale import train_step as ts
 from jscale import validate
 from jscale import xla_flags
 from jscale import config as config_lib
 from jscale.config import Config, ConfigError
 from jscale.config_load import load_config
-from jscale.data import make_eval_batches, make_train_iterator
+from jscale.data import load_splits, load_tokenizer, make_eval_batches, make_train_iterator
 from jscale.infer import evaluate
 from jscale.optim import make_optimizer
 
@@ -85,15 +86,6 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
   requested = cfg.model.attention_impl
   rt = runtime.build(cfg)
   cfg = rt.cfg  # model.attention_impl=auto resolved for these devices
-  if distributed.is_main():
-    why = f" (model.attention_impl=auto: {rt.attention_why})" if requested == "auto" else ""
-    print(f"attention: {cfg.model.attention_impl}{why}", flush=True)
-    kernels, kernels_why = runtime.pallas_kernels(cfg, rt.mesh)
-    if kernels:
-      print(f"flash kernels: {kernels} ({kernels_why})", flush=True)
-    gemm, gemm_why = runtime.moe_gemm(cfg, rt.mesh)
-    if cfg.model.moe is not None:
-      print(f"moe experts: {gemm or 'slot buffers'} ({gemm_why})", flush=True)
   write_run_info(cfg, rt, requested)
   reorder = rt.reorder()  # context parallelism's token order, applied once at load
   train_iter = make_train_iterator(cfg.data, t.seq_len, t.batch_size, pi, pc, reorder)
@@ -101,6 +93,12 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
                                     reorder) if cfg.data.val_fraction > 0 else [])
   ckptr = ckpt_lib.Checkpointer(cfg)
   state, start = _initial_state(rt, ckptr, train_iter)
+  if distributed.is_main():
+    splits = load_splits(cfg.data)
+    print(startup.summary(cfg, rt.mesh, start, ckptr.directory, (len(splits.train),
+                                                                 len(splits.val)),
+                          load_tokenizer(cfg.data).vocab_size,
+                          startup.kernel_lines(rt, requested)), flush=True)
   train_step, eval_step = rt.train_step(), rt.eval_step()
   batch_sharding = rt.layouts.batch()
 

@@ -1,0 +1,102 @@
+"""The summary a training run prints before its first step: what it trains, on what, how.
+
+One line per topic (model, devices, numerics, data, batch, output, start), so a user sees at
+a glance what the config resolved to before any compile time is spent.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from jscale import metrics, runtime
+from jscale.config import Config, ModelConfig
+
+
+def _count(n: float) -> str:
+  for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+    if n >= size:
+      return f"{n / size:.3g}{unit}"
+  return f"{int(n)}"
+
+
+def active_params(cfg: ModelConfig) -> int:
+  """Parameters one token's forward touches: the total less the experts it is not routed to
+  (equal to the total for a dense model)."""
+  total = metrics.param_counts(cfg)["total"]
+  if cfg.moe is None:
+    return total
+  m = cfg.moe
+  n_moe = cfg.n_layers // m.every
+  return total - n_moe * (m.n_experts - m.top_k) * 3 * cfg.d_model * (m.d_ff or cfg.d_ff)
+
+
+def model_line(cfg: ModelConfig) -> str:
+  total = metrics.param_counts(cfg)["total"]
+  shape = (f"{cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads / "
+           f"{cfg.n_kv_heads} kv, d_ff {cfg.d_ff}, vocab {cfg.vocab_size}")
+  if cfg.moe is None:
+    return f"model     {_count(total)} parameters ({shape})"
+  m = cfg.moe
+  return (f"model     {_count(total)} parameters, {_count(active_params(cfg))} active per token "
+          f"({shape}; {m.n_experts} experts top-{m.top_k}, {m.dispatch})")
+
+
+def kernel_lines(rt: runtime.Runtime, requested_attention: str) -> list[str]:
+  """What the runtime chose for attention (and why, for "auto"), the flash kernels and the MoE
+  experts' grouped matmul."""
+  cfg = rt.cfg
+  why = f" (model.attention_impl=auto: {rt.attention_why})" if requested_attention == "auto" else ""
+  lines = [f"attention: {cfg.model.attention_impl}{why}"]
+  kernels, kernels_why = runtime.pallas_kernels(cfg, rt.mesh)
+  if kernels:
+    lines.append(f"flash kernels: {kernels} ({kernels_why})")
+  gemm, gemm_why = runtime.moe_gemm(cfg, rt.mesh)
+  if cfg.model.moe is not None:
+    lines.append(f"moe experts: {gemm or 'slot buffers'} ({gemm_why})")
+  return lines
+
+
+def summary(cfg: Config, mesh: jax.sharding.Mesh, start_step: int, checkpoint_dir: str,
+            data_tokens: tuple[int, int], tokenizer_vocab: int, impls: list[str]) -> str:
+  """The startup summary. `data_tokens`: (train, val) token counts; `impls`: lines of the
+  kernels the runtime chose (attention, flash, MoE experts), each "<what>: <choice (why)>"."""
+  t, m, p = cfg.train, cfg.model, cfg.parallel
+  device = mesh.devices.flat[0]
+  kind = getattr(device, "device_kind", "") or device.platform
+  kind = kind if device.platform in kind.lower() else f"{device.platform} {kind}"
+  axes = " x ".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1) or "one device"
+  par = f"collectives {p.collectives}, ZeRO-{p.zero_stage}"
+  if p.sequence_parallel:
+    par += ", sequence parallel"
+  if mesh.shape["stage"] > 1:
+    par += f", pipeline {cfg.pipeline.schedule} x {cfg.pipeline.microbatches} microbatches"
+  fp8 = f", fp8 {cfg.fp8.recipe} on {'/'.join(cfg.fp8.targets)}" if cfg.fp8.enabled else ""
+  train_tokens, val_tokens = data_tokens
+  step_tokens = t.batch_size * t.seq_len
+  epochs = t.steps * step_tokens / max(train_tokens, 1)
+  source = cfg.data.source + (f" {cfg.data.path}" if cfg.data.path else "")
+  if start_step:
+    start = f"resuming from step {start_step} ({checkpoint_dir})"
+  elif cfg.checkpoint.init_from:
+    start = f"new run, weights from checkpoint.init_from={cfg.checkpoint.init_from}"
+  else:
+    start = f"new run, random init (seed {t.seed})"
+  saves = (f"every {cfg.checkpoint.every} steps and at the end, keep {cfg.checkpoint.keep}"
+           if cfg.checkpoint.every > 0 else "off (checkpoint.every=0)")
+  lines = [
+      model_line(m),
+      f"devices   {mesh.size} x {kind} in {jax.process_count()} process(es); mesh {axes}; {par}",
+      f"numerics  compute {m.dtype}, params {m.param_dtype}, norm {m.norm_impl}, remat "
+      f"{t.remat}{fp8}",
+      *[("kernels   " if i == 0 else "          ") + line for i, line in enumerate(impls)],
+      f"data      {source}, tokenizer {cfg.data.tokenizer} (vocab {tokenizer_vocab}): "
+      f"{_count(train_tokens)} train / {_count(val_tokens)} val tokens",
+      f"batch     {t.batch_size} x {t.seq_len} = {step_tokens:,} tokens per step x {t.steps} "
+      f"steps = {_count(step_tokens * t.steps)} tokens ({epochs:.2g} epochs)",
+      f"output    {os.path.abspath(t.output_dir)} (metrics.jsonl, run.json, loss.png); "
+      f"checkpoints {checkpoint_dir} {saves}",
+      f"start     {start}",
+  ]
+  return "\n".join(lines)
