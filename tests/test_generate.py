@@ -122,3 +122,19 @@ def test_too_long_is_refused_naming_the_limit():
   model = llama.create(_cfg(max_seq_len=16), seed=1)
   with pytest.raises(ValueError, match="max_seq_len=16"):
     Generator(model).generate(PROMPTS, 10)
+
+
+def test_decode_step_updates_the_cache_in_place():
+  """The donated cache is the step's output buffer, and no copy of it is made: temporaries
+  stay within about one layer's slice (a per-layer copy of the stack would be the whole)."""
+  from jscale.model import kv_cache  # pylint: disable=import-outside-toplevel
+  cfg = _cfg(d_model=64, n_heads=4, n_kv_heads=2, n_layers=4, max_seq_len=4096)
+  gen = Generator(llama.create(cfg))
+  cache = jax.eval_shape(lambda: kv_cache.init(cfg, 8, 2048))
+  tokens_B = jax.ShapeDtypeStruct((8,), jnp.int32)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  mem = gen._decode.lower(  # pylint: disable=protected-access
+      gen.state, tokens_B, cache, tokens_B, key, Sampling().arrays()).compile().memory_analysis()
+  cache_bytes = sum(c.size * c.dtype.itemsize for c in cache)
+  assert mem.alias_size_in_bytes == cache_bytes
+  assert mem.temp_size_in_bytes < 2 * cache_bytes / cfg.n_layers
