@@ -21,8 +21,8 @@ from flax import nnx
 from jscale import checkpoint as ckpt_lib
 from jscale.parallel.pipeline import layout
 from jscale import distributed
+from jscale import init_from
 from jscale import metrics as metrics_lib
-from jscale import params_io
 from jscale import runtime
 from jscale import train_step as ts
 from jscale import validate
@@ -72,7 +72,7 @@ def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer,
   state = rt.init_state()
   if cfg.checkpoint.init_from:
     model = ts.merge(rt.graphdef, state["params"], state.get("dot_state"))
-    params_io.load_params_into(cfg.checkpoint.init_from, model)
+    init_from.load_into(cfg, model)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     # init_from params are in model layer order; interleaved pipelines store chunk order.
     params = layout.params_to_storage(params, cfg.model.n_layers, rt.mesh.shape["stage"],
@@ -104,6 +104,12 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
   if distributed.is_main():
     why = f" (model.attention_impl=auto: {rt.attention_why})" if requested == "auto" else ""
     print(f"attention: {cfg.model.attention_impl}{why}", flush=True)
+    if cfg.checkpoint.init_from:  # the model is the checkpoint's, but for these keys
+      changed = init_from.overrides(cfg)
+      print(f"init_from: {cfg.checkpoint.init_from}, model config from the checkpoint"
+            f"{', overridden:' if changed else ''}", flush=True)
+      for line in changed:
+        print(f"  {line}", flush=True)
     kernels, kernels_why = runtime.pallas_kernels(cfg, rt.mesh)
     if kernels:
       print(f"flash kernels: {kernels} ({kernels_why})", flush=True)
