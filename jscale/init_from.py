@@ -215,6 +215,7 @@ def _shapes(tree: dict) -> dict[str, tuple[int, ...]]:
 def check_tokenizer(cfg: Config, saved: ModelConfig) -> None:
   """`data.tokenizer` against checkpoint.init_from's tokenizer (the rule in the module doc)."""
   path = cfg.checkpoint.init_from
+  n = tokenizer_vocab_size(cfg.data)  # a missing or invalid data.tokenizer fails here, named
   ckpt_tok = os.path.join(path, TOKENIZER)
   where = f"data.tokenizer={cfg.data.tokenizer} (data.source={cfg.data.source})"
   fix = (f"train with the checkpoint's tokenizer, e.g. on your own text: data.source=text "
@@ -228,12 +229,11 @@ def check_tokenizer(cfg: Config, saved: ModelConfig) -> None:
       raise ConfigError(f"{where} has another vocabulary than checkpoint.init_from's tokenizer "
                         f"{ckpt_tok} ({differ}); {fix}")
     return
-  n = tokenizer_vocab_size(cfg.data)
   if n != saved.vocab_size:
     raise ConfigError(
         f"{where} has {n} tokens, but checkpoint.init_from={path} has vocab_size "
-        f"{saved.vocab_size} and no {TOKENIZER} to compare vocabularies with: the model's "
-        f"embeddings belong to another tokenizer. Put the model's {TOKENIZER} in {path} "
+        f"{saved.vocab_size} and no {TOKENIZER} to compare vocabularies with: a tokenizer of "
+        f"another size is not the model's. Put the model's {TOKENIZER} in {path} "
         f"(`python -m jscale.convert hf-to-jscale` copies it from the HF dir) and {fix}")
 
 

@@ -203,6 +203,9 @@ def test_tokenizer_rule(files, tmp_path, data_cache):
   tokenizers.Tokenizer.from_file(f"{ckpt}/tokenizer.json").save(str(same), pretty=False)
   assert same.read_bytes() != open(f"{ckpt}/tokenizer.json", "rb").read()
   validate.check_runtime(_cfg(tmp_path, data_cache, ckpt, *text, f"data.tokenizer={same}"))
+  with pytest.raises(ConfigError, match="data.tokenizer=.*missing.json.*no such file"):
+    validate.check_runtime(_cfg(tmp_path, data_cache, ckpt, *text,
+                                f"data.tokenizer={tmp_path}/missing.json"))
   # Another vocabulary of the same size is refused.
   other = tmp_path / "other.json"
   _train_tokenizer(_corpus_text()[60000:120000], VOCAB).save(str(other))
