@@ -1,7 +1,8 @@
 """Loading a `Config`: YAML files, dotted `key=value` overrides, model presets.
 
 `load_config(path, overrides)` reads a YAML file, applies overrides such as
-`train.steps=100 model.n_layers=4`, fills a model preset (`model.preset: llama3_8b`), and runs
+`train.steps=100 model.n_layers=4`, fills a model preset (`model.preset: llama3_8b`) or, with
+`checkpoint.init_from`, takes the model from that checkpoint (`jscale.init_from`), and runs
 the device-independent checks (`validate.check_config`), so that a bad value fails here, naming
 the key and the fix, before anything is traced or compiled.
 """
@@ -24,12 +25,20 @@ from jscale.config import Config, ConfigError
 
 def load_config(path: str | os.PathLike | None = None,
                 overrides: typing.Sequence[str] = ()) -> Config:
-  """Reads `path` (YAML), applies dotted `key=value` overrides, validates."""
+  """Reads `path` (YAML), applies dotted `key=value` overrides, validates.
+
+  With `checkpoint.init_from`, the model config is the checkpoint's with only the `model.*`
+  keys written here applied on top (`jscale.init_from.merge_model`).
+  """
   raw: dict[str, Any] = {}
   if path is not None:
     raw = _read_yaml(path)
   for item in overrides:
     _apply_override(raw, item)
+  if isinstance(raw.get("checkpoint"), dict) and raw["checkpoint"].get("init_from"):
+    # Imported here: init_from reads checkpoints with from_dict (an import cycle otherwise).
+    from jscale import init_from  # pylint: disable=import-outside-toplevel
+    raw = init_from.merge_model(raw)
   cfg = from_dict(raw)
   validate.check_config(cfg)
   return cfg

@@ -10,7 +10,7 @@ import os
 
 import jax
 
-from jscale import metrics, runtime
+from jscale import init_from, metrics, runtime
 from jscale.config import Config, ModelConfig
 
 
@@ -79,8 +79,11 @@ def summary(cfg: Config, mesh: jax.sharding.Mesh, start_step: int, checkpoint_di
   source = cfg.data.source + (f" {cfg.data.path}" if cfg.data.path else "")
   if start_step:
     start = f"resuming from step {start_step} ({checkpoint_dir})"
-  elif cfg.checkpoint.init_from:
-    start = f"new run, weights from checkpoint.init_from={cfg.checkpoint.init_from}"
+  elif cfg.checkpoint.init_from:  # the model is the checkpoint's, but for the keys listed
+    changed = init_from.overrides(cfg)
+    start = (f"new run from checkpoint.init_from={cfg.checkpoint.init_from}: model config "
+             f"from the checkpoint{', overridden:' if changed else ''}")
+    start += "".join(f"\n            {line}" for line in changed)
   else:
     start = f"new run, random init (seed {t.seed})"
   saves = (f"every {cfg.checkpoint.every} steps and at the end, keep {cfg.checkpoint.keep}"

@@ -20,8 +20,8 @@ from flax import nnx
 from jscale import checkpoint as ckpt_lib
 from jscale.parallel.pipeline import layout
 from jscale import distributed
+from jscale import init_from
 from jscale import metrics as metrics_lib
-from jscale import params_io
 from jscale import runtime
 from jscale import startup
 from jscale import train_step as ts
@@ -66,7 +66,7 @@ def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer,
   state = rt.init_state()
   if cfg.checkpoint.init_from:
     model = ts.merge(rt.graphdef, state["params"], state.get("dot_state"))
-    params_io.load_params_into(cfg.checkpoint.init_from, model)
+    init_from.load_into(cfg, model)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     # init_from params are in model layer order; interleaved pipelines store chunk order.
     params = layout.params_to_storage(params, cfg.model.n_layers, rt.mesh.shape["stage"],

@@ -25,10 +25,6 @@ from jscale.model import attention as attn_lib
 from jscale.parallel.context.order import chunks_per_device as parts, token_order
 from jscale.parallel.pipeline import schedules
 
-# Model fields that a checkpoint's shapes depend on (numerics like dtype may differ).
-_SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                 "d_ff", "tie_embeddings")
-
 
 def _get(cfg: Config, key: str):
   section, name = key.split(".")
@@ -301,20 +297,14 @@ def _check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
 
 def check_runtime(cfg: Config) -> None:
   """Checks that need this machine (backend, files); raises ConfigError before any compile."""
-  # Imported here: they load configs (params_io imports config_load, which imports this
+  # Imported here: they load configs (init_from imports config_load, which imports this
   # module) and pull in orbax and the data stack, which checking a config alone does not need.
-  from jscale import params_io  # pylint: disable=import-outside-toplevel
+  from jscale import init_from  # pylint: disable=import-outside-toplevel
   from jscale.data import tokenizer_vocab_size  # pylint: disable=import-outside-toplevel
   check_backend(cfg, jax.default_backend())
+  if cfg.checkpoint.init_from:  # first: its tokenizer rule names the right fix there
+    init_from.check(cfg)  # shape keys, stored parameter shapes, the tokenizer rule
   vocab = tokenizer_vocab_size(cfg.data)
   if vocab > cfg.model.vocab_size:
     raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                       f"vocabulary ({vocab}, data.tokenizer={cfg.data.tokenizer}): raise it")
-  if cfg.checkpoint.init_from:
-    saved = params_io.load_model_config(cfg.checkpoint.init_from)
-    for f in _SHAPE_FIELDS:
-      if getattr(saved, f) != getattr(cfg.model, f):
-        raise ConfigError(
-            f"model.{f}={getattr(cfg.model, f)} differs from checkpoint.init_from "
-            f"({cfg.checkpoint.init_from}: {f}={getattr(saved, f)}): set model.{f}="
-            f"{getattr(saved, f)}")

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 from jscale.config import ConfigError
 
 _DTYPES = ("float32", "bfloat16")
+# Copied beside model.yaml: init_from checks a run's data.tokenizer against tokenizer.json, and
+# HFTokenizer reads the EOS token from tokenizer_config.json.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,8 +34,8 @@ def _parser() -> argparse.ArgumentParser:
   a = sub.add_parser("hf-to-jscale", help="HF Llama/Mixtral dir -> jscale params checkpoint",
                      description="Read a transformers Llama or Mixtral dir (config.json + "
                      "safetensors) and "
-                     "write a jscale params checkpoint (params/ + model.yaml) that "
-                     "checkpoint.init_from=DIR loads.")
+                     "write a jscale params checkpoint (params/ + model.yaml, and the HF "
+                     "dir's tokenizer.json if it has one) that checkpoint.init_from=DIR loads.")
   a.add_argument("--hf", required=True, metavar="DIR", help="HF checkpoint directory")
   a.add_argument("--out", required=True, metavar="DIR", help="new jscale checkpoint directory")
   a.add_argument("--param-dtype", default="float32", choices=_DTYPES,
@@ -59,9 +63,15 @@ def _hf_to_jscale(args) -> None:
     raise FileExistsError(f"--out {args.out} already holds a checkpoint; choose a new directory")
   cfg, model = load_hf(args.hf, dtype=args.dtype, param_dtype=args.param_dtype)
   params_io.save_params(args.out, model, cfg)
+  copied = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(args.hf, f))]
+  for f in copied:
+    shutil.copyfile(os.path.join(args.hf, f), os.path.join(args.out, f))
   moe = "" if cfg.moe is None else f", {cfg.moe.n_experts} experts top-{cfg.moe.top_k}"
+  tok = (f" data.tokenizer={os.path.join(args.out, 'tokenizer.json')}"
+         if "tokenizer.json" in copied else "")
   print(f"wrote {args.out} ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab "
-        f"{cfg.vocab_size}{moe}); train from it with checkpoint.init_from={args.out}")
+        f"{cfg.vocab_size}{moe}{'; copied ' + ', '.join(copied) if copied else ''}); train "
+        f"from it with checkpoint.init_from={args.out}{tok}")
 
 
 def _jscale_to_hf(args) -> None:
