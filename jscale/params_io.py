@@ -46,7 +46,12 @@ def load_params_into(path: str, model: nnx.Module) -> None:
   state = nnx.state(model, nnx.Param)
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(
       x, "sharding", None)), nnx.to_pure_dict(state))
-  with ocp.StandardCheckpointer() as ckptr:
-    pure = ckptr.restore(os.path.join(os.path.abspath(path), "params"), target)
-  nnx.replace_by_pure_dict(state, pure)
+  nnx.replace_by_pure_dict(state, restore_pure(path, target))
   nnx.update(model, state)
+
+
+def restore_pure(path: str, target: dict) -> dict:
+  """The pure params dict stored at `path`, read as `target`'s ShapeDtypeStructs say (onto
+  their shardings; host arrays where they have none)."""
+  with ocp.StandardCheckpointer() as ckptr:
+    return ckptr.restore(os.path.join(os.path.abspath(path), "params"), target)

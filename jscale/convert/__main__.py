@@ -1,7 +1,7 @@
 """`python -m jscale.convert`: Hugging Face Llama / Mixtral <-> jscale params checkpoints.
 
   hf-to-jscale --hf DIR --out DIR    HF dir -> params checkpoint for `checkpoint.init_from`
-  jscale-to-hf --ckpt DIR --out DIR  params checkpoint -> HF dir (`from_pretrained` loads it)
+  jscale-to-hf --ckpt DIR --out DIR  a trained run / checkpoint -> HF dir (`from_pretrained`)
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
       "  python -m jscale.convert hf-to-jscale --hf ~/Llama-3.2-1B --out ckpt/llama1b\n"
       "  python -m jscale.convert jscale-to-hf --ckpt ckpt/llama1b --out hf/llama1b "
       "--dtype bfloat16\n"
+      "  python -m jscale.convert jscale-to-hf --ckpt runs/tiny --out hf/tiny   "
+      "(a run's latest checkpoint)\n"
       "run `python -m jscale.convert COMMAND --help` for a command's options")
   sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
   a = sub.add_parser("hf-to-jscale", help="HF Llama/Mixtral dir -> jscale params checkpoint",
@@ -42,12 +44,17 @@ def _parser() -> argparse.ArgumentParser:
                  help="dtype the weights are stored in (default: float32 master weights)")
   a.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
                  help="compute dtype recorded in model.yaml (default: bfloat16)")
-  b = sub.add_parser("jscale-to-hf", help="jscale params checkpoint -> HF Llama/Mixtral dir",
-                     description="Read a jscale params checkpoint (params/ + model.yaml) and "
+  b = sub.add_parser("jscale-to-hf", help="jscale run / checkpoint -> HF Llama/Mixtral dir",
+                     description="Read a training run's output_dir (its latest checkpoint, or "
+                     "--step), one checkpoint step dir, or a params checkpoint (params/ + "
+                     "model.yaml) — parameters only, the optimizer state is not read — and "
                      "write config.json + safetensors that transformers' "
                      "LlamaForCausalLM.from_pretrained loads (MixtralForCausalLM for a model "
-                     "with model.moe).")
-  b.add_argument("--ckpt", required=True, metavar="DIR", help="jscale params checkpoint dir")
+                     "with model.moe). The output appears whole or not at all: it is written "
+                     "to a temporary dir beside --out, then renamed.")
+  b.add_argument("--ckpt", "--model", dest="ckpt", required=True, metavar="DIR",
+                 help="run output_dir, checkpoints/<step> dir or params checkpoint")
+  b.add_argument("--step", type=int, default=None, help="checkpoint step of a run (latest)")
   b.add_argument("--out", required=True, metavar="DIR", help="output directory (empty or new)")
   b.add_argument("--dtype", default=None, choices=_DTYPES,
                  help="dtype of the exported weights (default: as stored in the checkpoint)")
@@ -76,22 +83,53 @@ def _hf_to_jscale(args) -> None:
 
 def _jscale_to_hf(args) -> None:
   # pylint: disable=import-outside-toplevel
-  from flax import nnx
+  import tempfile
 
-  from jscale import params_io
+  from jscale import model_source
   from jscale.convert import save_hf
-  from jscale.model import llama
-  if not os.path.isdir(args.ckpt):
-    raise FileNotFoundError(f"--ckpt {args.ckpt}: no such directory")
-  cfg = params_io.load_model_config(args.ckpt)
-  if not os.path.isdir(os.path.join(args.ckpt, "params")):
+  src = model_source.describe(args.ckpt, args.step)
+  if src.kind == "hf":
+    raise ConfigError(f"--ckpt {args.ckpt} is already a Hugging Face dir")
+  out = os.path.abspath(args.out)
+  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    raise FileExistsError(f"--out {args.out} exists and is not empty; choose a new directory")
+  if src.kind == "params" and not os.path.isdir(os.path.join(args.ckpt, "params")):
     raise FileNotFoundError(f"--ckpt {args.ckpt}: no params/ there; is it a jscale params "
                             "checkpoint (from hf-to-jscale or params_io.save_params)?")
-  model = nnx.eval_shape(lambda: llama.create(cfg))  # shapes only: restore fills the values
-  params_io.load_params_into(args.ckpt, model)
-  save_hf(model, cfg, args.out, dtype=args.dtype)
+  cfg, model = model_source.load(args.ckpt, step=args.step)
+  tokenizer = _tokenizer_of(src)
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  # Written beside --out, then renamed: a crash or a refused config leaves no partial --out.
+  tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
+  try:
+    save_hf(model, cfg, tmp, dtype=args.dtype)
+    for f in _TOKENIZER_FILES:
+      path = os.path.join(os.path.dirname(tokenizer), f) if tokenizer else None
+      if path and os.path.isfile(path):
+        shutil.copyfile(path, os.path.join(tmp, f))
+    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would make the export private
+    if os.path.isdir(out):
+      os.rmdir(out)  # empty (checked above)
+    os.rename(tmp, out)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
   arch = "LlamaForCausalLM" if cfg.moe is None else "MixtralForCausalLM"
-  print(f"wrote {args.out}; load it with transformers.{arch}.from_pretrained")
+  tok = ("; its tokenizer.json copied beside" if tokenizer else
+         "; no tokenizer.json (the byte tokenizer has none: token id = byte value)")
+  print(f"wrote {args.out} from {src.label()}{tok}; load it with "
+        f"transformers.{arch}.from_pretrained")
+
+
+def _tokenizer_of(src) -> str | None:
+  """The tokenizer.json that goes with `src`: a run's data.tokenizer, or the one beside a
+  params checkpoint; None for the byte tokenizer."""
+  if src.config is not None:
+    tok = src.config.data.tokenizer
+    return os.path.expanduser(tok) if tok != "byte" and os.path.isfile(
+        os.path.expanduser(tok)) else None
+  beside = os.path.join(src.path, "tokenizer.json")
+  return beside if os.path.isfile(beside) else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -199,6 +199,12 @@ def pure_to_hf(pure: dict, cfg: ModelConfig, dtype=None) -> Iterator[tuple[str, 
           yield f"model.layers.{i}.{_MOE}experts.{j}.{hf_name}.weight", out(moe[key][i, j].T)
 
 
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
 def write_safetensors(tensors: Iterable[tuple[str, np.ndarray]], path: str,
                       max_shard_bytes: int) -> list[str]:
   """Writes `model.safetensors`, or numbered shards plus an index past `max_shard_bytes`.
@@ -214,6 +220,7 @@ def write_safetensors(tensors: Iterable[tuple[str, np.ndarray]], path: str,
     # Shard count is unknown until the end, so write under temporary names and rename after.
     f = os.path.join(path, f".jscale-shard-{len(written):05d}.tmp")
     save_file(shard, f, metadata={"format": "pt"})  # transformers checks the format
+    os.chmod(f, 0o666 & ~_umask())  # safetensors creates 0600: give the usual file mode
     written.append((f, list(shard)))
 
   for name, w in tensors:

@@ -36,16 +36,20 @@ CACHE_BUCKET = 128  # cache lengths likewise
 
 @dataclasses.dataclass
 class Generated:
-  """Per prompt, the new tokens (up to and excluding EOS) and whether EOS ended it; timings."""
+  """Per prompt, the new tokens (up to and excluding EOS) and whether EOS ended it; timings:
+  the prefill and the first decode step (each with its compile, if one ran), then
+  `decode_steps` more decode steps in `decode_s`."""
   tokens: list[list[int]]
   finished: list[bool]
   prefill_s: float
+  first_decode_s: float
   decode_s: float
   decode_steps: int
 
   @property
   def tokens_per_s(self) -> float:
-    """New tokens per second of decoding (every row's, the prefill's first token excluded)."""
+    """Steady-state decode rate: new tokens per second over all rows, after the first decode
+    step (0.0 when too few tokens were generated to time one)."""
     return len(self.tokens) * self.decode_steps / self.decode_s if self.decode_s else 0.0
 
 
@@ -131,12 +135,16 @@ class Generator:
     out = [next_B]
     jax.block_until_ready(next_B)
     t1 = time.perf_counter()
+    t_first = t1  # end of the first decode step: compile time stays out of the rate
     positions_B = jnp.asarray(lengths)
     eos = -1 if eos_id is None else eos_id
     for step in range(1, max_new_tokens):
       next_B, cache = self._decode(self.state, next_B, cache, positions_B + (step - 1),
                                    keys[step], settings)
       out.append(next_B)
+      if step == 1:
+        jax.block_until_ready(next_B)
+        t_first = time.perf_counter()
       # Stop once every row has emitted EOS; checked every few steps so the host rarely
       # waits on the device.
       if eos_id is not None and step % 8 == 0 and bool(
@@ -149,4 +157,4 @@ class Generator:
       end = row.index(eos) if eos in row else len(row)
       rows.append(row[:end])
       finished.append(end < len(row))
-    return Generated(rows, finished, t1 - t0, t2 - t1, len(out) - 1)
+    return Generated(rows, finished, t1 - t0, t_first - t1, t2 - t_first, max(len(out) - 2, 0))

@@ -1,0 +1,111 @@
+"""`python -m jscale.eval --model PATH [key=value ...]`: loss and perplexity on a data source.
+
+PATH as for `jscale.generate` (run dir, checkpoint, params checkpoint, HF dir). The data is a
+run's own (`data.*` of its config) unless overridden (`data.source=text data.path=...
+data.tokenizer=...`); a model without a run defaults to the tokenizer.json beside it. The
+loss is the training loop's eval (`jscale.infer.evaluate.mean_loss` over the same compiled
+eval step), over every full batch of the split once (`--batches N` for fewer), on all devices
+(`mesh.*`, `parallel.*` overrides lay the model out as in training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from jscale.config import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m jscale.eval",
+                              description="Loss and perplexity of a jscale run, checkpoint or "
+                              "Hugging Face model on a data source.")
+  p.add_argument("--model", required=True, metavar="PATH",
+                 help="run dir, checkpoint dir, params checkpoint or HF dir")
+  p.add_argument("--step", type=int, default=None, help="checkpoint step of a run (latest)")
+  p.add_argument("--split", default="val", choices=("val", "train"),
+                 help="which split of the data source (default: val)")
+  p.add_argument("--batches", type=int, default=0, help="0: every full batch of the split")
+  p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+  p.add_argument("overrides", nargs="*",
+                 help="config overrides: data.*, train.seq_len / batch_size, mesh.*, ...")
+  return p
+
+
+def config_for(path: str, model_cfg, overrides: list[str]):
+  """The Config evaluating the model: the run's data and train.seq_len / batch_size if `path`
+  is a run (else defaults, with the tokenizer.json beside the weights), the loaded model's
+  shape, one device layout for all devices, then `overrides`."""
+  # pylint: disable=import-outside-toplevel
+  import os
+
+  from jscale import model_source
+  from jscale.config_load import from_overrides
+  raw = {"model": dataclasses.asdict(model_cfg), "fp8": {"enabled": False},
+         "logging": {"progress": False}}
+  data = model_source.data_config(path)
+  train = model_source.train_config(path)
+  if data is not None:
+    raw["data"] = dataclasses.asdict(data)
+  elif os.path.isfile(os.path.join(path, "tokenizer.json")):
+    raw["data"] = {"tokenizer": os.path.join(path, "tokenizer.json")}
+  if train is not None:
+    raw["train"] = {"seq_len": train.seq_len, "batch_size": train.batch_size}
+  return from_overrides(raw, overrides)
+
+
+def run(args) -> dict:
+  """Evaluates per `args`; prints and returns {loss, perplexity, tokens, ...}."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  from flax import nnx
+
+  from jscale import model_source, runtime, validate
+  from jscale.data import make_eval_batches
+  from jscale.infer import evaluate, setup
+  from jscale.parallel.pipeline import layout
+  if args.batches < 0:
+    raise ConfigError(f"--batches {args.batches}: must be >= 0 (0: the whole split)")
+  model_cfg, model = model_source.load(args.model, step=args.step)
+  cfg = config_for(args.model, model_cfg, args.overrides)
+  validate.check_runtime(cfg)
+  tokenizer = setup.load_tokenizer_at(cfg.data.tokenizer)
+  setup.check_vocab(tokenizer, cfg.model, f"data.tokenizer={cfg.data.tokenizer}")
+  rt = runtime.build(cfg)
+  cfg = rt.cfg
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  params = layout.params_to_storage(params, cfg.model.n_layers, rt.mesh.shape["stage"],
+                                    cfg.pipeline.virtual_stages)
+  params = jax.device_put(params, rt.state_shardings["params"])
+  t = cfg.train
+  batches = make_eval_batches(cfg.data, t.seq_len, t.batch_size, args.batches,
+                              jax.process_index(), jax.process_count(), rt.reorder(),
+                              split=args.split)
+  result = evaluate.mean_loss(rt.eval_step(), params, batches, rt.layouts.batch())
+  out = {"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens,
+         "batches": len(batches), "batch_size": t.batch_size, "seq_len": t.seq_len,
+         "split": args.split, "source": cfg.data.source, "tokenizer": cfg.data.tokenizer}
+  if args.json:
+    print(json.dumps(out))
+  else:
+    print(f"loss {result.loss:.4f}, perplexity {result.perplexity:.3f} over "
+          f"{result.tokens:,} tokens ({args.split} split of data.source={cfg.data.source}, "
+          f"{len(batches)} batches of {t.batch_size} x {t.seq_len})")
+  return out
+
+
+def main(argv: list[str] | None = None) -> int:
+  """CLI entry point; returns the exit status (2 for user errors, without a traceback)."""
+  args = _parser().parse_args(argv)
+  try:
+    run(args)
+  except (ConfigError, FileNotFoundError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,106 @@
+"""`python -m jscale.generate --model PATH --prompt TEXT [...]`: text from a trained model.
+
+PATH is a training run's output_dir (its latest checkpoint, or `--step`), one checkpoint step
+directory, a params checkpoint (`python -m jscale.convert hf-to-jscale`) or a Hugging Face
+Llama / Mixtral directory. Greedy by default; `--temperature`, `--top-k`, `--top-p`, `--seed`
+sample. A row stops at the tokenizer's EOS (unless `--ignore-eos`) or after `--max-new-tokens`.
+Prompts of different lengths run as one batch through a KV cache (`jscale.infer.generator`);
+`--tensor N` splits the model over N devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jscale.config import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m jscale.generate",
+                              description="Generate text from a jscale run, checkpoint or "
+                              "Hugging Face model.")
+  p.add_argument("--model", required=True, metavar="PATH",
+                 help="run dir, checkpoint dir, params checkpoint or HF dir")
+  p.add_argument("--step", type=int, default=None, help="checkpoint step of a run (latest)")
+  p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+  p.add_argument("--prompt-file", metavar="FILE",
+                 help="prompts, one per line (blank lines skipped)")
+  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+  p.add_argument("--top-k", type=int, default=0, help="0: no top-k truncation")
+  p.add_argument("--top-p", type=float, default=1.0, help="1.0: no nucleus truncation")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
+  p.add_argument("--tokenizer", default=None,
+                 help="byte or a tokenizer.json (default: the run's, or the model dir's)")
+  p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                 help="compute dtype (default: the model's)")
+  p.add_argument("--tensor", type=int, default=1, help="split the model over this many devices")
+  return p
+
+
+def _prompts(args) -> list[str]:
+  prompts = list(args.prompt)
+  if args.prompt_file:
+    try:
+      with open(args.prompt_file, encoding="utf-8") as f:
+        prompts += [line.rstrip("\n") for line in f if line.strip()]
+    except OSError as e:
+      raise FileNotFoundError(f"--prompt-file {args.prompt_file}: {e.strerror}") from None
+  if not prompts:
+    raise ConfigError("no prompt: pass --prompt TEXT (repeatable) or --prompt-file FILE")
+  return prompts
+
+
+def run(args) -> list[str]:
+  """Generates per `args` (parsed by `_parser`), prints prompts, completions and speed;
+  returns the completions."""
+  # pylint: disable=import-outside-toplevel
+  from jscale import model_source
+  from jscale.infer import setup
+  from jscale.infer.generator import Generator
+  from jscale.infer.sampling import Sampling
+  prompts = _prompts(args)
+  sampling = Sampling(args.temperature, args.top_k, args.top_p)
+  try:
+    sampling.check()
+  except ValueError as e:
+    raise ConfigError(f"--{str(e).replace('_', '-')}") from None
+  data = model_source.data_config(args.model)
+  tok_path = setup.tokenizer_path(args.model, data.tokenizer if data else None, args.tokenizer)
+  tokenizer = setup.load_tokenizer_at(tok_path)
+  mesh = setup.tensor_mesh(args.tensor)
+  cfg, model = model_source.load(args.model, step=args.step)
+  setup.check_vocab(tokenizer, cfg, tok_path)
+  cfg, model = setup.for_this_backend(cfg, model, args.dtype)
+  ids = [tokenizer.encode(p) for p in prompts]
+  if any(not i for i in ids):
+    raise ConfigError("a prompt encodes to no tokens: give non-empty prompts")
+  gen = Generator(model, mesh).generate(
+      ids, args.max_new_tokens, sampling, args.seed,
+      None if args.ignore_eos else tokenizer.eos_id)
+  texts = [tokenizer.decode(t) for t in gen.tokens]
+  for i, (p, t) in enumerate(zip(prompts, texts)):
+    print(f"--- [{i}]{'' if gen.finished[i] else ' (max tokens)'}\n{p}{t}")
+  n = sum(len(t) for t in gen.tokens)
+  print(f"--- {len(prompts)} prompt(s), {n} new tokens; prefill {gen.prefill_s:.2f} s and first "
+        f"decode step {gen.first_decode_s:.2f} s (with compile), then decode "
+        f"{gen.tokens_per_s:,.0f} tokens/s ({gen.decode_steps} steps x batch {len(prompts)}, "
+        f"{cfg.dtype}, attention {cfg.attention_impl})", flush=True)
+  return texts
+
+
+def main(argv: list[str] | None = None) -> int:
+  """CLI entry point; returns the exit status (2 for user errors, without a traceback)."""
+  args = _parser().parse_args(argv)
+  try:
+    run(args)
+  except (ConfigError, FileNotFoundError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,192 @@
+"""Where a trained model comes from: one PATH for `jscale.generate`, `jscale.eval` and
+`jscale.convert jscale-to-hf`.
+
+PATH is one of (`describe` decides, in this order):
+
+- "run": a training run's output_dir (it has run.json): its latest complete checkpoint, or
+  `step`; the model config is the run's.
+- "step": one checkpoint step directory of a run (`<run>/checkpoints/<step>`, it has state/);
+  the config is the run.json two levels up.
+- "params": a params checkpoint (params/ + model.yaml, from `convert hf-to-jscale`).
+- "hf": a Hugging Face Llama / Mixtral dir (config.json + safetensors).
+
+From a training checkpoint only the parameters are read (orbax partial restore: the optimizer
+state is never loaded), put back in model layer order (`layout.to_model`: an interleaved
+pipeline stores its layers in chunk order), onto one device (host memory first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jscale import params_io
+from jscale.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
+from jscale.config_load import from_dict
+from jscale.parallel.pipeline import layout
+
+KINDS = ("run", "step", "params", "hf")
+_HINT = ("give a training run's output_dir, one of its checkpoints/<step> dirs, a params "
+         "checkpoint (`python -m jscale.convert hf-to-jscale`) or a Hugging Face model dir")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """What PATH holds. `weights`: the dir the parameters are read from (a run's step dir for
+  "run"); `config`: the run's whole Config ("run" / "step"), else None."""
+  kind: str
+  path: str
+  weights: str
+  config: Config | None = None
+  step: int | None = None
+  stages: int = 1  # the run's pipeline stage count (its layer storage order depends on it)
+
+  def label(self) -> str:
+    """One line for messages: what is loaded from where."""
+    if self.kind in ("run", "step"):
+      return f"step {self.step} of run {self.path if self.kind == 'run' else self.weights}"
+    return f"{'params checkpoint' if self.kind == 'params' else 'HF model'} {self.path}"
+
+
+def describe(path: str, step: int | None = None) -> Source:
+  """Classifies `path` (see the module doc); ConfigError naming the fix if it is none of them."""
+  # pylint: disable=import-outside-toplevel
+  from jscale.init_from import is_hf_dir
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"--model {path}: no such directory; {_HINT}")
+  if step is not None and not os.path.isfile(os.path.join(path, "run.json")):
+    raise ConfigError(f"--step {step} applies to a training run's output_dir; {path} is not one "
+                      "(it has no run.json)")
+  if os.path.isfile(os.path.join(path, "run.json")):
+    cfg, stages = _run_config(path)
+    steps_dir = _checkpoints_dir(path, cfg)
+    steps = complete_steps(steps_dir)
+    if not steps:
+      raise ConfigError(f"--model {path}: the run has no complete checkpoint in {steps_dir}; "
+                        "train with checkpoint.every > 0 (the last step is always saved then)")
+    if step is None:
+      step = steps[-1]
+    elif step not in steps:
+      raise ConfigError(f"--step {step}: not a checkpoint of {path}; it has steps "
+                        f"{', '.join(map(str, steps))}")
+    return Source("run", path, os.path.join(steps_dir, str(step)), cfg, step, stages)
+  if os.path.isdir(os.path.join(path, "state")):
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    if not os.path.isfile(os.path.join(run_dir, "run.json")):
+      raise ConfigError(f"--model {path}: a training checkpoint, but no run.json in {run_dir} "
+                        "to read its model config from; pass the run's output_dir")
+    name = os.path.basename(os.path.normpath(path))
+    cfg, stages = _run_config(run_dir)
+    return Source("step", path, path, cfg, int(name) if name.isdigit() else None, stages)
+  if os.path.isfile(os.path.join(path, "model.yaml")):
+    return Source("params", path, path)
+  if is_hf_dir(path):
+    return Source("hf", path, path)
+  raise ConfigError(f"--model {path}: not a model directory (no run.json, state/, model.yaml or "
+                    f"config.json there); {_HINT}")
+
+
+def complete_steps(steps_dir: str) -> list[int]:
+  """The checkpoint steps in `steps_dir`, ascending; orbax's unfinished temporary dirs (named
+  `<step>.orbax-checkpoint-tmp-*`) are not steps."""
+  if not os.path.isdir(steps_dir):
+    return []
+  return sorted(int(d) for d in os.listdir(steps_dir)
+                if d.isdigit() and os.path.isdir(os.path.join(steps_dir, d, "state")))
+
+
+def _run_config(run_dir: str) -> tuple[Config, int]:
+  """The run's Config (from run.json) and its resolved pipeline stage count."""
+  with open(os.path.join(run_dir, "run.json"), encoding="utf-8") as f:
+    info = json.load(f)
+  cfg = from_dict(info["config"])
+  # The run's attention was resolved for its devices (e.g. cudnn): pick again where it runs.
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl="auto"))
+  return cfg, int(info.get("mesh", {}).get("stage", max(cfg.mesh.stage, 1)))
+
+
+def _checkpoints_dir(run_dir: str, cfg: Config) -> str:
+  """The run's checkpoint dir: `<run>/checkpoints` (found even if the run dir was moved), else
+  the checkpoint.dir it was trained with."""
+  beside = os.path.join(run_dir, "checkpoints")
+  if os.path.isdir(beside) or not cfg.checkpoint.dir:
+    return beside
+  return cfg.checkpoint.dir
+
+
+def model_config(path: str, step: int | None = None) -> ModelConfig:
+  """The ModelConfig of the model at `path`."""
+  # pylint: disable=import-outside-toplevel
+  from jscale.init_from import checkpoint_model
+  src = describe(path, step)
+  if src.config is not None:
+    return src.config.model
+  if src.kind == "params":
+    return params_io.load_model_config(path)
+  return checkpoint_model(path)
+
+
+def data_config(path: str) -> DataConfig | None:
+  """The data section a run trained on (None for a params checkpoint or an HF dir)."""
+  src = describe(path)
+  return src.config.data if src.config is not None else None
+
+
+def train_config(path: str) -> TrainConfig | None:
+  """The train section of a run (seq_len, batch_size, ...); None for other kinds."""
+  src = describe(path)
+  return src.config.train if src.config is not None else None
+
+
+def load(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
+         step: int | None = None) -> tuple[ModelConfig, nnx.Module]:
+  """(ModelConfig, model) for the model at `path`, its parameters loaded. `dtype` /
+  `param_dtype` replace the compute / storage dtypes (parameters are cast on load)."""
+  # pylint: disable=import-outside-toplevel
+  from jscale.convert import load_hf
+  from jscale.model import llama
+  src = describe(path, step)
+  if src.kind == "hf":
+    cfg, model = load_hf(path, dtype=dtype or "float32", param_dtype=param_dtype or "float32")
+    return cfg, model
+  cfg = model_config(path, step)
+  stored_dtype = cfg.param_dtype
+  cfg = dataclasses.replace(cfg, dtype=dtype or cfg.dtype,
+                            param_dtype=param_dtype or cfg.param_dtype)
+  model = nnx.eval_shape(lambda: llama.create(cfg))
+  state = nnx.state(model, nnx.Param)
+  want = nnx.to_pure_dict(state)
+  if src.kind == "params":
+    stored = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(stored_dtype)), want)
+    pure = params_io.restore_pure(path, stored)
+  else:
+    pure = _restore_train_params(src, want, stored_dtype)
+  nnx.replace_by_pure_dict(state, jax.tree.map(lambda x, w: jnp.asarray(x, w.dtype), pure, want))
+  nnx.update(model, state)
+  return cfg, model
+
+
+def _restore_train_params(src: Source, want: dict, stored_dtype: str) -> dict:
+  """The `params` of a training checkpoint (nothing else is read), in model layer order."""
+  run = src.config
+  target = {"params": jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(stored_dtype)), want)}
+  state_dir = os.path.join(os.path.abspath(src.weights), "state")
+  try:
+    with ocp.PyTreeCheckpointer() as ckptr:
+      out = ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
+          item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+          partial_restore=True))
+  except (ValueError, KeyError) as e:
+    raise ConfigError(f"--model {src.path}: the checkpoint's parameters do not fit the run's "
+                      f"model config: {e}") from None
+  params = out["params"]
+  v = run.pipeline.virtual_stages if src.stages > 1 else 1
+  return {**params,
+          "blocks": layout.to_model(params["blocks"], run.model.n_layers, src.stages, v)}

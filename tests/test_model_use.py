@@ -1,0 +1,179 @@
+"""A trained run in the user's hands: `jscale.model_source` reads runs, step dirs, params
+checkpoints and HF dirs; `jscale.convert jscale-to-hf` exports a run (transformers' logits =
+jscale's, dense and MoE); `jscale.eval` = the training loop's val loss; `jscale.generate` from a
+run = from its export. Each run trains 2 steps of a small model once for the module."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from conftest import small_config
+from jscale import eval as eval_cli
+from jscale import generate as generate_cli
+from jscale import model_source
+from jscale import train as train_lib
+from jscale.convert.__main__ import main as convert_main
+from jscale.parallel.pipeline import layout
+
+TOKENS = [[5, 17, 99, 3, 250, 41, 7, 128, 64, 9, 200, 33]]
+
+
+def _train(out, data_cache, *extra):
+  cfg = small_config(None, f"train.output_dir={out}", f"data.cache_dir={data_cache}",
+                     "train.steps=2", "checkpoint.every=2", "train.eval_every=2",
+                     "train.eval_batches=2", *extra)
+  with contextlib.redirect_stdout(io.StringIO()):
+    return train_lib.run(cfg)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+  """{name: (run dir, train.run's summary)}: a dense model stored by an interleaved pipeline
+  (its layers in chunk order) and an MoE model."""
+  root = tmp_path_factory.mktemp("model_use")
+  return {
+      "dense_interleaved": (root / "dense", _train(
+          root / "dense", data_cache, "mesh.stage=2", "pipeline.schedule=interleaved",
+          "pipeline.virtual_stages=2", "pipeline.microbatches=2", "model.n_layers=4")),
+      "moe": (root / "moe", _train(root / "moe", data_cache, "model.moe.n_experts=4",
+                                   "model.moe.top_k=2", "model.moe.d_ff=64")),
+  }
+
+
+def _run(fn, argv) -> tuple[int, str, str]:
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    code = fn(argv)
+  return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("name", ["dense_interleaved", "moe"])
+def test_export_run_logits_equal_transformers(runs, name, tmp_path):
+  run_dir, summary = runs[name]
+  cfg, model = model_source.load(str(run_dir))
+  # The loaded parameters are the run's final ones, in model layer order.
+  trained = jax.device_get(summary["state"]["params"])
+  stages, v = (2, 2) if name == "dense_interleaved" else (1, 1)
+  want = {**trained, "blocks": layout.to_model(trained["blocks"], cfg.n_layers, stages, v)}
+  got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  out = tmp_path / "hf"
+  code, printed, err = _run(convert_main, ["jscale-to-hf", "--ckpt", str(run_dir), "--out",
+                                           str(out)])
+  assert code == 0, err
+  assert "from step 2 of run" in printed
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+  assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]  # the temp dir was renamed
+  assert os.stat(out / "model.safetensors").st_mode & 0o044  # readable beyond the owner
+  arch = transformers.MixtralForCausalLM if name == "moe" else transformers.LlamaForCausalLM
+  hf = arch.from_pretrained(str(out), attn_implementation="eager").eval()
+  with torch.no_grad():
+    theirs = hf(torch.tensor(TOKENS)).logits.numpy()
+  ours = np.asarray(model(jnp.asarray(TOKENS)))
+  np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=2e-4)
+
+
+def test_sources_resolve_the_same_weights(runs, tmp_path):
+  """A run dir, its step dir (--step or the path) give the same model; a params checkpoint and
+  an HF export of it load back equal."""
+  run_dir, _ = runs["moe"]
+  _, a = model_source.load(str(run_dir))
+  _, b = model_source.load(str(run_dir / "checkpoints" / "2"))
+  _, c = model_source.load(str(run_dir), step=2)
+  for x, y, z in zip(*(jax.tree.leaves(nnx.state(m, nnx.Param)) for m in (a, b, c))):
+    np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(x, z)
+  assert [model_source.describe(str(p)).kind for p in
+          (run_dir, run_dir / "checkpoints" / "2")] == ["run", "step"]
+  # An unfinished save (orbax's temporary dir) is never the latest step.
+  (run_dir / "checkpoints" / "4.orbax-checkpoint-tmp-99" / "state").mkdir(parents=True)
+  assert model_source.describe(str(run_dir)).step == 2
+  assert model_source.data_config(str(run_dir)).source == "stdlib"
+  assert model_source.train_config(str(run_dir)).seq_len == 32
+
+
+def test_eval_equals_the_training_val_loss(runs):
+  run_dir, summary = runs["dense_interleaved"]
+  code, printed, err = _run(eval_cli.main, ["--model", str(run_dir), "--batches", "2",
+                                            "--json"])
+  assert code == 0, err
+  result = json.loads(printed.strip().splitlines()[-1])
+  # Same batches (the run's val split, its seq_len and batch size), same compiled eval step,
+  # here on one device layout instead of the run's pipeline: equal to float rounding.
+  assert result["loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
+  assert result["tokens"] == 2 * 8 * 32 and result["batches"] == 2
+  assert result["perplexity"] == pytest.approx(np.exp(result["loss"]), rel=1e-6)
+  # Another split and an override of the data's batch shape.
+  code, printed, _ = _run(eval_cli.main, ["--model", str(run_dir), "--split", "train",
+                                          "--batches", "1", "train.batch_size=16"])
+  assert code == 0 and "over 512 tokens (train split of data.source=stdlib" in printed
+  # A batch the 8 devices cannot split is refused by name, before anything compiles.
+  code, _, err = _run(eval_cli.main, ["--model", str(run_dir), "train.batch_size=4"])
+  assert code == 2 and "train.batch_size=4" in err
+
+
+def test_generate_from_a_run_equals_generate_from_its_export(runs, tmp_path):
+  run_dir, _ = runs["dense_interleaved"]
+  args = ["--prompt", "def f(x):", "--prompt", "import", "--max-new-tokens", "6"]
+  code, from_run, err = _run(generate_cli.main, ["--model", str(run_dir), *args])
+  assert code == 0, err
+  assert from_run.count("--- [") == 2 and "tokens/s" in from_run
+  assert _run(convert_main, ["jscale-to-hf", "--ckpt", str(run_dir), "--out",
+                             str(tmp_path / "hf")])[0] == 0
+  code, from_hf, err = _run(generate_cli.main, ["--model", str(tmp_path / "hf"),
+                                                "--tokenizer", "byte", *args])
+  assert code == 0, err
+  completions = lambda text: text.split("\n--- 2 prompt(s)")[0]  # noqa: E731
+  assert completions(from_hf) == completions(from_run)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/nonexistent/run", "--prompt", "x"], "no such directory"),
+    (["--model", "{run}", "--step", "7", "--prompt", "x"], "it has steps 2"),
+    (["--model", "{run}"], "no prompt"),
+    (["--model", "{run}", "--prompt", "x", "--top-p", "1.5"], "--top-p"),
+    (["--model", "{run}/checkpoints", "--prompt", "x"], "not a model directory"),
+])
+def test_generate_errors_are_named(runs, argv, message):
+  run_dir, _ = runs["moe"]
+  code, _, err = _run(generate_cli.main, [a.format(run=run_dir) for a in argv])
+  assert code == 2 and message in err
+
+
+def test_export_refuses_and_leaves_nothing(runs, tmp_path, monkeypatch):
+  run_dir, _ = runs["moe"]
+  taken = tmp_path / "taken"
+  taken.mkdir()
+  (taken / "notes.txt").write_text("mine")
+  code, _, err = _run(convert_main, ["jscale-to-hf", "--ckpt", str(run_dir), "--out",
+                                     str(taken)])
+  assert code == 2 and "not empty" in err
+  assert os.listdir(taken) == ["notes.txt"]
+  code, _, err = _run(convert_main, ["jscale-to-hf", "--ckpt", str(run_dir), "--step", "9",
+                                     "--out", str(tmp_path / "new")])
+  assert code == 2 and "--step 9" in err
+  # A failure halfway through writing (a full disk, say) leaves neither --out nor a temp dir.
+  from jscale.convert import hf_weights  # pylint: disable=import-outside-toplevel
+  real = hf_weights.write_safetensors
+
+  def disk_full(tensors, path, max_shard_bytes):
+    real(tensors, path, max_shard_bytes)
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(hf_weights, "write_safetensors", disk_full)
+  with pytest.raises(OSError, match="No space"):
+    convert_main(["jscale-to-hf", "--ckpt", str(run_dir), "--out", str(tmp_path / "new")])
+  assert sorted(os.listdir(tmp_path)) == ["taken"]
