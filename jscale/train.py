@@ -174,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     if summary["val_loss"] is not None:
       msg += f", val_loss {summary['val_loss']:.4f}"
     print(msg + f"; metrics in {os.path.join(cfg.train.output_dir, 'metrics.jsonl')}")
+    if cfg.checkpoint.every > 0:
+      out = cfg.train.output_dir
+      prompt = "def " if cfg.data.source == "stdlib" else "your text"
+      print(f"next: python -m jscale.generate --model {out} --prompt '{prompt}'   |   "
+            f"python -m jscale.eval --model {out}   |   "
+            f"python -m jscale.convert jscale-to-hf --ckpt {out} --out {out}-hf")
   return 0
 
 

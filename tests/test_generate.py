@@ -1,6 +1,6 @@
 """Generation: the KV-cache path equals recomputing the prefix, greedy decoding equals
 transformers' generate token for token, sampling, EOS, one compiled decode step, tensor
-parallelism, and the CLI."""
+parallelism, the cache updated in place. The CLI on trained runs: tests/test_model_use.py."""
 
 from __future__ import annotations
 

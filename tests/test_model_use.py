@@ -133,8 +133,11 @@ def test_generate_from_a_run_equals_generate_from_its_export(runs, tmp_path):
   assert from_run.count("--- [") == 2 and "tokens/s" in from_run
   assert _run(convert_main, ["jscale-to-hf", "--ckpt", str(run_dir), "--out",
                              str(tmp_path / "hf")])[0] == 0
-  code, from_hf, err = _run(generate_cli.main, ["--model", str(tmp_path / "hf"),
-                                                "--tokenizer", "byte", *args])
+  # The same prompts from a file, the model split over 2 devices (tensor parallelism).
+  (tmp_path / "prompts.txt").write_text("def f(x):\n\nimport\n", encoding="utf-8")
+  code, from_hf, err = _run(generate_cli.main, [
+      "--model", str(tmp_path / "hf"), "--tokenizer", "byte", "--prompt-file",
+      str(tmp_path / "prompts.txt"), "--max-new-tokens", "6", "--tensor", "2"])
   assert code == 0, err
   completions = lambda text: text.split("\n--- 2 prompt(s)")[0]  # noqa: E731
   assert completions(from_hf) == completions(from_run)
