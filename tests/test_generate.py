@@ -44,11 +44,20 @@ def test_cache_equals_recompute(moe):
   gen = Generator(model)
   out = gen.generate(PROMPTS, NEW)
   assert out.tokens == [_recomputed(model, p, NEW) for p in PROMPTS]
-  # Other prompt lengths (same bucket), token budget and sampling settings: still the one
-  # compiled decode step.
-  gen.generate([[3, 1, 4, 1, 5, 9, 2, 6], [2], [7, 1]], 5,
-               Sampling(temperature=0.7, top_k=5, top_p=0.9))
+  # Other prompt lengths (same bucket), token budgets, sampling settings and an EOS: nothing
+  # compiles at all after the first call (no per-step or per-length helper either).
+  gen.generate(PROMPTS, NEW, eos_id=3)  # the EOS check's few ops compile once, here
+  compiles = []
+  listener = lambda event, *_, **__: compiles.append(event) if "backend_compile" in event else None  # noqa: E731
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    for n in (5, 19):
+      gen.generate([[3, 1, 4, 1, 5, 9, 2, 6], [2], [7, 1]], n,
+                   Sampling(temperature=0.7, top_k=5, top_p=0.9), seed=n, eos_id=3)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
   assert gen.compiled_decode_steps() == 1
+  assert compiles == []
 
 
 @pytest.fixture(scope="module")
