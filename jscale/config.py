@@ -199,6 +199,7 @@ class LoggingConfig:
   every: int = 10
   progress: bool = True
   tensorboard: bool = True
+  plot: bool = True  # <output_dir>/metrics.png when the run ends (jscale.analysis.plots)
 
 
 @dataclasses.dataclass

@@ -149,6 +149,9 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
     jax.profiler.stop_trace()
   ckptr.close()
   writer.close()
+  if cfg.logging.plot and distributed.is_main():
+    from jscale.analysis import plots  # pylint: disable=import-outside-toplevel
+    plots.plot_run_end(t.output_dir)
   return {"losses": losses, "val_loss": val_loss, "final_step": end, "state": state}
 
 

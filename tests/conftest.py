@@ -21,7 +21,7 @@ def small_config(tmp_path=None, *overrides: str):
   base = ["model.preset=tiny", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
           "model.n_kv_heads=2", "model.d_ff=128", "model.dtype=float32", "train.batch_size=8",
           "train.seq_len=32", "train.steps=6", "train.warmup_steps=2", "train.eval_every=0",
-          "logging.progress=false", "logging.every=1"]
+          "logging.progress=false", "logging.every=1", "logging.plot=false"]
   if tmp_path is not None:
     base += [f"train.output_dir={tmp_path}/run", f"data.cache_dir={tmp_path.parent}/cache"]
   return load_config(None, base + list(overrides))
