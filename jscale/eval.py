@@ -98,13 +98,8 @@ def run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
   """CLI entry point; returns the exit status (2 for user errors, without a traceback)."""
-  args = _parser().parse_args(argv)
-  try:
-    run(args)
-  except (ConfigError, FileNotFoundError, ValueError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  return 0
+  from jscale.infer.setup import run_cli  # pylint: disable=import-outside-toplevel
+  return run_cli(_parser(), run, argv)
 
 
 if __name__ == "__main__":

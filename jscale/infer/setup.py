@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import jax
 from flax import nnx
@@ -73,3 +74,15 @@ def tensor_mesh(tensor: int) -> jax.sharding.Mesh | None:
   if tensor > jax.device_count():
     raise ConfigError(f"--tensor {tensor}: only {jax.device_count()} devices here")
   return mesh_lib.make_mesh(MeshConfig(data=1, tensor=tensor), jax.devices()[:tensor])
+
+
+def run_cli(parser, run, argv: list[str] | None) -> int:
+  """Parses `argv`, calls `run(args)`; a user error (bad config, missing file, bad value) is
+  one `error: ...` line on stderr and exit status 2, not a traceback."""
+  args = parser.parse_args(argv)
+  try:
+    run(args)
+  except (ConfigError, FileNotFoundError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
