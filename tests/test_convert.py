@@ -198,9 +198,9 @@ def test_cli_roundtrip(hf_dirs, tmp_path, capsys):
   assert main(["hf-to-jscale", "--hf", src, "--out", ckpt]) == 2
   assert "already holds" in capsys.readouterr().err
   assert main(["jscale-to-hf", "--ckpt", ckpt, "--out", out]) == 2
-  assert "already holds" in capsys.readouterr().err
+  assert "exists and is not empty" in capsys.readouterr().err
   assert main(["jscale-to-hf", "--ckpt", src, "--out", str(tmp_path / "y")]) == 2
-  assert "model.yaml" in capsys.readouterr().err
+  assert "already a Hugging Face dir" in capsys.readouterr().err
 
 
 def test_cli_help():

@@ -191,7 +191,11 @@ def test_moe_in_a_pipeline_matches_one_device(mode, schedule, extra):
   np.testing.assert_allclose(got, parity.reference(*MOE, "train.microbatches=2"), rtol=1e-4)
 
 
-EVERY2 = (*MOE, "model.moe.every=2", "model.n_layers=4")
+# lr 1e-4: at the default 3e-3, Adam's first update (~lr * sign(g)) turns last-bit differences
+# of near-zero gradient entries into 7e-4 of step-4 grad norm, the same for every parallel
+# layout (xla, manual, EP x DP, EP x ZeRO-3 measured identical) against one device; at 1e-4
+# all agree to 1e-6.
+EVERY2 = (*MOE, "model.moe.every=2", "model.n_layers=4", "train.lr=1e-4")
 
 
 def test_moe_every_other_layer_stacks_groups_and_matches_one_device():
