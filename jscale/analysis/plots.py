@@ -64,7 +64,7 @@ def figure(runs: dict[str, Series], out_path: str) -> dict[str, list[str]]:
     if ax.lines:
       ax.legend(fontsize=8)
     else:  # e.g. MFU on CPU, where no peak FLOP/s is known
-      ax.text(0.5, 0.5, "not recorded\n(no device peak known)" if title.startswith("MFU")
+      ax.text(0.5, 0.5, "not recorded: no device peak\nFLOP/s known (train.peak_flops)" if title.startswith("MFU")
               else "not recorded", ha="center", va="center", transform=ax.transAxes)
   fig.tight_layout()
   out_dir = os.path.dirname(os.path.abspath(out_path))
