@@ -144,6 +144,9 @@ class DistributedConfig:
   coordinator: str | None = None  # host:port of process 0
   num_processes: int | None = None
   process_id: int | None = None
+  # a process silent this long (killed, hung, its node gone) is declared lost: JAX's coordination
+  # service then stops every other process with a message naming it (no hang on a dead peer)
+  heartbeat_timeout_s: int = 60
 
 
 @dataclasses.dataclass
@@ -171,6 +174,10 @@ class TrainConfig:
   profile_steps: list[int] | None = None  # [first, last] traced steps
   eval_every: int = 100
   eval_batches: int = 4
+  # a non-finite loss or gradient norm: stop (report the step, exit without saving) | skip (the
+  # update is dropped, counted as nonfinite_steps in the metrics). Either way no update with a
+  # NaN or inf is ever applied.
+  on_nan: Literal["stop", "skip"] = "stop"
 
 
 @dataclasses.dataclass
@@ -190,7 +197,13 @@ class CheckpointConfig:
   every: int = 100
   keep: int = 3
   async_save: bool = True
-  resume: bool = True  # restore the latest checkpoint in dir if there is one
+  every_minutes: float = 0.0  # also save when this long has passed since the last save; 0: off
+  # restore the latest checkpoint in dir if there is one; a config that changes the model or
+  # the optimizer state's shapes is refused (jscale.run_dir)
+  resume: bool = True
+  # with resume=false over an earlier run: move it aside to <output_dir>/replaced-<time>/ and
+  # start anew (nothing is deleted)
+  overwrite: bool = False
   init_from: str | None = None  # a jscale checkpoint dir (e.g. from jscale.convert) for params
 
 

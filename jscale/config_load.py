@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -129,13 +130,8 @@ def _coerce(tp, value, key):
     return [_coerce(elem, v, key) for v in value]
   if value is None:
     raise ConfigError(f"{key} may not be empty: give a {tp.__name__}")
-  if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-    return float(value)
-  if tp is float and isinstance(value, str):
-    try:
-      return float(value)  # YAML reads 3e-4 (no dot) as a string
-    except ValueError:
-      pass
+  if tp is float:
+    return _float(value, key)
   if tp is bool and not isinstance(value, bool):
     raise ConfigError(f"{key}={value!r}: expected true or false")
   if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
@@ -143,6 +139,21 @@ def _coerce(tp, value, key):
   if tp is str and not isinstance(value, str):
     raise ConfigError(f"{key}={value!r}: expected a string")
   return value
+
+
+def _float(value, key) -> float:
+  """A finite float from a YAML number or a numeric string (YAML reads 3e-4, no dot, as one)."""
+  out = None
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    out = float(value)
+  elif isinstance(value, str):
+    try:
+      out = float(value)
+    except ValueError:
+      pass
+  if out is None or not math.isfinite(out):
+    raise ConfigError(f"{key}={value!r}: expected a finite number, e.g. {key}=3e-4")
+  return out
 
 
 def from_overrides(raw: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Config:

@@ -45,6 +45,9 @@ _SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PRO
 
 def validate(dist_cfg: DistributedConfig) -> None:
   """Checks the `distributed` section alone (no JAX call); raises ConfigError naming the key."""
+  if dist_cfg.heartbeat_timeout_s < 1:
+    raise ConfigError(f"distributed.heartbeat_timeout_s={dist_cfg.heartbeat_timeout_s} must be "
+                      ">= 1 (seconds before a silent process is declared lost)")
   given = {k: getattr(dist_cfg, k) for k in _EXPLICIT_KEYS}
   if any(v is not None for v in given.values()) and any(v is None for v in given.values()):
     missing = [f"distributed.{k}" for k, v in given.items() if v is None]
@@ -81,7 +84,8 @@ def initialize(dist_cfg: DistributedConfig) -> None:
     jax.distributed.initialize(coordinator_address=dist_cfg.coordinator,
                                num_processes=dist_cfg.num_processes,
                                process_id=dist_cfg.process_id,
-                               cluster_detection_method="deactivate")
+                               cluster_detection_method="deactivate",
+                               heartbeat_timeout_seconds=dist_cfg.heartbeat_timeout_s)
     return
   ntasks = _slurm_ntasks(os.environ)
   if ntasks is None or ntasks <= 1:
@@ -95,7 +99,8 @@ def initialize(dist_cfg: DistributedConfig) -> None:
   _use_gloo_on_cpu()
   # local_device_ids=[] means "every local device" (jax only restricts visibility for a
   # non-empty list, and auto-detection only fills it when it is None); None keeps jax's default.
-  jax.distributed.initialize(local_device_ids=slurm_local_device_ids(os.environ))
+  jax.distributed.initialize(local_device_ids=slurm_local_device_ids(os.environ),
+                             heartbeat_timeout_seconds=dist_cfg.heartbeat_timeout_s)
 
 
 def is_main() -> bool:

@@ -19,6 +19,7 @@ import typing
 import jax
 from jax.sharding import Mesh
 
+from jscale import distributed
 from jscale.config import Config, ConfigError, ModelConfig, MoeConfig, choices
 from jscale.fp8 import linears as fp8_linears
 from jscale.model import attention as attn_lib
@@ -85,6 +86,24 @@ def check_config(cfg: Config) -> None:
   if t.seq_len > m.max_seq_len:
     raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}: "
                       "lower train.seq_len or raise model.max_seq_len")
+  for key in ["train.b1", "train.b2"]:
+    if not 0.0 <= _get(cfg, key) < 1.0:
+      raise ConfigError(f"{key}={_get(cfg, key)} must lie in [0, 1) (Adam's moment decay)")
+  if t.eps <= 0:
+    raise ConfigError(f"train.eps={t.eps} must be positive (Adam's denominator floor)")
+  if t.peak_flops is not None and t.peak_flops <= 0:
+    raise ConfigError(f"train.peak_flops={t.peak_flops} must be positive (FLOP/s per device)")
+  distributed.validate(cfg.distributed)
+  if cfg.checkpoint.every_minutes < 0:
+    raise ConfigError(f"checkpoint.every_minutes={cfg.checkpoint.every_minutes} must be >= 0 "
+                      "(0: no timed saves)")
+  if cfg.checkpoint.every_minutes > 0 and cfg.checkpoint.every == 0:
+    raise ConfigError(f"checkpoint.every_minutes={cfg.checkpoint.every_minutes} needs "
+                      "checkpoints on: checkpoint.every=0 turns every save off (use a large "
+                      "checkpoint.every for timed saves only)")
+  if cfg.checkpoint.overwrite and cfg.checkpoint.resume:
+    raise ConfigError("checkpoint.overwrite=true replaces an earlier run: it needs "
+                      "checkpoint.resume=false as well")
   if not 0.0 <= t.min_lr_ratio <= 1.0:
     raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must lie in [0, 1]")
   if t.profile_steps is not None and (len(t.profile_steps) != 2 or
