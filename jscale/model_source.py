@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jscale import params_io
+from jscale.checkpoint import complete_steps
 from jscale.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
 from jscale.config_load import from_dict
 from jscale.parallel.pipeline import layout
@@ -90,15 +91,6 @@ def describe(path: str, step: int | None = None) -> Source:
     return Source("hf", path, path)
   raise ConfigError(f"--model {path}: not a model directory (no run.json, state/, model.yaml or "
                     f"config.json there); {_HINT}")
-
-
-def complete_steps(steps_dir: str) -> list[int]:
-  """The checkpoint steps in `steps_dir`, ascending; orbax's unfinished temporary dirs (named
-  `<step>.orbax-checkpoint-tmp-*`) are not steps."""
-  if not os.path.isdir(steps_dir):
-    return []
-  return sorted(int(d) for d in os.listdir(steps_dir)
-                if d.isdigit() and os.path.isdir(os.path.join(steps_dir, d, "state")))
 
 
 def _run_config(run_dir: str) -> tuple[Config, int]:
