@@ -188,10 +188,17 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
     grads = comms.sync_grads(grads)
     with jax.named_scope("optimizer"):
       grad_norm = comms.grad_norm(grads)
+      # Never apply a NaN or inf: loss and norm are global (every device decides alike); the
+      # loop stops or counts the step (train.on_nan).
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       mine = comms.params_for_update(params)
-      updates, opt_state = optimizer.update(grads, state["opt_state"], mine, grad_norm=grad_norm)
+      updates, opt_state = optimizer.update(grads, state["opt_state"], mine, grad_norm=grad_norm,
+                                            finite=finite)
       params = comms.gather_updated_params(optax.apply_updates(mine, updates), params)
-    metrics = {"loss": loss, "grad_norm": grad_norm,
+      if dot_state:  # FP8 amax histories: keep the last finite ones
+        dot_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), dot_state,
+                                 state["dot_state"])
+    metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": ~finite,
                "lr": schedule(state["step"]), "tokens": count,
                **{f"moe_{k}" if "loss" in k else k: v for k, v in stats.items()}}
     new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1,

@@ -44,3 +44,20 @@ def test_global_norm_is_plain_norm():
 def test_norms_are_not_decayed():
   mask = optim.decay_mask(_tree(jax.random.key(0)))
   assert mask == {"blocks": {"w": True, "norm": False}, "embed": True, "final_norm": False}
+
+
+def test_a_nonfinite_step_is_dropped_whole():
+  """finite=False: zero updates, moments and count unchanged; the next finite step is the one
+  an optimizer that never saw the bad step would take."""
+  opt = optim.adamw(optax.constant_schedule(1e-2), 0.9, 0.95, 1e-8, 0.1, clip_norm=1.0)
+  params = _tree(jax.random.key(0))
+  good = jax.tree.map(lambda x: 0.5 * x, _tree(jax.random.key(1)))
+  nan = jax.tree.map(lambda x: x * jnp.nan, good)
+  update = jax.jit(opt.update)
+  state = opt.init(params)
+  u, skipped = update(nan, state, params, finite=jnp.array(False))
+  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(u))
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), skipped, state))
+  u_after, _ = update(good, skipped, params, finite=jnp.array(True))
+  u_direct, _ = update(good, state, params)
+  jax.tree.map(np.testing.assert_array_equal, u_after, u_direct)
