@@ -77,19 +77,27 @@ def peak_memory_bytes() -> int | None:
 
 
 class MetricsWriter:
-  """metrics.jsonl + TensorBoard + a progress bar; on non-zero processes it does nothing."""
+  """metrics.jsonl + TensorBoard + a progress bar; on non-zero processes it does nothing.
+
+  Resuming at `start_step` keeps one clean series: rows past it (written after the checkpoint
+  the run resumes from) are dropped from metrics.jsonl, TensorBoard events past it purged.
+  `nonfinite_steps` carries the run's count of skipped non-finite steps across resumes."""
 
   def __init__(self, output_dir: str, total_steps: int, start_step: int = 0, *,
                tensorboard: bool = True, progress: bool = True):
     self.active = jax.process_index() == 0
     self._tb = self._bar = self._jsonl = None
+    self.nonfinite_steps = 0
     if not self.active:
       return
     os.makedirs(output_dir, exist_ok=True)
-    self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+    path = os.path.join(output_dir, "metrics.jsonl")
+    self.nonfinite_steps = trim_metrics(path, start_step)
+    self._jsonl = open(path, "a", encoding="utf-8")
     if tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-      self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+      self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"),
+                               purge_step=start_step + 1 if start_step else None)
     if progress:
       from tqdm import tqdm  # pylint: disable=import-outside-toplevel
       self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
@@ -116,6 +124,27 @@ class MetricsWriter:
     for sink in (self._bar, self._tb, self._jsonl):
       if sink is not None:
         sink.close()
+
+
+def trim_metrics(path: str, last_step: int) -> int:
+  """Drops the rows of metrics.jsonl past `last_step` (and any torn last line), rewriting it via
+  a temporary file; returns the last kept row's `nonfinite_steps` (0 if none)."""
+  if not os.path.exists(path):
+    return 0
+  kept, nonfinite = [], 0
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+      except ValueError:
+        continue  # a line cut short by a kill
+      if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= last_step:
+        kept.append(line if line.endswith("\n") else line + "\n")
+        nonfinite = row.get("nonfinite_steps", nonfinite)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.writelines(kept)
+  os.replace(path + ".tmp", path)
+  return nonfinite
 
 
 def _plain(v):

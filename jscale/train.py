@@ -1,43 +1,50 @@
 """`python -m jscale.train --config configs/tiny.yaml [section.key=value ...]`
 
-Thin CLI over `run(cfg)`: validates the config against this machine before compiling, builds
-the data iterator, initialises or restores the train state, and runs the loop with logging,
-periodic eval, checkpoints and an optional profiler trace.
+Thin CLI over `run(cfg)`: validates the config against this machine and decides new run /
+resume / refusal (`jscale.run_dir`) before compiling, builds the data iterator, initialises or
+restores the train state, and runs `jscale.loop` under SIGTERM / SIGINT handling
+(`jscale.preemption`). Exit status: 0 done, 2 config error, 3 non-finite loss
+(train.on_nan=stop), 75 stopped by a signal after saving (rerun to resume), 130 a second Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
-import time
 from typing import Any
 
 import jax
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from jscale import checkpoint as ckpt_lib
 from jscale.parallel.pipeline import layout
 from jscale import distributed
 from jscale import init_from
+from jscale import loop
 from jscale import metrics as metrics_lib
+from jscale import preemption
+from jscale import run_dir
 from jscale import runtime
 from jscale import startup
 from jscale import train_step as ts
 from jscale import validate
 from jscale import xla_flags
-from jscale import config as config_lib
 from jscale.config import Config, ConfigError
 from jscale.config_load import load_config
 from jscale.data import load_splits, load_tokenizer, make_eval_batches, make_train_iterator
-from jscale.infer import evaluate
 from jscale.optim import make_optimizer
 
-def write_run_info(cfg: Config, rt: runtime.Runtime, requested_attention: str) -> None:
+
+def write_run_info(cfg: Config, rt: runtime.Runtime, requested_attention: str,
+                   meta: dict[str, Any]) -> None:
   """`<output_dir>/run.json` (process 0): what this run resolved and runs on — the attention
-  impl chosen (and why), devices, mesh, jax version — and the config it runs (written whole
-  via a temporary file, so a reader never sees half of it)."""
+  impl chosen (and why), devices, mesh, jax version — and `meta` (`run_dir.metadata`: the
+  config after presets and overrides, the jscale version, the command line) (written whole via a temporary file, so a reader
+  never sees half of it)."""
   if not distributed.is_main():
     return
   device = rt.mesh.devices.flat[0]
@@ -46,7 +53,7 @@ def write_run_info(cfg: Config, rt: runtime.Runtime, requested_attention: str) -
           "backend": device.platform, "device_kind": getattr(device, "device_kind", ""),
           "devices": int(rt.mesh.size), "processes": jax.process_count(),
           "mesh": {k: int(v) for k, v in rt.mesh.shape.items()}, "jax": jax.__version__,
-          "config": config_lib.to_dict(cfg)}
+          **meta}
   if cfg.model.moe is not None:
     info["moe_gemm"], info["moe_gemm_why"] = runtime.moe_gemm(cfg, rt.mesh)
   os.makedirs(cfg.train.output_dir, exist_ok=True)
@@ -56,13 +63,15 @@ def write_run_info(cfg: Config, rt: runtime.Runtime, requested_attention: str) -
   os.replace(path + ".tmp", path)
 
 
-def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer,
-                   train_iter) -> tuple[Any, int]:
-  """Resumes from the latest checkpoint, else starts from init_from params or random init."""
+def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer, train_iter,
+                   plan: run_dir.Plan) -> tuple[Any, int]:
+  """Resumes from the newest readable checkpoint (per `plan`), else starts from init_from
+  params or random init."""
   cfg = rt.cfg
-  latest = ckptr.latest_step() if cfg.checkpoint.resume else None
-  if latest is not None:
-    return ckptr.restore(latest, rt.abstract_state(), train_iter), latest
+  if plan.step is not None:
+    restored = ckptr.restore_latest(rt.abstract_state(), train_iter)
+    if restored is not None:
+      return restored
   state = rt.init_state()
   if cfg.checkpoint.init_from:
     model = ts.merge(rt.graphdef, state["params"], state.get("dot_state"))
@@ -77,82 +86,66 @@ def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer,
   return state, 0
 
 
+def _start(cfg: Config) -> run_dir.Plan:
+  """Decides new run / resume / refusal before anything compiles, and says which."""
+  plan = run_dir.plan(cfg)
+  if distributed.is_main():
+    print(plan.line(), flush=True)
+    for line in run_dir.changed_lines(plan):
+      print(line, flush=True)
+    moved = run_dir.prepare(cfg, plan)
+    if moved:
+      print(f"  the earlier run is moved to {moved}", flush=True)
+  if plan.replace and jax.process_count() > 1:
+    multihost_utils.sync_global_devices("jscale_prepared")  # the others wait for the move
+  return plan
+
+
 def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
-  """Trains per `cfg`; returns a summary. `stop_after=k` exits after k steps of this call, with
-  a checkpoint, as if the job were interrupted (a later call resumes)."""
+  """Trains per `cfg`; returns a summary (`stopped`: None, "preempted" or "nonfinite", with
+  `message`). `stop_after=k` exits after k steps of this call, with a checkpoint, as if the job
+  were interrupted (a later call resumes)."""
   validate.check_runtime(cfg)
   t = cfg.train
-  pi, pc = jax.process_index(), jax.process_count()
-  requested = cfg.model.attention_impl
-  rt = runtime.build(cfg)
-  cfg = rt.cfg  # model.attention_impl=auto resolved for these devices
-  write_run_info(cfg, rt, requested)
-  reorder = rt.reorder()  # context parallelism's token order, applied once at load
-  train_iter = make_train_iterator(cfg.data, t.seq_len, t.batch_size, pi, pc, reorder)
-  eval_batches = (make_eval_batches(cfg.data, t.seq_len, t.batch_size, t.eval_batches, pi, pc,
-                                    reorder) if cfg.data.val_fraction > 0 else [])
-  ckptr = ckpt_lib.Checkpointer(cfg)
-  state, start = _initial_state(rt, ckptr, train_iter)
-  if distributed.is_main():
-    splits = load_splits(cfg.data)
-    print(startup.summary(cfg, rt.mesh, start, ckptr.directory, (len(splits.train),
-                                                                 len(splits.val)),
-                          load_tokenizer(cfg.data).vocab_size,
-                          startup.kernel_lines(rt, requested)), flush=True)
-  train_step, eval_step = rt.train_step(), rt.eval_step()
-  batch_sharding = rt.layouts.batch()
-
-  writer = metrics_lib.MetricsWriter(t.output_dir, t.steps, start,
-                                     tensorboard=cfg.logging.tensorboard,
-                                     progress=cfg.logging.progress)
-  tokens_per_step = t.batch_size * t.seq_len
-  flops_per_step = metrics_lib.flops_per_token(cfg.model, t.seq_len) * tokens_per_step
-  peak = t.peak_flops or metrics_lib.device_peak_flops()
-  n_devices = rt.mesh.size
-  end = t.steps if stop_after is None else min(t.steps, start + stop_after)
-  losses: dict[int, float] = {}
-  val_loss = None
-  last_time, last_step, tracing = None, start, False
-  for step in range(start, end):
-    if t.profile_steps and step == t.profile_steps[0]:
-      jax.profiler.start_trace(os.path.join(t.output_dir, "profile"))
-      tracing = True
-    state, m = train_step(state, evaluate.to_global(next(train_iter), batch_sharding))
-    done = step + 1
-    if last_time is None:  # the first step includes compilation: time from its end
-      jax.block_until_ready(m)
-      last_time, last_step = time.perf_counter(), done
-    if tracing and step == t.profile_steps[1]:
-      jax.block_until_ready(m)
-      jax.profiler.stop_trace()
-      tracing = False
-    if done % cfg.logging.every == 0 or done == end:
-      m = jax.device_get(m)  # the only host sync: once per logging interval
-      now = time.perf_counter()
-      step_time = (now - last_time) / max(done - last_step, 1) if done > last_step else None
-      last_time, last_step = now, done
-      row = {k: (v.tolist() if getattr(v, "ndim", 0) else float(v))
-             for k, v in m.items() if k != "tokens"}
-      losses[done] = row["loss"]
-      if step_time:
-        row.update(step_time_s=step_time, tokens_per_sec=tokens_per_step / step_time,
-                   mfu=metrics_lib.mfu(flops_per_step, step_time, n_devices, peak))
-      row["peak_memory_bytes"] = metrics_lib.peak_memory_bytes()
-      writer.write(done, row)
-    if eval_batches and t.eval_every and (done % t.eval_every == 0 or done == t.steps):
-      val_loss = evaluate.mean_loss(eval_step, state["params"], eval_batches, batch_sharding,
-                                    state.get("dot_state")).loss
-      writer.write(done, {"val_loss": val_loss})
-    ckptr.save(done, state, train_iter, force=(done == end and cfg.checkpoint.every > 0))
-    writer.advance()
-  if tracing:
-    jax.profiler.stop_trace()
-  ckptr.close()
-  writer.close()
+  plan = _start(cfg)
+  if plan.step is not None and plan.step >= t.steps and stop_after is None:
+    msg = (f"train.steps={t.steps} already reached (checkpoint step {plan.step}): nothing to "
+           f"train. To train on: train.steps=<more>; for a new run: train.output_dir=<new dir>")
+    return {"losses": {}, "val_loss": None, "final_step": plan.step, "state": None,
+            "stopped": None, "message": msg}
+  with preemption.StopSignals() as signals:
+    pi, pc = jax.process_index(), jax.process_count()
+    given, requested = cfg, cfg.model.attention_impl
+    rt = runtime.build(cfg)
+    cfg = rt.cfg  # model.attention_impl=auto resolved for these devices
+    meta = run_dir.metadata(given)  # what a resume compares with: the config as given
+    write_run_info(cfg, rt, requested, meta)
+    reorder = rt.reorder()  # context parallelism's token order, applied once at load
+    train_iter = make_train_iterator(cfg.data, t.seq_len, t.batch_size, pi, pc, reorder)
+    eval_batches = (make_eval_batches(cfg.data, t.seq_len, t.batch_size, t.eval_batches, pi, pc,
+                                      reorder) if cfg.data.val_fraction > 0 else [])
+    ckptr = ckpt_lib.Checkpointer(cfg, meta)
+    state, start = _initial_state(rt, ckptr, train_iter, plan)
+    if distributed.is_main():
+      splits = load_splits(cfg.data)
+      print(startup.summary(cfg, rt.mesh, start, ckptr.directory,
+                            (len(splits.train), len(splits.val)),
+                            load_tokenizer(cfg.data).vocab_size,
+                            startup.kernel_lines(rt, requested)), flush=True)
+    writer = metrics_lib.MetricsWriter(t.output_dir, t.steps, start,
+                                       tensorboard=cfg.logging.tensorboard,
+                                       progress=cfg.logging.progress)
+    end = t.steps if stop_after is None else min(t.steps, start + stop_after)
+    try:
+      out = loop.train(cfg, rt, state, start, end, train_iter, eval_batches, ckptr, writer,
+                       signals)
+    finally:
+      ckptr.close()
+      writer.close()
   if cfg.logging.plot and distributed.is_main():
     from jscale.analysis import plots  # pylint: disable=import-outside-toplevel
     plots.plot_run_end(t.output_dir)
-  return {"losses": losses, "val_loss": val_loss, "final_step": end, "state": state}
+  return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,22 +161,30 @@ def main(argv: list[str] | None = None) -> int:
     summary = run(cfg)
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
-    return 2
-  if distributed.is_main():
-    last = max(summary["losses"]) if summary["losses"] else None
-    msg = f"done: step {summary['final_step']}"
-    if last is not None:
-      msg += f", loss {summary['losses'][last]:.4f}"
-    if summary["val_loss"] is not None:
-      msg += f", val_loss {summary['val_loss']:.4f}"
-    print(msg + f"; metrics in {os.path.join(cfg.train.output_dir, 'metrics.jsonl')}")
-    if cfg.checkpoint.every > 0:
-      out = cfg.train.output_dir
-      prompt = "def " if cfg.data.source == "stdlib" else "your text"
-      print(f"next: python -m jscale.generate --model {out} --prompt '{prompt}'   |   "
-            f"python -m jscale.eval --model {out}   |   "
-            f"python -m jscale.convert jscale-to-hf --ckpt {out} --out {out}-hf")
+    return preemption.EXIT_CONFIG
+  if not distributed.is_main():
+    return _exit_code(summary)
+  if summary["message"]:
+    print(summary["message"], file=sys.stderr if summary["stopped"] else sys.stdout, flush=True)
+  if summary["stopped"] or not summary["losses"]:
+    return _exit_code(summary)
+  last = max(summary["losses"])
+  msg = f"done: step {summary['final_step']}, loss {summary['losses'][last]:.4f}"
+  if summary["val_loss"] is not None:
+    msg += f", val_loss {summary['val_loss']:.4f}"
+  print(msg + f"; metrics in {os.path.join(cfg.train.output_dir, 'metrics.jsonl')}")
+  if cfg.checkpoint.every > 0:
+    out = cfg.train.output_dir
+    prompt = "def " if cfg.data.source == "stdlib" else "your text"
+    print(f"next: python -m jscale.generate --model {out} --prompt '{prompt}'   |   "
+          f"python -m jscale.eval --model {out}   |   "
+          f"python -m jscale.convert jscale-to-hf --ckpt {out} --out {out}-hf")
   return 0
+
+
+def _exit_code(summary: dict[str, Any]) -> int:
+  return {"preempted": preemption.EXIT_PREEMPTED,
+          "nonfinite": preemption.EXIT_NONFINITE}.get(summary["stopped"], 0)
 
 
 if __name__ == "__main__":
