@@ -5,10 +5,10 @@ time relaunched with the same command, must end with exactly the losses of an un
 
 1. Reference: the run once, uninterrupted (N processes on localhost, gloo collectives).
 2. Soak: the same run in another directory; at a random step one process gets SIGKILL (a lost
-   node), or every process SIGTERM (a scheduler's preemption), alternately. The survivors of a
-   SIGKILL must exit on their own within the heartbeat bound; then the command is relaunched
-   and resumes from the last complete checkpoint. After `--kills` interruptions it runs to the
-   end.
+   node; process 0, the coordinator, then 1, ... in turn), or every process SIGTERM (a
+   scheduler's preemption), alternately. The survivors of a SIGKILL must exit on their own
+   within the heartbeat bound; then the command is relaunched and resumes from the last
+   complete checkpoint. After `--kills` interruptions it runs to the end.
 3. Check: every step's loss in metrics.jsonl appears once and equals the reference bit for bit.
 
 Prints a table (kills, resumes, steps, wall time, losses equal) and writes it as JSON to
@@ -125,7 +125,7 @@ def soak(out: str, processes: int, kills: int, steps: int, seed: int,
     target = min(steps - 1, start + rng.randint(5, max(6, steps // (kills + 1))))
     at = wait_for_step(soak_dir, target, procs)
     how = "SIGKILL" if k % 2 == 0 else "SIGTERM"
-    victim = rng.randrange(processes)
+    victim = (k // 2) % processes  # the coordinator (process 0) and the others, in turn
     t_kill = time.monotonic()
     for i, p in enumerate(procs):
       if how == "SIGTERM" or i == victim:
