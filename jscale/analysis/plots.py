@@ -66,6 +66,13 @@ def figure(runs: dict[str, Series], out_path: str) -> dict[str, list[str]]:
     else:  # e.g. MFU on CPU, where no peak FLOP/s is known
       ax.text(0.5, 0.5, "not recorded: no device peak\nFLOP/s known (train.peak_flops)" if title.startswith("MFU")
               else "not recorded", ha="center", va="center", transform=ax.transAxes)
+  save(fig, out_path)
+  return drawn
+
+
+def save(fig, out_path: str) -> None:
+  """Writes `fig` to `out_path` atomically (a temporary file renamed) and closes it."""
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   fig.tight_layout()
   out_dir = os.path.dirname(os.path.abspath(out_path))
   os.makedirs(out_dir, exist_ok=True)
@@ -79,7 +86,6 @@ def figure(runs: dict[str, Series], out_path: str) -> dict[str, list[str]]:
     plt.close(fig)
     if os.path.exists(tmp):
       os.remove(tmp)
-  return drawn
 
 
 def labels(run_dirs: list[str]) -> list[str]:

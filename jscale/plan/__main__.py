@@ -1,0 +1,105 @@
+"""`python -m jscale.plan`: which layout to train a model with, estimated and ranked.
+
+    python -m jscale.plan --model llama3_70b --gpus 64 --seq 4096 --global-batch-tokens 4M
+    python -m jscale.plan --model configs/tiny.yaml --gpus 8 --seq 256 --global-batch-tokens 16k \\
+        --verify 3                       # AOT-compile the top 3 on 8 simulated CPU devices
+
+Enumerates every layout jscale can run (`jscale.plan.layout`), estimates per-device memory
+(`jscale.plan.memory`) and step time (`jscale.plan.cost`), and prints the fastest that fit,
+each with the `python -m jscale.train` overrides that run it. `--explain` prints every term,
+`--json` the rows for tools, `--plot` a picture of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from jscale.config import ConfigError
+
+_SUFFIX = {"k": 2**10, "m": 2**20, "g": 2**30}  # 4M tokens = 1024 x 4096 (playbook)
+
+
+def _count(text: str) -> int:
+  t = text.strip().lower()
+  try:
+    return int(float(t[:-1]) * _SUFFIX[t[-1]]) if t and t[-1] in _SUFFIX else int(float(t))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 4M, 512k, 4194304)")
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m jscale.plan", description=__doc__.split("\n")[0])
+  p.add_argument("--model", required=True,
+                 help="a preset (llama3_8b, mixtral_8x7b, ...) or a config YAML file")
+  p.add_argument("--gpus", type=int, required=True, help="devices in the run")
+  p.add_argument("--gpu", default="h100", help="device type (hardware table: h100)")
+  p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+  p.add_argument("--global-batch-tokens", type=_count, required=True,
+                 help="tokens per optimizer step (4M = 4 x 2^20, 512k, or a number)")
+  p.add_argument("--top", type=int, default=10, help="rows to print")
+  p.add_argument("--max-tensor", type=int, default=None,
+                 help="largest mesh.tensor to consider (default: GPUs per node)")
+  p.add_argument("--explain", action="store_true", help="every memory and time term per row")
+  p.add_argument("--json", action="store_true", help="rows as JSON (stdout)")
+  p.add_argument("--plot", default=None, metavar="PNG",
+                 help="memory by term and step time by part for the rows shown")
+  p.add_argument("--verify", type=int, default=0, metavar="N",
+                 help="AOT-compile the top N on simulated CPU devices and print the compiled "
+                 "memory and collectives beside the estimate")
+  p.add_argument("overrides", nargs="*", help="model.* overrides (model.dtype=float32, ...)")
+  return p
+
+
+def _model(spec: str, overrides: list[str]):
+  from jscale.config_load import load_config  # pylint: disable=import-outside-toplevel
+  from jscale.presets import PRESETS  # pylint: disable=import-outside-toplevel
+  if os.path.isfile(spec):
+    return load_config(spec, overrides).model
+  if spec not in PRESETS:
+    raise ConfigError(f"--model {spec!r} is neither a config file nor a preset: choose a file or "
+                      f"one of {', '.join(sorted(PRESETS))}")
+  return load_config(None, [f"model.preset={spec}", *overrides]).model
+
+
+def main(argv: list[str] | None = None) -> int:
+  """CLI entry point; exit 2 with one line for bad input."""
+  args = _parser().parse_args(argv)
+  # Imported here: --verify sets the simulated device count before JAX starts.
+  if args.verify:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={args.gpus}")
+  from jscale.plan import hardware, report  # pylint: disable=import-outside-toplevel
+  from jscale.plan.rank import rank  # pylint: disable=import-outside-toplevel
+  try:
+    if args.gpu not in hardware.GPUS:
+      raise ConfigError(f"--gpu {args.gpu!r} is not in the hardware table: choose one of "
+                        f"{', '.join(hardware.GPUS)}")
+    model = _model(args.model, args.overrides)
+    gpu = hardware.GPUS[args.gpu]
+    rows = rank(model, args.gpus, args.seq, args.global_batch_tokens, gpu,
+                include_unfit=True, max_tensor=args.max_tensor)
+  except (ConfigError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  fitting = [r for r in rows if r.fits]
+  shown = (fitting or rows)[:args.top]
+  if args.json:
+    print(json.dumps([report.as_dict(r, args.seq, gpu) for r in shown], indent=1))
+  else:
+    print(report.header(model, args, gpu, len(rows), len(fitting)))
+    print(report.table(shown, args.seq, gpu, args.explain))
+  if args.plot:
+    from jscale.plan import plot  # pylint: disable=import-outside-toplevel
+    print(f"wrote {plot.plot(shown, gpu.memory_bytes, args.plot)}", file=sys.stderr)
+  if args.verify:
+    from jscale.plan import verify  # pylint: disable=import-outside-toplevel
+    for row in shown[:args.verify]:
+      print(verify.describe(verify.compare(args.model, args.overrides, row, args.seq, gpu)))
+  return 0 if fitting else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

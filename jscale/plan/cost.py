@@ -1,0 +1,142 @@
+"""Step time of a layout: compute, communication by mesh axis and link, pipeline bubble.
+
+    step = compute x (1 + bubble) + exposed communication,   MFU = model FLOPs / (step x peak)
+
+- compute: the step's hardware FLOPs per device (model FLOPs, `jscale.metrics.flops_per_token`,
+  plus what remat recomputes) at the device's measured step efficiency (`hardware.Gpu`);
+- bubble: idle over busy cells of the schedule jscale would run (`schedules.make_table`);
+- communication: the playbook volumes (`jscale.analysis.volume`'s conventions) per mesh axis,
+  each over the link its groups span (`Layout.nodes`), at the playbook's measured bus
+  bandwidths (`hardware.busbw`). Gradient reduction and ZeRO's gathers overlap the backward
+  (XLA's async collectives), so only what exceeds that window is exposed; TP, EP and pipeline
+  transfers sit on the critical path; the context-parallel ring overlaps its block attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+
+from jscale.config import ModelConfig
+from jscale.metrics import flops_per_token
+from jscale.parallel.pipeline import schedules
+from jscale.plan import hardware
+from jscale.plan.layout import Layout
+from jscale.plan.memory import local_params, tokens_per_microbatch
+
+GRAD_BYTES = 4  # gradients are reduced in fp32
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+  """One communication term of a step, per device."""
+  axis: str
+  what: str
+  kind: str  # all-reduce | all-gather | reduce-scatter | all-to-all | permute
+  bytes: float  # playbook volume per step
+  nodes: int  # nodes one group spans (1: NVLink)
+  # What it can hide behind: "step" (ZeRO-3's per-layer gathers run ahead of the forward and
+  # backward), "backward" (per-micro-batch gradient reduce-scatters), "last backward" (the
+  # once-per-step gradient reduction overlaps the last micro-batch's backward), "" (exposed).
+  overlap: str
+
+  @property
+  def overlapped(self) -> bool:
+    return bool(self.overlap)
+
+  def seconds(self) -> float:
+    return self.bytes / hardware.busbw(self.kind, self.nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+  """The estimate for one layout."""
+  compute_s: float
+  bubble: float
+  transfers: tuple[Transfer, ...]
+  exposed_s: float
+  step_s: float
+  model_flops: float  # per device per step
+  mfu: float
+
+
+@functools.lru_cache(maxsize=4096)
+def bubble(schedule: str, p: int, m: int, v: int) -> float:
+  """Idle over busy time of the executed schedule (0 without a pipeline)."""
+  return schedules.make_table(schedule, p, m, v).bubble() if p > 1 else 0.0
+
+
+def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> list[Transfer]:
+  """Every communication term of one step of `lay`, per device (playbook volumes)."""
+  c = jnp.dtype(model.dtype).itemsize
+  psi = local_params(model, lay)
+  nodes = lambda axis: lay.nodes(axis, gpus_per_node)
+  out = []
+  f = lay.fsdp
+  dp_axes = [a for a in ("data", "expert", "sequence") if lay.size(a) > 1]
+  if f > 1:
+    if lay.zero_stage == 3:
+      w = psi * c
+      out.append(Transfer("fsdp", "ZeRO-3 weight all-gathers, forward and backward", "all-gather",
+                          2 * w * lay.accum, nodes("fsdp"), "step"))
+      out.append(Transfer("fsdp", "ZeRO-3 gradient reduce-scatter", "reduce-scatter",
+                          psi * GRAD_BYTES * lay.accum, nodes("fsdp"), "backward"))
+    else:
+      two = lay.zero_stage == 2  # ZeRO-2 reduces each micro-batch's gradient in its backward
+      out.append(Transfer("fsdp", f"ZeRO-{lay.zero_stage} gradient reduce-scatter",
+                          "reduce-scatter", psi * GRAD_BYTES * (lay.accum if two else 1),
+                          nodes("fsdp"), "backward" if two else "last backward"))
+      out.append(Transfer("fsdp", "updated weights all-gather", "all-gather", psi * 4,
+                          nodes("fsdp"), ""))
+  if dp_axes:  # gradients are summed over every other axis that splits the tokens
+    out.append(Transfer("+".join(dp_axes), "gradient all-reduce" + (" of the shard" if f > 1
+                                                                      else ""), "all-reduce",
+                        2 * psi / f * GRAD_BYTES, max(nodes(a) for a in dp_axes),
+                        "last backward"))
+  tokens = tokens_per_microbatch(lay, seq) * lay.accum
+  layers = model.n_layers / lay.stage
+  if lay.tensor > 1:
+    sbh = tokens * model.d_model * c
+    passes = 3 if lay.remat == "full" else 2  # forward (+ again), backward
+    out.append(Transfer("tensor", "TP/SP activations, 2 per block per pass", "all-reduce",
+                        2 * passes * layers * sbh, nodes("tensor"), ""))
+  if lay.sequence > 1:
+    kv = tokens * model.n_kv_heads * model.resolved_head_dim / lay.tensor
+    fwd = 2 if lay.remat == "full" else 1
+    ring = layers * ((fwd + 1) * (lay.sequence - 1) * 2 * kv * c + lay.sequence * 2 * kv * 4)
+    out.append(Transfer("sequence", "ring attention K/V (+dK/dV) hops", "permute", ring,
+                        nodes("sequence"), "step"))
+  if lay.expert > 1 and model.moe is not None:
+    moe_layers = layers // model.moe.every
+    routed = tokens * model.moe.top_k * model.d_model * c
+    out.append(Transfer("expert", "token dispatch + combine all-to-all, fwd and bwd",
+                        "all-to-all", 4 * moe_layers * routed * (lay.expert - 1) / lay.expert,
+                        nodes("expert"), ""))
+  if lay.stage > 1:
+    act = lay.mbs * seq * model.d_model * c
+    out.append(Transfer("stage", "activations and their gradients between stages", "permute",
+                        2 * lay.accum * lay.virtual_stages * act, nodes("stage"), ""))
+  return out
+
+
+def estimate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu) -> Cost:
+  """Step time and MFU of `lay` on `gpu`s."""
+  tokens = lay.mbs * lay.accum * lay.batch_ways * seq  # global tokens per step
+  model_flops = flops_per_token(model, seq) * tokens / lay.devices
+  forward = model_flops / 3
+  extra = {"none": 0.0, "full": forward,
+           # selective recomputes the norms, pointwise ops and attention core (not matmuls):
+           "selective": 0.1 * forward}[lay.remat]
+  compute = (model_flops + extra) / (gpu.peak_flops * gpu.step_efficiency)
+  bub = bubble(lay.schedule, lay.stage, lay.accum, lay.virtual_stages)
+  ts = transfers(model, lay, seq, gpu.gpus_per_node)
+  backward = compute * 2 / 3
+  windows = {"step": compute, "backward": backward, "last backward": backward / lay.accum}
+  exposed = sum(t.seconds() for t in ts if not t.overlap)
+  for name, window in windows.items():
+    exposed += max(0.0, sum(t.seconds() for t in ts if t.overlap == name) - window)
+  step = compute * (1 + bub) + exposed
+  return Cost(compute, bub, tuple(ts), exposed, step, model_flops,
+              model_flops / (step * gpu.peak_flops))

@@ -1,0 +1,157 @@
+"""A candidate layout (mesh sizes, ZeRO, pipeline, remat, micro-batch) and their enumeration.
+
+The mesh axes are jscale's (`jscale.mesh.AXES`, outermost first: data, stage, fsdp, expert,
+sequence, tensor), so an axis' devices are consecutive when the axes after it have size 1 and
+`Layout.nodes(axis)` says how many nodes one of its groups spans (consecutive devices fill a
+node first, as `mesh.make_mesh` and SLURM's block placement do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+from jscale.config import ModelConfig
+from jscale.mesh import AXES
+from jscale.parallel.pipeline import schedules
+
+REMATS = ("none", "selective", "full")
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """One way to run a step of `batch` sequences of `seq` tokens on prod(mesh sizes) devices."""
+  data: int = 1
+  stage: int = 1
+  fsdp: int = 1
+  expert: int = 1
+  sequence: int = 1
+  tensor: int = 1
+  zero_stage: int = 0
+  sequence_parallel: bool = False
+  schedule: str = "1f1b"  # with stage > 1
+  virtual_stages: int = 1
+  remat: str = "none"
+  mbs: int = 1  # sequences per device per micro-batch
+  accum: int = 1  # micro-batches per optimizer step (pipeline.microbatches under a pipeline)
+
+  def size(self, axis: str) -> int:
+    return getattr(self, axis)
+
+  @property
+  def devices(self) -> int:
+    n = 1
+    for a in AXES:
+      n *= self.size(a)
+    return n
+
+  @property
+  def batch_ways(self) -> int:
+    """Devices the batch is split over (`sharding.RULES`: batch -> data, fsdp, expert)."""
+    return self.data * self.fsdp * self.expert
+
+  def nodes(self, axis: str, gpus_per_node: int) -> int:
+    """Nodes one group of `axis` spans (1: all its devices share a node)."""
+    stride = 1
+    for a in AXES[AXES.index(axis) + 1:]:
+      stride *= self.size(a)
+    return len({stride * i // gpus_per_node for i in range(self.size(axis))})
+
+  def overrides(self, seq: int, gpus_per_node: int) -> list[str]:
+    """The `python -m jscale.train` overrides that run this layout."""
+    out = []
+    for a in AXES:
+      n, k = self.size(a), self.nodes(a, gpus_per_node)
+      out.append(f"mesh.{a}={n // k}")
+      if k > 1:
+        out.append(f"mesh.dcn_{a}={k}")
+    out += [f"parallel.zero_stage={self.zero_stage}", f"train.remat={self.remat}",
+            f"train.seq_len={seq}", f"train.batch_size={self.mbs * self.accum * self.batch_ways}"]
+    if self.sequence_parallel:
+      out.append("parallel.sequence_parallel=true")
+    if self.stage > 1:
+      out += [f"pipeline.schedule={self.schedule}", f"pipeline.microbatches={self.accum}",
+              f"pipeline.virtual_stages={self.virtual_stages}", "train.microbatches=1"]
+    else:
+      out.append(f"train.microbatches={self.accum}")
+    return out
+
+  def describe(self) -> str:
+    """Short form: 'dp2 fsdp4(z3) tp2+sp pp2(1f1b x8) cp1 ep1 mbs1 remat=none'."""
+    parts = [f"{a}{self.size(a)}" for a in ("data", "fsdp", "tensor", "stage", "sequence",
+                                             "expert") if self.size(a) > 1]
+    if self.fsdp > 1:
+      parts[[p.startswith("fsdp") for p in parts].index(True)] += f"(z{self.zero_stage})"
+    if self.sequence_parallel:
+      parts[[p.startswith("tensor") for p in parts].index(True)] += "+sp"
+    if self.stage > 1:
+      v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+      parts[[p.startswith("stage") for p in parts].index(True)] += f"({self.schedule}{v})"
+    return " ".join(parts or ["1 device"]) + f" mbs{self.mbs}x{self.accum} {self.remat}"
+
+
+def _factorizations(n: int, k: int) -> Iterator[tuple[int, ...]]:
+  """Ordered k-tuples of positive integers whose product is n."""
+  if k == 1:
+    yield (n,)
+    return
+  for d in range(1, n + 1):
+    if n % d == 0:
+      for rest in _factorizations(n // d, k - 1):
+        yield (d, *rest)
+
+
+def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
+               gpus_per_node: int = 8, max_tensor: int | None = None) -> Iterator[Layout]:
+  """Every layout of `devices` that jscale can run for `model` at `batch` sequences of `seq`
+  tokens per step (the divisibility rules of `validate.check_mesh` / `_check_pipeline`)."""
+  moe = model.moe is not None
+  max_tensor = max_tensor or gpus_per_node
+  heads = (model.n_heads, model.n_kv_heads, model.d_ff, model.vocab_size)
+  for data, stage, fsdp, expert, sequence, tensor in _factorizations(devices, 6):
+    if tensor > max_tensor or any(x % tensor for x in heads):
+      continue
+    if expert > 1 and (not moe or model.moe.n_experts % expert):
+      continue
+    if sequence > 1 and (stage > 1 or seq % (2 * sequence)):
+      continue
+    ways = data * fsdp * expert
+    if batch % ways:
+      continue
+    per_device = batch // ways
+    for sp in ((False, True) if tensor > 1 else (False,)):
+      if sp and seq % (sequence * tensor):
+        continue
+      for zero in ((1, 2, 3) if fsdp > 1 else (0,)):
+        if stage > 1 and zero > 2:
+          continue
+        for pipe in _pipelines(model, stage, sp and ways > 1 and tensor > 1):
+          for mbs in MICRO_BATCHES:
+            if per_device % mbs:
+              continue
+            accum = per_device // mbs
+            if stage > 1 and not _schedule_ok(pipe, stage, accum):
+              continue
+            for remat in REMATS:
+              yield Layout(data, stage, fsdp, expert, sequence, tensor, zero, sp,
+                           pipe[0], pipe[1], remat, mbs, accum)
+
+
+def _pipelines(model: ModelConfig, stage: int, sp_with_dp: bool) -> list[tuple[str, int]]:
+  if stage == 1:
+    return [("1f1b", 1)]
+  if sp_with_dp:  # validate: xla-mode SP with data axes deadlocks inside stage branches
+    return []
+  out = [(name, 1) for name in ("afab", "1f1b", "zero_bubble") if model.n_layers % stage == 0]
+  out += [("interleaved", v) for v in (2, 4) if model.n_layers % (stage * v) == 0]
+  return out
+
+
+def _schedule_ok(pipe: tuple[str, int], stage: int, m: int) -> bool:
+  try:
+    schedules.check_args(pipe[0], stage, m, pipe[1])
+  except ValueError:
+    return False
+  return True
+

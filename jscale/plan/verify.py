@@ -1,0 +1,69 @@
+"""The planner's estimate beside the compiled program: AOT-compile a layout's real train step on
+abstract inputs (nothing is allocated) and read XLA's memory analysis and collectives.
+
+On simulated CPU devices (`--xla_force_host_platform_device_count`) this checks the model state
+exactly and the rest loosely: XLA:CPU schedules and fuses differently from XLA:GPU, has no
+reduce-scatter, and keeps temporaries its GPU compiler would not.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+
+from jscale.analysis import hlo, introspect, volume
+from jscale.config_load import load_config
+from jscale.plan import hardware
+from jscale.plan.rank import Row
+
+
+def _config(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
+            gpu: hardware.Gpu):
+  import os  # pylint: disable=import-outside-toplevel
+  lay = row.layout
+  run = [o for o in lay.overrides(seq, gpu.gpus_per_node) if ".dcn_" not in o]
+  # One simulated host: each axis gets its full size inside it.
+  run = [o for o in run if not o.startswith("mesh.")] + [f"mesh.{a}={lay.size(a)}" for a in
+                                                         ("data", "stage", "fsdp", "expert",
+                                                          "sequence", "tensor")]
+  base = [] if os.path.isfile(model_spec) else [f"model.preset={model_spec}"]
+  return load_config(model_spec if os.path.isfile(model_spec) else None,
+                     [*base, *model_overrides, *run, "checkpoint.every=0"])
+
+
+def compare(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
+            gpu: hardware.Gpu, devices: Sequence[jax.Device] | None = None) -> dict:
+  """Estimate vs compiled, per device: model state (params + optimizer: the step's arguments
+  less the batch), the rest (gradients, activations, workspace vs XLA's temporaries), and the
+  communication volume by collective kind."""
+  cfg = _config(model_spec, model_overrides, row, seq, gpu)
+  devices = list(devices or jax.devices())[:row.layout.devices]
+  compiled, _ = introspect.compile_train_step(cfg, devices)
+  mem = introspect.memory(compiled)
+  batch = sum(x.size * x.dtype.itemsize for x in introspect.abstract_batch(cfg).values())
+  batch //= row.layout.batch_ways  # each device holds its share of the batch
+  state = mem["argument"] - batch
+  est = row.memory
+  measured_volume = volume.hlo_volume(hlo.collectives(compiled.as_text()))
+  predicted_volume = sum(t.bytes for t in row.cost.transfers)
+  return {"layout": row.layout.describe(),
+          "state_estimate": est.params + est.optimizer, "state_compiled": state,
+          "rest_estimate": est.grads + est.activations + est.workspace,
+          "rest_compiled": mem["temp"] + mem["output"] - mem["alias"],
+          "volume_estimate": predicted_volume, "volume_compiled": measured_volume["total"],
+          "volume_by_kind": {k: v for k, v in measured_volume.items() if k != "total"},
+          "platform": devices[0].platform}
+
+
+def describe(r: dict) -> str:
+  """One verification as lines: estimate, compiled, ratio."""
+  line = lambda name, e, c: (f"  {name:<44} estimate {e / 2**20:10.2f} MiB   compiled "
+                             f"{c / 2**20:10.2f} MiB   ratio {c / e if e else float('nan'):.3f}")
+  return "\n".join([
+      f"verify {r['layout']} (compiled for {r['platform']}):",
+      line("model state (params + optimizer)", r["state_estimate"], r["state_compiled"]),
+      line("grads + activations + workspace vs temps", r["rest_estimate"], r["rest_compiled"]),
+      line("communication volume per step", r["volume_estimate"], r["volume_compiled"]),
+      "  compiled collectives: " + ", ".join(f"{k} {v / 2**20:.2f} MiB"
+                                             for k, v in r["volume_by_kind"].items())])

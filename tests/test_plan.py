@@ -1,0 +1,151 @@
+"""The layout planner (`jscale.plan`): the playbook's published figures, the enumeration against
+jscale's own validation, and the estimate against the compiled program on simulated devices."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jscale.config_load import load_config
+from jscale.metrics import param_counts
+from jscale.plan import cost, hardware, memory
+from jscale.plan.__main__ import main
+from jscale.plan.layout import Layout, candidates
+from jscale.plan.memory import GiB
+from jscale.plan.rank import evaluate, rank
+from jscale.plan.verify import compare
+
+H100 = hardware.GPUS["h100"]
+SMALL = ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
+         "model.d_ff=128", "model.dtype=bfloat16"]
+SEQ = 32
+
+
+def _model(*overrides):
+  return load_config(None, ["model.preset=tiny", *SMALL, *overrides]).model
+
+
+@pytest.mark.parametrize("billions,plain,fp32_acc", [(1, 16, 20), (7, 112, 140), (70, 1120, 1400),
+                                                     (405, 6480, 8100)])
+def test_playbook_state_memory_table(billions, plain, fp32_acc):
+  # PLAYBOOK_DIGEST §3 "Memory for params, grads and optimizer" (GB).
+  n = billions * 1e9
+  assert memory.playbook_state_bytes(n) / 1e9 == pytest.approx(plain)
+  assert memory.playbook_state_bytes(n, fp32_grad_accum=True) / 1e9 == pytest.approx(fp32_acc)
+
+
+def test_playbook_70b_chart():
+  # §3 "[ext] Memory, 70B": params 131.5 GiB (bf16), optimizer 526; activations at seq
+  # 1k/4k/16k: 21.25/85/340 without TP, 8.125/32.5/130 with TP=8, 2.66/10.6/42.5 with SP.
+  m = load_config(None, ["model.preset=llama3_70b"]).model
+  n = param_counts(m)["total"]
+  assert 2 * n / GiB == pytest.approx(131.5, rel=5e-3)
+  assert 8 * n / GiB == pytest.approx(526, rel=5e-3)
+  for seq, none, tp, sp in ((1024, 21.25, 8.125, 2.66), (4096, 85, 32.5, 10.6),
+                            (16384, 340, 130, 42.5)):
+    act = lambda **kw: memory.playbook_activation_bytes(80, seq, 1, 8192, **kw) / GiB
+    assert act() == pytest.approx(none, rel=1e-3)
+    assert act(tp=8) == pytest.approx(tp, rel=1e-3)
+    assert act(tp=8, sp=True) == pytest.approx(sp, rel=5e-3)
+    # jscale's own count (Llama's GQA and SwiGLU widths) is within 2% of the playbook's 34·sbh.
+    ours = memory.layer_activation_bytes(m, Layout(), seq, "none") * 80 / GiB
+    assert ours == pytest.approx(none, rel=0.02)
+
+
+def test_zero_formulas_8b_chart():
+  # §3 "[ext] Memory, 8B", DP=8: params 15 -> 1.875 GB (Z3), grads 15 -> 1.875 (Z2), optimizer
+  # 60 -> 7.5 (Z1): the chart's optimizer term is 8 bytes per parameter (k = 8).
+  n = 15 / 2 * GiB
+  z = [memory.playbook_zero_bytes(n, s, 8, k=8) / GiB for s in range(4)]
+  assert z == pytest.approx([90, 15 + 15 + 7.5, 15 + 1.875 + 7.5, 1.875 + 1.875 + 7.5])
+
+
+def test_bubble_is_the_executed_schedule():
+  assert cost.bubble("1f1b", 4, 8, 1) == pytest.approx(3 / 8)
+  assert cost.bubble("interleaved", 4, 8, 2) == pytest.approx(3 / 16)
+  assert cost.bubble("1f1b", 1, 8, 1) == 0
+
+
+def test_every_candidate_passes_jscale_validation():
+  from jscale import validate
+  from jscale.mesh import make_mesh
+  model = _model("model.preset=tiny_moe")
+  lays = list(candidates(model, 8, SEQ, 16))
+  axes = {a for lay in lays for a in ("data", "fsdp", "stage", "sequence", "tensor", "expert")
+          if lay.size(a) > 1}
+  assert axes == {"data", "fsdp", "stage", "sequence", "tensor", "expert"}
+  seen = set()
+  for lay in lays:
+    key = (lay.data, lay.stage, lay.fsdp, lay.expert, lay.sequence, lay.tensor, lay.schedule,
+           lay.sequence_parallel, lay.zero_stage)
+    if key in seen:
+      continue
+    seen.add(key)
+    cfg = load_config(None, ["model.preset=tiny_moe", *SMALL, *lay.overrides(SEQ, 8)])
+    validate.check_mesh(cfg, make_mesh(cfg.mesh))
+
+
+def test_nodes_and_links():
+  lay = Layout(data=2, fsdp=4, tensor=8)  # tensor inside a node, fsdp and data across
+  assert [lay.nodes(a, 8) for a in ("tensor", "fsdp", "data")] == [1, 4, 2]
+  assert "mesh.dcn_fsdp=4" in lay.overrides(4096, 8)
+  assert hardware.busbw("all-reduce", 1) == 436e9 and hardware.busbw("all-reduce", 64) == 33e9
+  assert 11e9 < hardware.busbw("all-gather", 8) < 250e9
+
+
+def test_rank_prefers_what_fits_then_speed():
+  model = load_config(None, ["model.preset=llama3_8b"]).model
+  rows = rank(model, 8, 4096, 1024 * 4096, H100, include_unfit=True)
+  fits = [r.fits for r in rows]
+  assert fits.index(False) == sum(fits)  # every fitting row before every other
+  steps = [r.cost.step_s for r in rows if r.fits]
+  assert steps == sorted(steps)
+  # Plain DP does not fit an 8B model on 80 GB (16 bytes per parameter = 120 GiB).
+  dp = evaluate(model, Layout(data=8, mbs=1, accum=16), 4096, H100)
+  assert not dp.fits and dp.memory.params + dp.memory.grads + dp.memory.optimizer > 119 * GiB
+
+
+# One layout per parallelism axis, 8 simulated devices, compiled on abstract inputs.
+VERIFY = [Layout(fsdp=8, zero_stage=1, mbs=2), Layout(fsdp=8, zero_stage=2, mbs=2),
+          Layout(data=2, fsdp=4, zero_stage=3, mbs=2), Layout(data=4, tensor=2, mbs=2),
+          Layout(data=4, tensor=2, sequence_parallel=True, mbs=2),
+          Layout(data=4, stage=2, mbs=1, accum=2, schedule="1f1b"),
+          Layout(data=2, sequence=4, mbs=2)]
+
+
+@pytest.mark.parametrize("lay", VERIFY, ids=lambda lay: lay.describe().replace(" ", "-"))
+def test_state_memory_equals_compiled(lay):
+  model = _model()
+  row = evaluate(model, lay, SEQ, H100)
+  r = compare("tiny", SMALL, row, SEQ, H100)
+  assert r["state_compiled"] == pytest.approx(r["state_estimate"], rel=0.10), r
+
+
+def test_expert_parallel_state_memory_equals_compiled():
+  model = _model("model.preset=tiny_moe")
+  row = evaluate(model, Layout(data=2, expert=4, mbs=2), SEQ, H100)
+  r = compare("tiny_moe", SMALL, row, SEQ, H100)
+  assert r["state_compiled"] == pytest.approx(r["state_estimate"], rel=0.10), r
+
+
+def test_cli_json_plot_and_errors(capsys, tmp_path):
+  png = tmp_path / "plan.png"
+  assert main(["--model", "llama3_8b", "--gpus", "8", "--seq", "4096",
+               "--global-batch-tokens", "1M", "--top", "3", "--json", "--plot", str(png)]) == 0
+  assert png.stat().st_size > 10_000
+  rows = json.loads(capsys.readouterr().out)
+  assert len(rows) == 3 and all(r["fits"] for r in rows)
+  assert "mesh.fsdp=" in " ".join(rows[0]["overrides"])
+  assert main(["--model", "llama9", "--gpus", "8", "--seq", "4096",
+               "--global-batch-tokens", "1M"]) == 2
+  assert "neither a config file nor a preset" in capsys.readouterr().err
+  assert main(["--model", "llama3_8b", "--gpus", "8", "--seq", "4096",
+               "--global-batch-tokens", "1000"]) == 2
+
+
+def test_cli_runs_as_a_module():
+  out = subprocess.run([sys.executable, "-m", "jscale.plan", "--model", "llama3_70b", "--gpus",
+                        "64", "--seq", "4096", "--global-batch-tokens", "4M", "--top", "2",
+                        "--explain"], capture_output=True, text=True, check=True).stdout
+  assert "fit in memory" in out and "#1: mesh.data=" in out and "MFU" in out
