@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--verify", type=int, default=0, metavar="N",
                  help="AOT-compile the top N on simulated CPU devices and print the compiled "
                  "memory and collectives beside the estimate")
+  p.add_argument("--collectives", choices=("xla", "manual"), default="xla",
+                 help="parallel.collectives of the --verify compiles")
   p.add_argument("overrides", nargs="*", help="model.* overrides (model.dtype=float32, ...)")
   return p
 
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
   if args.verify:
     from jscale.plan import verify  # pylint: disable=import-outside-toplevel
     for row in shown[:args.verify]:
-      print(verify.describe(verify.compare(args.model, args.overrides, row, args.seq, gpu)))
+      print(verify.describe(verify.compare(args.model, args.overrides, row, args.seq, gpu,
+                                           collectives=args.collectives)))
   return 0 if fitting else 1
 
 

@@ -15,16 +15,14 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax.numpy as jnp
 
 from jscale.config import ModelConfig
 from jscale.metrics import flops_per_token
-from jscale.parallel.pipeline import schedules
 from jscale.plan import hardware
 from jscale.plan.layout import Layout
-from jscale.plan.memory import local_params, tokens_per_microbatch
+from jscale.plan.memory import local_param_split, schedule_table, tokens_per_microbatch
 
 GRAD_BYTES = 4  # gradients are reduced in fp32
 
@@ -62,27 +60,27 @@ class Cost:
   mfu: float
 
 
-@functools.lru_cache(maxsize=4096)
 def bubble(schedule: str, p: int, m: int, v: int) -> float:
   """Idle over busy time of the executed schedule (0 without a pipeline)."""
-  return schedules.make_table(schedule, p, m, v).bubble() if p > 1 else 0.0
+  return schedule_table(schedule, p, m, v).bubble() if p > 1 else 0.0
 
 
 def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> list[Transfer]:
   """Every communication term of one step of `lay`, per device (playbook volumes)."""
   c = jnp.dtype(model.dtype).itemsize
-  psi = local_params(model, lay)
+  layer_psi, other_psi = local_param_split(model, lay)
+  psi = layer_psi + other_psi
   nodes = lambda axis: lay.nodes(axis, gpus_per_node)
   out = []
   f = lay.fsdp
   dp_axes = [a for a in ("data", "expert", "sequence") if lay.size(a) > 1]
   if f > 1:
-    if lay.zero_stage == 3:
-      w = psi * c
+    if lay.zero_stage == 3:  # layers gathered in the forward and again in the backward, the
+      # embedding and head once (their backward follows at once), per micro-batch
       out.append(Transfer("fsdp", "ZeRO-3 weight all-gathers, forward and backward", "all-gather",
-                          2 * w * lay.accum, nodes("fsdp"), "step"))
-      out.append(Transfer("fsdp", "ZeRO-3 gradient reduce-scatter", "reduce-scatter",
-                          psi * GRAD_BYTES * lay.accum, nodes("fsdp"), "backward"))
+                          (2 * layer_psi + other_psi) * c * lay.accum, nodes("fsdp"), "step"))
+      out.append(Transfer("fsdp", "ZeRO-3 gradient reduce-scatter (the gather's transpose)",
+                          "reduce-scatter", psi * c * lay.accum, nodes("fsdp"), "backward"))
     else:
       two = lay.zero_stage == 2  # ZeRO-2 reduces each micro-batch's gradient in its backward
       out.append(Transfer("fsdp", f"ZeRO-{lay.zero_stage} gradient reduce-scatter",
@@ -100,8 +98,11 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
   if lay.tensor > 1:
     sbh = tokens * model.d_model * c
     passes = 3 if lay.remat == "full" else 2  # forward (+ again), backward
+    # Two all-reduces of s·b·h per block per pass (with SP a reduce-scatter + all-gather pair:
+    # the same volume), the embedding's and the head's, three fp32 loss statistics.
     out.append(Transfer("tensor", "TP/SP activations, 2 per block per pass", "all-reduce",
-                        2 * passes * layers * sbh, nodes("tensor"), ""))
+                        2 * 2 * passes * layers * sbh + 4 * sbh + 3 * 2 * tokens * 4,
+                        nodes("tensor"), ""))
   if lay.sequence > 1:
     kv = tokens * model.n_kv_heads * model.resolved_head_dim / lay.tensor
     fwd = 2 if lay.remat == "full" else 1
@@ -111,13 +112,19 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
   if lay.expert > 1 and model.moe is not None:
     moe_layers = layers // model.moe.every
     routed = tokens * model.moe.top_k * model.d_model * c
+    # The buffer's own slice stays put, but volumes omit the (n-1)/n factor throughout.
     out.append(Transfer("expert", "token dispatch + combine all-to-all, fwd and bwd",
-                        "all-to-all", 4 * moe_layers * routed * (lay.expert - 1) / lay.expert,
-                        nodes("expert"), ""))
+                        "all-to-all", 4 * moe_layers * routed, nodes("expert"), ""))
   if lay.stage > 1:
+    # Every tick of the executed schedule sends one activation forward and one gradient back
+    # (jscale's shard_map program: idle ticks send too).
     act = lay.mbs * seq * model.d_model * c
-    out.append(Transfer("stage", "activations and their gradients between stages", "permute",
-                        2 * lay.accum * lay.virtual_stages * act, nodes("stage"), ""))
+    ticks = schedule_table(lay.schedule, lay.stage, lay.accum, lay.virtual_stages).ticks
+    out.append(Transfer("stage", "activation + gradient sends, one each per schedule tick",
+                        "permute", 2 * ticks * act, nodes("stage"), ""))
+    out.append(Transfer("stage", "embedding + head gradients all-reduce (on every stage)",
+                        "all-reduce", 2 * other_psi * GRAD_BYTES, nodes("stage"),
+                        "last backward"))
   return out
 
 

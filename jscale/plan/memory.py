@@ -65,6 +65,11 @@ class Memory:
 def local_params(model: ModelConfig, lay: Layout) -> float:
   """Parameters one device stores before ZeRO: matrices split over tensor (experts also over
   expert), layers over stage; embedding and head vocab-parallel over tensor."""
+  return sum(local_param_split(model, lay))
+
+
+def local_param_split(model: ModelConfig, lay: Layout) -> tuple[float, float]:
+  """`local_params` as (the layer stack's, the rest: embedding, head, final norm)."""
   d, f, t = model.d_model, model.d_ff, lay.tensor
   h, g, k = model.n_heads, model.n_kv_heads, model.resolved_head_dim
   attn = (2 * d * h * k + 2 * d * g * k) / t
@@ -76,7 +81,7 @@ def local_params(model: ModelConfig, lay: Layout) -> float:
            + 3 * d * m.shared_d_ff / t)
   layers = model.n_layers / lay.stage * (attn + mlp + 2 * d)
   vocab = model.vocab_size * d / t * (1 if model.tie_embeddings else 2)
-  return layers + vocab + d
+  return layers, vocab + d
 
 
 def tokens_per_microbatch(lay: Layout, seq: int) -> int:
@@ -109,9 +114,14 @@ def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: 
 
 
 @functools.lru_cache(maxsize=4096)
+def schedule_table(schedule: str, p: int, m: int, v: int) -> schedules.Table:
+  """The pipeline schedule jscale would execute (cached: the enumeration asks again and again)."""
+  return schedules.make_table(schedule, p, m, v)
+
+
 def in_flight(schedule: str, p: int, m: int, v: int) -> int:
   """Most residual sets (one chunk of layers for one micro-batch) a stage holds at once."""
-  return int(schedules.make_table(schedule, p, m, v).live().max())
+  return int(schedule_table(schedule, p, m, v).live().max())
 
 
 def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:

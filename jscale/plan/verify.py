@@ -19,7 +19,7 @@ from jscale.plan.rank import Row
 
 
 def _config(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
-            gpu: hardware.Gpu):
+            gpu: hardware.Gpu, collectives: str = "xla"):
   import os  # pylint: disable=import-outside-toplevel
   lay = row.layout
   run = [o for o in lay.overrides(seq, gpu.gpus_per_node) if ".dcn_" not in o]
@@ -29,15 +29,18 @@ def _config(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
                                                           "sequence", "tensor")]
   base = [] if os.path.isfile(model_spec) else [f"model.preset={model_spec}"]
   return load_config(model_spec if os.path.isfile(model_spec) else None,
-                     [*base, *model_overrides, *run, "checkpoint.every=0"])
+                     [*base, *model_overrides, *run, "checkpoint.every=0",
+                      f"parallel.collectives={collectives}"])
 
 
 def compare(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
-            gpu: hardware.Gpu, devices: Sequence[jax.Device] | None = None) -> dict:
+            gpu: hardware.Gpu, devices: Sequence[jax.Device] | None = None,
+            collectives: str = "xla") -> dict:
   """Estimate vs compiled, per device: model state (params + optimizer: the step's arguments
   less the batch), the rest (gradients, activations, workspace vs XLA's temporaries), and the
-  communication volume by collective kind."""
-  cfg = _config(model_spec, model_overrides, row, seq, gpu)
+  communication volume by collective kind, compiled in `collectives` mode (manual: the
+  collectives jscale writes by hand, which XLA:CPU keeps as written)."""
+  cfg = _config(model_spec, model_overrides, row, seq, gpu, collectives)
   devices = list(devices or jax.devices())[:row.layout.devices]
   compiled, _ = introspect.compile_train_step(cfg, devices)
   mem = introspect.memory(compiled)
@@ -47,7 +50,7 @@ def compare(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
   est = row.memory
   measured_volume = volume.hlo_volume(hlo.collectives(compiled.as_text()))
   predicted_volume = sum(t.bytes for t in row.cost.transfers)
-  return {"layout": row.layout.describe(),
+  return {"layout": row.layout.describe() + f" ({collectives})",
           "state_estimate": est.params + est.optimizer, "state_compiled": state,
           "rest_estimate": est.grads + est.activations + est.workspace,
           "rest_compiled": mem["temp"] + mem["output"] - mem["alias"],
