@@ -64,7 +64,8 @@ def playbook_volume(rt) -> dict[str, float]:
   ZeRO-3 re-gathers layer weights in the backward, but the embedding (whose backward is a
   scatter-add) and the head (whose backward follows its forward at once) are gathered once;
   TP has one f/g pair per block (4 all-reduces of s·b·h) plus the embedding's g and the head's f,
-  and with rematerialisation the recomputed forward repeats the block's forward collectives;
+  full rematerialisation repeats the block's forward collectives, and selective under SP the
+  all-gathers of the (recomputed) norm outputs;
   the vocab-parallel loss all-reduces three [s·b] fp32 statistics.
   """
   cfg, sizes = rt.cfg, dict(rt.mesh.shape)
@@ -101,8 +102,10 @@ def playbook_volume(rt) -> dict[str, float]:
     sbh = tokens * m.d_model * c
     out["tp 8·sbh per block"] = 8 * m.n_layers * sbh
     out["tp embedding g + head f"] = 4 * sbh
-    if t.remat != "none":
+    if t.remat == "full":
       out["tp remat: forward again"] = 4 * m.n_layers * sbh
+    if t.remat == "selective" and cfg.parallel.sequence_parallel:
+      out["tp selective + sp: norm outputs gathered again"] = 2 * m.n_layers * sbh
     out["tp loss statistics"] = 3 * 2 * tokens * 4
   out["total"] = sum(out.values())
   return out

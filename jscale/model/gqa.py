@@ -63,9 +63,9 @@ class GQA(nnx.Module):
     return q, k, v
 
   def output(self, ctx_BLHK: jax.Array, comms: Seam = LOCAL) -> jax.Array:
-    """The output projection (row-parallel: a partial sum under tensor parallelism)."""
-    return checkpoint_name(einsum("BLHK,HKD->BLD", ctx_BLHK, self.wo, self.dtype, self.wo_dot,
-                                  comms), "attn_out")
+    """The output projection (row-parallel: a partial sum under tensor parallelism; the block
+    names it "attn_out" once reduced)."""
+    return einsum("BLHK,HKD->BLD", ctx_BLHK, self.wo, self.dtype, self.wo_dot, comms)
 
   def cached(self, h_BLD: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array,
              cache: kv_cache.KVCache, layer: jax.Array, prefill: bool

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 
@@ -30,7 +31,7 @@ from jscale.model.seam import GATHERED, LOCAL, Seam
 # Matmul outputs kept by `remat: selective`; scores, softmax and pointwise ops are recomputed.
 # "attn_lse" (ring attention's log-sum-exp) lets the backward ring run without a forward ring.
 SELECTIVE_SAVE = ("q_proj", "k_proj", "v_proj", "attn_ctx", "attn_lse", "attn_out", "mlp_gate",
-                  "mlp_up", "mlp_out", "moe_out")
+                  "mlp_up", "mlp_out")
 
 
 class Block(nnx.Module):
@@ -59,10 +60,12 @@ class Block(nnx.Module):
   def __call__(self, x_BLD, positions_BL, inv_freq, comms: Seam):
     h_BLD = comms.enter_tensor_parallel(self.attn_norm(x_BLD, comms))
     out_BLD = self.attn(h_BLD, positions_BL, inv_freq, comms)
-    x_BLD = x_BLD + comms.leave_tensor_parallel(out_BLD)
+    # Outputs are named once out of the tensor-parallel region: `selective` keeps the reduced
+    # sums (1/t of them under SP), so recomputing the MLP's norm input redoes no all-reduce.
+    x_BLD = x_BLD + checkpoint_name(comms.leave_tensor_parallel(out_BLD), "attn_out")
     h_BLD = comms.enter_tensor_parallel(self.mlp_norm(x_BLD, comms))
     out_BLD, stats = self.mlp(h_BLD, comms)
-    return x_BLD + comms.leave_tensor_parallel(out_BLD), stats
+    return x_BLD + checkpoint_name(comms.leave_tensor_parallel(out_BLD), "mlp_out"), stats
 
   def cached(self, x_BLD, positions_BL, inv_freq, cache: kv_cache.KVCache, layer: jax.Array,
              prefill: bool) -> tuple[jax.Array, kv_cache.KVCache]:

@@ -104,7 +104,7 @@ class MoE(nnx.Module):
                                    self.dtype, grouped)
     n = comms.token_sum(jnp.asarray(b * l * self.cfg.top_k, jnp.float32))
     stats["dropped_fraction"] = comms.token_sum(dropped.astype(jnp.float32)) / n
-    y_BLD = checkpoint_name(y_GTD.reshape(b, l, d), "moe_out")
+    y_BLD = y_GTD.reshape(b, l, d)
     if self.cfg.shared_d_ff:
       dt, c = self.dtype, comms
       gate = einsum("BLD,DF->BLF", h_BLD, self.shared_gate, dt, self.shared_gate_dot, c)

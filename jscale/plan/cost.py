@@ -99,9 +99,11 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
     sbh = tokens * model.d_model * c
     passes = 3 if lay.remat == "full" else 2  # forward (+ again), backward
     # Two all-reduces of s·b·h per block per pass (with SP a reduce-scatter + all-gather pair:
-    # the same volume), the embedding's and the head's, three fp32 loss statistics.
+    # the same volume), the embedding's and the head's, three fp32 loss statistics; selective
+    # remat under SP gathers the recomputed norm outputs again for the weight gradients.
+    again = 2 * layers * sbh if lay.remat == "selective" and lay.sequence_parallel else 0
     out.append(Transfer("tensor", "TP/SP activations, 2 per block per pass", "all-reduce",
-                        2 * 2 * passes * layers * sbh + 4 * sbh + 3 * 2 * tokens * 4,
+                        2 * 2 * passes * layers * sbh + again + 4 * sbh + 3 * 2 * tokens * 4,
                         nodes("tensor"), ""))
   if lay.sequence > 1:
     kv = tokens * model.n_kv_heads * model.resolved_head_dim / lay.tensor
