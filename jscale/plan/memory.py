@@ -18,7 +18,8 @@ import functools
 
 import jax.numpy as jnp
 
-from jscale.config import ModelConfig
+from jscale.config import ModelConfig, TrainConfig
+from jscale.loss import num_chunks
 from jscale.metrics import param_counts
 from jscale.parallel.pipeline import schedules
 from jscale.plan.layout import Layout
@@ -52,7 +53,9 @@ class Memory:
   grads: float
   optimizer: float
   activations: float
-  workspace: float  # one layer's transient working set (recompute, weight gathers, logits chunk)
+  # transients at the peak: the loss's logits, or in the backward a recomputed layer, gathered
+  # weights and a vocabulary-sized gradient in the making
+  workspace: float
 
   @property
   def total(self) -> float:
@@ -90,27 +93,63 @@ def tokens_per_microbatch(lay: Layout, seq: int) -> int:
 
 
 def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: str) -> float:
-  """Bytes one layer keeps for its backward, per device, for `tokens` local tokens.
+  """Bytes one layer keeps for its backward, per device, for `tokens` local tokens: what JAX
+  saves under jscale's remat policy (`jax.ad_checkpoint.saved_residuals` of the layer lists the
+  same; `tests/test_plan.py` checks it), with cuDNN's fused attention (GPU's default).
 
-  Per token, in the compute dtype: the layer input and the MLP's norm input (h each), the
-  norm outputs fed to the matmuls (h each), q and the attention output (a·k each), k and v
-  (g·k each), gate / up / their product (f each), the attention's fp32 log-sum-exp; TP splits
-  all but the norms' inputs and outputs (replicated), SP those too. `selective` drops the
-  norm outputs and the gate·up product (recomputed), `full` keeps only the layer input.
+  Per token, h = d_model, c = the compute dtype's bytes:
+  - full: the layer input (h).
+  - selective (`llama.SELECTIVE_SAVE`): the q, k, v projections (a·k, g·k, g·k), the attention
+    kernel's query input and output (a·k each) with its fp32 log-sum-exp (a), the attention
+    and MLP outputs (h each), gate and up (f each).
+  - none: every intermediate: the two RMSNorms' fp32 input and normalised input and two fp32
+    scalars each (4h + 4 fp32), their outputs and the two residual adds (4h), q before and
+    after RoPE and the attention output (3 a·k), k and v (2 g·k), the log-sum-exp, six [f] MLP
+    tensors (gate, up, the SiLU's parts, their product); and the layer's weights in the
+    compute dtype (`cast_weights`, unless ZeRO-3 gathers them again).
+  Tensor parallelism splits heads and f; sequence parallelism also the [h] terms.
   """
   c = jnp.dtype(model.dtype).itemsize
   d, t = model.d_model, lay.tensor
   a, g, k = model.n_heads, model.n_kv_heads, model.resolved_head_dim
-  if model.moe is None:
-    f3 = 3 * model.d_ff
-  else:
-    f3 = model.moe.top_k * 3 * (model.moe.d_ff or model.d_ff) + 3 * model.moe.shared_d_ff + 2 * d
-  norm_io = 2 * d if remat == "selective" else 4 * d  # inputs (+ outputs) of the two norms
-  split = 2 * a * k + 2 * g * k + (f3 * 2 // 3 if remat == "selective" else f3)
   if remat == "full":
     return tokens * c * d / (t if lay.sequence_parallel else 1)
-  norm_share = norm_io / t if lay.sequence_parallel else norm_io
-  return tokens * (c * (norm_share + split / t) + 4 * a / t)
+  if model.moe is None:
+    f = model.d_ff
+  else:  # routed copies of each token, shared experts, the router's [E] logits (fp32)
+    f = model.moe.top_k * (model.moe.d_ff or model.d_ff) + model.moe.shared_d_ff
+  none = remat == "none"
+  h_terms = 4 * d * (c + 4) + 16 if none else 2 * d * c
+  split = c * (3 * a * k + 2 * g * k + (6 if none else 2) * f) + 4 * a
+  if model.moe is not None:
+    split += 4 * model.moe.n_experts * t  # router logits: replicated, not split
+  return tokens * (h_terms / (t if lay.sequence_parallel else 1) + split / t)
+
+
+def cast_weights(model: ModelConfig, lay: Layout) -> float:
+  """Bytes of one layer's weights in the compute dtype on one device (before ZeRO-3)."""
+  layer_psi, _ = local_param_split(model, lay)
+  return jnp.dtype(model.dtype).itemsize * layer_psi / (model.n_layers / lay.stage)
+
+
+def vocab_gradient_bytes(model: ModelConfig, lay: Layout) -> float:
+  """One fp32 vocabulary-sized gradient (head or embedding) on one device: the loss and the
+  backward hold two of them in the making (the head's running sum and one product; a tied
+  embedding's scatter and transposed head halves), beside the finished gradients."""
+  return 4 * model.vocab_size * model.d_model / lay.tensor
+
+
+def loss_workspace(model: ModelConfig, lay: Layout, tokens: int,
+                   chunk_mb: float = TrainConfig.logits_chunk_mb) -> float:
+  """The loss's transient bytes for `tokens` local tokens (`jscale.loss`): unchunked, the fp32
+  logits and their gradient in the compute dtype; chunked (`train.logits_chunk_mb`), one
+  chunk's logits in the compute dtype and the head's gradient in the making."""
+  v = model.vocab_size / lay.tensor
+  c = jnp.dtype(model.dtype).itemsize
+  n = num_chunks((lay.mbs, tokens // lay.mbs, int(v)), chunk_mb)
+  if n == 1:
+    return (4 + c) * tokens * v
+  return c * tokens / n * v + 2 * vocab_gradient_bytes(model, lay)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -135,14 +174,27 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   tokens = tokens_per_microbatch(lay, seq)
   layers_per_chunk = model.n_layers / (lay.stage * lay.virtual_stages)
   per_layer = layer_activation_bytes(model, lay, tokens, lay.remat)
-  sets = in_flight(lay.schedule, lay.stage, lay.accum, lay.virtual_stages) if lay.stage > 1 else 1
+  pipe = lay.stage > 1
+  # Under a pipeline the executor's residual buffer has a slot per set in flight plus a scratch
+  # slot (`pipeline.program`), and a B tick copies its set out of it.
+  sets = in_flight(lay.schedule, lay.stage, lay.accum, lay.virtual_stages) + 2 if pipe else 1
   activations = per_layer * layers_per_chunk * sets
-  c = jnp.dtype(model.dtype).itemsize
-  # Transients: a recomputed layer's full set under remat, one layer's gathered weights in the
-  # compute dtype (ZeRO-3), one chunk of logits in fp32 (the chunked loss: 1024 tokens).
-  layer_w = (n - model.vocab_size * model.d_model / lay.tensor) / (model.n_layers / lay.stage)
-  workspace = (layer_activation_bytes(model, lay, tokens, "none") if lay.remat != "none" else 0)
-  workspace += c * layer_w * (2 if zero >= 3 else 0) + 4 * 1024 * model.vocab_size / lay.tensor
+  if lay.remat == "none" and zero < 3:  # compute-dtype weights saved for the backward (ZeRO-3
+    # gathers them again instead)
+    activations += cast_weights(model, lay) * layers_per_chunk * sets
+  # Transients at the step's peak, whichever is larger: the loss's, before any layer gradient
+  # exists, or the backward's beside every gradient: a recomputed layer's full set under remat,
+  # one layer's gathered weights (ZeRO-3: this layer's and the next's, prefetched), two fp32
+  # vocabulary-sized gradients in the making. (Checked against XLA:GPU's buffer assignment:
+  # `python -m jscale.plan --verify N --target h100xN`.)
+  backward = (layer_activation_bytes(model, lay, tokens, "none") if lay.remat != "none" else 0)
+  backward += cast_weights(model, lay) * (2 if zero >= 3 else 0)
+  backward += 2 * vocab_gradient_bytes(model, lay)
+  if pipe:  # each tick's chunk gradient and its running sum (twice the stage's layer gradients);
+    # every stage runs the embedding and head (SPMD) and all-reduces their gradients over
+    # `stage`: four more vocabulary-sized buffers (measured on XLA:GPU, 1F1B p=4 m=8)
+    backward += 2 * 4 * local_param_split(model, lay)[0] + 4 * vocab_gradient_bytes(model, lay)
+  workspace = max(loss_workspace(model, lay, tokens) - grads, backward)
   return Memory(params, grads, optimizer, activations, workspace)
 
 
