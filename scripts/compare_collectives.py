@@ -4,9 +4,12 @@ compiled memory per device.
 
   python scripts/compare_collectives.py [--steps 8] [--only dp,zero3] \
       [--out results/compare_collectives.md] [overrides...]
+  python scripts/compare_collectives.py --target h100x8   # XLA:GPU's program, compile only
 
 Writes a markdown table, a CSV beside it and a PNG chart. On CPU it simulates 8 devices; on a
-GPU host it uses the GPUs present (the strategies below need 8). Volume is per device per step,
+GPU host it uses the GPUs present (the strategies below need 8). `--target h100x8` compiles
+every strategy for 8 H100s with the real XLA:GPU compiler instead (`jscale.analysis.gpu_target`:
+JAX's CUDA plugin, no GPU needed) and runs nothing: collectives and memory only. Volume is per device per step,
 counted as the playbook does (`jscale.analysis.volume`): all-reduce 2x its size, all-gather and
 reduce-scatter the full size. Step times on simulated CPU devices measure compute on 2 shared
 cores, not communication: read them on GPUs.
@@ -52,12 +55,15 @@ def _batches(cfg, n):
 
 
 def _run(cfg, devices, steps):
-  """Compiles and runs `steps` steps: (losses, median step seconds, compiled, runtime)."""
+  """Compiles and runs `steps` steps: (losses, median step seconds, compiled, runtime); with
+  steps 0 (a compile target without devices) only compiles: losses and time are None."""
   import jax  # pylint: disable=import-outside-toplevel
   from jscale import runtime  # pylint: disable=import-outside-toplevel
   from jscale.analysis import introspect
   rt = runtime.build(cfg, devices)
   compiled = rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(cfg)).compile()
+  if not steps:
+    return None, None, compiled, rt
   state, losses, times, reorder = rt.init_state(), [], [], rt.reorder()
   for b in _batches(cfg, steps):
     b = jax.device_put(reorder(b) if reorder else b, rt.layouts.batch())
@@ -83,9 +89,16 @@ def _chart(rows, path):
   a1.bar([i + w for i in x], [v / 1e6 for v in get("xla", "volume_bytes")], w, label="xla")
   a1.set_ylabel("volume / device / step (MB)")
   a1.legend()
-  a2.bar([i - w / 2 for i in x], get("manual", "step_ms"), w, label="manual")
-  a2.bar([i + w / 2 for i in x], get("xla", "step_ms"), w, label="xla")
-  a2.set_ylabel("median step (ms)")
+  if rows[0]["step_ms"] is not None:
+    a2.bar([i - w / 2 for i in x], get("manual", "step_ms"), w, label="manual")
+    a2.bar([i + w / 2 for i in x], get("xla", "step_ms"), w, label="xla")
+    a2.set_ylabel("median step (ms)")
+  else:  # compiled for a target, not run: memory instead of time
+    a2.bar([i - w / 2 for i in x], [v / 1e6 for v in get("manual", "memory_bytes")], w,
+           label="manual")
+    a2.bar([i + w / 2 for i in x], [v / 1e6 for v in get("xla", "memory_bytes")], w,
+           label="xla")
+    a2.set_ylabel("compiled memory / device (MB)")
   a2.legend()
   for a in (a1, a2):
     a.set_xticks(list(x), names, rotation=20)
@@ -98,10 +111,15 @@ def main():
   p.add_argument("--out", default="results/compare_collectives.md")
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--only", default="", help="comma-separated strategies (default: all)")
+  p.add_argument("--target", default=None, metavar="GPUxN",
+                 help="compile for GPUs with XLA:GPU instead of running (e.g. h100x8)")
   p.add_argument("overrides", nargs="*", help="config overrides")
   args = p.parse_args()
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8")
+  if args.target:  # nothing runs: CPU is the platform, the GPUs are descriptions
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    args.steps = 0
   import jax  # pylint: disable=import-outside-toplevel  (after XLA_FLAGS: read once)
   from jscale.analysis import hlo, introspect, report  # pylint: disable=import-outside-toplevel
   from jscale.config_load import load_config  # pylint: disable=import-outside-toplevel
@@ -111,9 +129,14 @@ def main():
   unknown = set(names) - set(STRATEGIES)
   if unknown:
     raise SystemExit(f"--only: unknown {sorted(unknown)}; choose from {list(STRATEGIES)}")
-  if len(jax.devices()) < 8:
-    raise SystemExit(f"the strategies need 8 devices, found {len(jax.devices())}")
-  devices = jax.devices()[:8]
+  if args.target:
+    from jscale.analysis import gpu_target  # pylint: disable=import-outside-toplevel
+    devices = gpu_target.devices(args.target)
+  else:
+    devices = jax.devices()
+  if len(devices) < 8:
+    raise SystemExit(f"the strategies need 8 devices, found {len(devices)}")
+  devices = devices[:8]
   ref, _, _, _ = _run(load_config(None, [*SHAPE, "mesh.data=1", *args.overrides]), devices[:1],
                       args.steps)
   rows = []
@@ -125,8 +148,9 @@ def main():
       colls = hlo.collectives(compiled.as_text())
       mem = introspect.memory(compiled)
       row = {"strategy": name, "mode": mode,
-             "loss_rel_diff": max(abs(a / b - 1) for a, b in zip(losses[:5], ref[:5])),
-             "step_ms": 1e3 * step_s,
+             "loss_rel_diff": (max(abs(a / b - 1) for a, b in zip(losses[:5], ref[:5]))
+                               if losses else None),
+             "step_ms": 1e3 * step_s if step_s else None,
              "volume_bytes": volume.hlo_volume(colls)["total"],
              "playbook_bytes": volume.playbook_volume(rt)["total"],
              "memory_bytes": mem["argument"] + mem["temp"] + mem["output"] - mem["alias"]}
@@ -145,8 +169,9 @@ def main():
 
   print(report.write_table(rows, [
       ("strategy", lambda r: r["strategy"]), ("mode", lambda r: r["mode"]),
-      ("loss vs 1 device (max rel.)", lambda r: f"{r['loss_rel_diff']:.1e}"),
-      ("step (ms)", lambda r: f"{r['step_ms']:.0f}"),
+      ("loss vs 1 device (max rel.)",
+       lambda r: "—" if r["loss_rel_diff"] is None else f"{r['loss_rel_diff']:.1e}"),
+      ("step (ms)", lambda r: "—" if r["step_ms"] is None else f"{r['step_ms']:.0f}"),
       ("collectives per step (runs, result bytes)", kinds),
       ("volume (kB)", lambda r: f"{r['volume_bytes'] / 1e3:.0f}"),
       ("playbook (kB)", lambda r: f"{r['playbook_bytes'] / 1e3:.0f}"),

@@ -13,6 +13,8 @@ import dataclasses
 import re
 from typing import Any
 
+from jscale.analysis import hlo
+
 # dot_general, and ragged_dot where a backend keeps it whole (its third operand: group sizes).
 _DOT = re.compile(r"(?:stablehlo\.dot_general|chlo\.ragged_dot)\b.*?:\s*\(tensor<([^>]*)>,\s*"
                   r"tensor<([^>]*)>(?:,\s*tensor<[^>]*>)?\)\s*->\s*tensor<([^>]*)>.*?"
@@ -75,3 +77,28 @@ def not_in(dots: list[Dot], dtype: str, allowed_scopes: tuple[str, ...] = ()) ->
   `allowed_scopes` (named scopes such as "fp32_router")."""
   return [d for d in dots if set(d.operands) != {dtype}
           and not any(s in d.location for s in allowed_scopes)]
+
+
+def compiled_dots(compiled: Any) -> list[Dot]:
+  """Every matmul of a compiled program (a `Compiled` or its `as_text()`), as the backend runs
+  it: `dot` instructions (on XLA:GPU inside gemm fusions) with the element types of their
+  operands there (so an operand converted to fp32 inside a fusion shows as f32), and cuBLAS
+  custom calls (`__cublas$...`: FP8 gemms among them). `location` is the op_name."""
+  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  comps, _, _ = hlo._parse(text)  # pylint: disable=protected-access
+  out = []
+  for insts in comps.values():
+    types = {name: hlo._leaves(shape) for name, shape, _, _ in insts}  # pylint: disable=protected-access
+    for _, shape, opcode, attrs in insts:
+      cublas = opcode == "custom-call" and '"__cublas$' in attrs
+      if opcode != "dot" and not cublas:
+        continue
+      ops = re.findall(r"%([\w.\-]+)", attrs.split(")")[0])[:2]
+      if len(ops) < 2 or any(o not in types for o in ops):
+        continue
+      (lt, ls), (rt, rs) = types[ops[0]][0], types[ops[1]][0]
+      op_name = re.search(r'op_name="([^"]*)"', attrs)
+      out.append(Dot(lt, rt, hlo._leaves(shape)[0][0],  # pylint: disable=protected-access
+                     "x".join(map(str, ls)), "x".join(map(str, rs)),
+                     op_name.group(1) if op_name else ""))
+  return out

@@ -3,6 +3,8 @@
     python -m jscale.plan --model llama3_70b --gpus 64 --seq 4096 --global-batch-tokens 4M
     python -m jscale.plan --model configs/tiny.yaml --gpus 8 --seq 256 --global-batch-tokens 16k \\
         --verify 3                       # AOT-compile the top 3 on 8 simulated CPU devices
+    python -m jscale.plan --model llama3_8b --gpus 8 --seq 4096 --global-batch-tokens 1M \\
+        --verify 3 --target h100x8       # ... with XLA:GPU for 8 H100s (CUDA plugin, no GPU)
 
 Enumerates every layout jscale can run (`jscale.plan.layout`), estimates per-device memory
 (`jscale.plan.memory`) and step time (`jscale.plan.cost`), and prints the fastest that fit,
@@ -51,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
                  "memory and collectives beside the estimate")
   p.add_argument("--collectives", choices=("xla", "manual"), default="xla",
                  help="parallel.collectives of the --verify compiles")
+  p.add_argument("--target", default=None, metavar="GPUxN",
+                 help="compile --verify's layouts with the real XLA:GPU compiler for N GPUs "
+                 "(h100x8: N = --gpus) instead of on simulated CPU devices; needs JAX's CUDA "
+                 "plugin and cuDNN (pip install -e '.[gpu-compile]'), not a GPU")
   p.add_argument("overrides", nargs="*", help="model.* overrides (model.dtype=float32, ...)")
   return p
 
@@ -66,13 +72,29 @@ def _model(spec: str, overrides: list[str]):
   return load_config(None, [f"model.preset={spec}", *overrides]).model
 
 
+def _target_devices(args):
+  """--target's GPU descriptions (None: simulated CPU devices); ValueError / RuntimeError say
+  what to change or install."""
+  if args.target is None:
+    return None
+  from jscale.analysis import gpu_target  # pylint: disable=import-outside-toplevel
+  _, n = gpu_target.parse(args.target)
+  if n != args.gpus:
+    raise ValueError(f"--target {args.target} compiles for {n} GPUs but --gpus is {args.gpus}: "
+                     f"make them equal")
+  return gpu_target.devices(args.target)
+
+
 def main(argv: list[str] | None = None) -> int:
   """CLI entry point; exit 2 with one line for bad input."""
   args = _parser().parse_args(argv)
-  # Imported here: --verify sets the simulated device count before JAX starts.
+  # Imported here: --verify sets the simulated device count before JAX starts. Nothing runs on
+  # a device: CPU is the platform even where GPUs are present (--target compiles for GPUs
+  # from their descriptions), which also keeps a CUDA plugin without a GPU quiet.
   if args.verify:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.gpus}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from jscale.plan import hardware, report  # pylint: disable=import-outside-toplevel
   from jscale.plan.rank import rank  # pylint: disable=import-outside-toplevel
   try:
@@ -81,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"{', '.join(hardware.GPUS)}")
     model = _model(args.model, args.overrides)
     gpu = hardware.GPUS[args.gpu]
+    devices = _target_devices(args) if args.verify else None
     rows = rank(model, args.gpus, args.seq, args.global_batch_tokens, gpu,
                 include_unfit=True, max_tensor=args.max_tensor)
-  except (ConfigError, ValueError) as e:
+  except (ConfigError, ValueError, RuntimeError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   fitting = [r for r in rows if r.fits]
@@ -100,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     from jscale.plan import verify  # pylint: disable=import-outside-toplevel
     for row in shown[:args.verify]:
       print(verify.describe(verify.compare(args.model, args.overrides, row, args.seq, gpu,
-                                           collectives=args.collectives)))
+                                           devices, collectives=args.collectives)))
   return 0 if fitting else 1
 
 

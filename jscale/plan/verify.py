@@ -1,9 +1,16 @@
 """The planner's estimate beside the compiled program: AOT-compile a layout's real train step on
 abstract inputs (nothing is allocated) and read XLA's memory analysis and collectives.
 
-On simulated CPU devices (`--xla_force_host_platform_device_count`) this checks the model state
-exactly and the rest loosely: XLA:CPU schedules and fuses differently from XLA:GPU, has no
-reduce-scatter, and keeps temporaries its GPU compiler would not.
+Two compilers (`python -m jscale.plan --verify N [--target h100xN]`):
+- XLA:GPU for a topology of GPUs (`jscale.analysis.gpu_target`: JAX's CUDA plugin, no GPU
+  needed): the buffers and collectives a GPU run would have. The model state is exact, the
+  rest (gradients, activations, transients) within ~15% on llama3_1b layouts (README), the
+  collectives as XLA:GPU emits them.
+- XLA:CPU on simulated devices: the model state exactly and manual mode's hand-written
+  collectives as written, but bf16 collectives run in fp32, there is no reduce-scatter or
+  ragged all-to-all, and its temporaries are unfused (attention scores materialised).
+Collectives inside a `conditional` count every branch (an upper bound): the pipeline's tick
+branches under tensor parallelism overcount (`jscale.analysis.hlo`).
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ def compare(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
           "rest_compiled": mem["temp"] + mem["output"] - mem["alias"],
           "volume_estimate": predicted_volume, "volume_compiled": measured_volume["total"],
           "volume_by_kind": {k: v for k, v in measured_volume.items() if k != "total"},
-          "platform": devices[0].platform}
+          "platform": f"{len(devices)} x {devices[0].device_kind}"}
 
 
 def describe(r: dict) -> str:

@@ -1,0 +1,74 @@
+"""The real XLA:GPU compiler for GPUs that are not here: device descriptions of N H100s to lower
+and compile a step against (`memory_analysis()`, the collectives XLA:GPU emits, its fusions and
+custom calls), from any machine with JAX's CUDA plugin — one GPU, or none at all.
+
+`jax.experimental.topologies.get_topology_desc(platform="cuda", topology="1x1x8")` describes 8
+GPUs like the local one. With no GPU present it fails ("No visible GPU devices") unless the
+plugin is also given a `target_config`: the GPU as the compiler sees it (SM count, shared
+memory, HBM size, compute capability, cuDNN version; `gpu_specs/*.txtpb`). Found with jax
+0.10.2 on a CPU-only machine: with `jax[cuda13-local]` (the plugin, no CUDA wheels) a matmul
+compiles; jscale's train step also needs `nvidia-cudnn-cu13`, because cuDNN attention asks
+cuDNN's version while tracing and builds its graph while compiling. Nothing runs: there is no
+autotuning (XLA picks its default gemm algorithms), which changes no buffer or collective.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import re
+
+import jax
+
+# name -> (spec file in gpu_specs/, GPUs per node: NVLink domain of the topology's hosts)
+TARGETS = {"h100": ("h100_sxm.txtpb", 8)}
+INSTALL = ("pip install 'jax[cuda13-local]=={v}' nvidia-cudnn-cu13  (the CUDA plugin and cuDNN; "
+           "no GPU needed)")
+
+
+def parse(target: str) -> tuple[str, int]:
+  """'h100x8' -> ('h100', 8); ValueError naming the accepted form otherwise."""
+  m = re.fullmatch(r"([a-z0-9]+)x(\d+)", target.strip().lower())
+  if not m or m.group(1) not in TARGETS or int(m.group(2)) < 1:
+    raise ValueError(f"--target {target!r}: expected <gpu>x<count> with gpu one of "
+                     f"{', '.join(TARGETS)} (e.g. h100x8, h100x64)")
+  return m.group(1), int(m.group(2))
+
+
+def topology_name(n: int, per_node: int) -> str:
+  """The plugin's 'partitions x hosts x devices-per-host' for `n` GPUs, nodes filled first."""
+  if n <= per_node:
+    return f"1x1x{n}"
+  if n % per_node:
+    raise ValueError(f"{n} GPUs do not fill whole nodes of {per_node}")
+  return f"1x{n // per_node}x{per_node}"
+
+
+def spec(gpu: str) -> str:
+  """The target_config text of `gpu` (a key of TARGETS)."""
+  return (importlib.resources.files("jscale.analysis") / "gpu_specs" /
+          TARGETS[gpu][0]).read_text()
+
+
+def devices(target: str) -> list[jax.Device]:
+  """Device descriptions of `target` ('h100x8'), to build a Mesh over and compile for (they
+  cannot hold arrays or run). RuntimeError naming the install when the plugin is missing."""
+  gpu, n = parse(target)
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  try:
+    topo = topologies.get_topology_desc(platform="cuda",
+                                        topology=topology_name(n, TARGETS[gpu][1]),
+                                        target_config=spec(gpu))
+  except (NotImplementedError, RuntimeError) as e:  # no plugin / a plugin that cannot load
+    raise RuntimeError(f"cannot compile for {target}: JAX's CUDA plugin is missing or failed "
+                       f"({str(e).splitlines()[0]}); install it with "
+                       f"{INSTALL.format(v=jax.__version__)}") from e
+  return list(topo.devices)
+
+
+def available() -> bool:
+  """Whether this machine can compile for GPU targets (the CUDA plugin is installed)."""
+  try:
+    devices("h100x1")
+  except RuntimeError:
+    return False
+  return True
