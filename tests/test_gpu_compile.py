@@ -74,26 +74,30 @@ def test_fp8_linears_run_fp8_gemms_on_h100():
   assert all("head" in d.location for d in found if "f8" not in d.lhs + d.rhs)
 
 
-# The planner against XLA:GPU at llama3_1b's size (seq 4096), one H100 and 8: the model state
-# exactly, the rest (gradients, activations, transients at the peak) within 15%, the collective
-# volume within 10% (manual mode: the collectives jscale writes, in its dtypes).
-REAL = [(1, Layout(mbs=2, remat="selective")), (1, Layout(mbs=2, remat="none")),
-        (1, Layout(mbs=4, remat="full")),
-        (8, Layout(data=8, remat="selective")),
-        (8, Layout(fsdp=8, zero_stage=3, remat="selective")),
-        (8, Layout(fsdp=8, zero_stage=1, remat="none")),
-        (8, Layout(data=2, tensor=4, mbs=2, remat="selective")),
-        (8, Layout(data=2, tensor=4, sequence_parallel=True, mbs=2, remat="selective")),
-        (8, Layout(data=2, sequence=4, remat="selective")),
-        (8, Layout(data=2, stage=4, accum=8, remat="selective"))]
+# The planner against XLA:GPU at real sizes (seq 4096), one H100 and 8: the model state exactly,
+# the rest (gradients, activations, transients at the peak) within 15%, the collective volume
+# within 10% (manual mode: the collectives jscale writes, in its dtypes).
+B1, B8 = ("llama3_1b", ()), ("llama3_8b", ("model.n_layers=8",))
+REAL = [(B1, 1, Layout(mbs=2, remat="selective")), (B1, 1, Layout(mbs=2, remat="none")),
+        (B1, 1, Layout(mbs=4, remat="full")),
+        (B1, 8, Layout(data=8, remat="selective")),
+        (B1, 8, Layout(fsdp=8, zero_stage=3, remat="selective")),
+        (B1, 8, Layout(fsdp=8, zero_stage=1, remat="none")),
+        (B1, 8, Layout(data=2, tensor=4, mbs=2, remat="selective")),
+        (B1, 8, Layout(data=2, tensor=4, sequence_parallel=True, mbs=2, remat="selective")),
+        (B1, 8, Layout(data=2, sequence=4, remat="selective")),
+        (B1, 8, Layout(data=2, stage=4, accum=8, remat="selective")),
+        (B8, 1, Layout(remat="full")), (B8, 8, Layout(fsdp=8, zero_stage=3, remat="full")),
+        (B8, 8, Layout(data=2, tensor=4, sequence_parallel=True, remat="selective"))]
 
 
-@pytest.mark.parametrize("n,lay", REAL, ids=lambda x: x.describe().replace(" ", "-")
-                         if isinstance(x, Layout) else f"h100x{x}")
-def test_estimate_against_xla_gpu(n, lay):
-  model = load_config(None, ["model.preset=llama3_1b"]).model
-  row = evaluate(model, lay, 4096, H100)
-  r = compare("llama3_1b", [], row, 4096, H100, gpu_target.devices(f"h100x{n}"),
+@pytest.mark.parametrize("model,n,lay", REAL, ids=lambda x: x.describe().replace(" ", "-")
+                         if isinstance(x, Layout) else f"h100x{x}" if isinstance(x, int)
+                         else x[0])
+def test_estimate_against_xla_gpu(model, n, lay):
+  preset, overrides = model
+  row = evaluate(load_config(None, [f"model.preset={preset}", *overrides]).model, lay, 4096, H100)
+  r = compare(preset, list(overrides), row, 4096, H100, gpu_target.devices(f"h100x{n}"),
               collectives="manual")
   assert r["state_compiled"] == pytest.approx(r["state_estimate"], rel=1e-3), r
   assert r["rest_compiled"] == pytest.approx(r["rest_estimate"], rel=0.15), r
