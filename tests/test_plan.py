@@ -179,3 +179,20 @@ def test_layer_activations_are_what_jax_saves(remat):
   if remat == "none":
     want += memory.cast_weights(cfg, lay)
   assert saved == want and saved > 0
+
+
+# Steady-state steps measured on one lent H100 (jax 0.11.2, bf16 matmuls, cuDNN attention, seq
+# 4096; ../shared/measurements/h100_2026-11-23.md, README "Choosing a layout"): preset, overrides,
+# layout, tokens/s. The estimate's step efficiency (0.49) came from the batch-8 row.
+H100_MEASURED = [("llama3_1b", (), Layout(mbs=4, remat="selective"), 57_952),
+                 ("llama3_1b", (), Layout(mbs=8, remat="selective"), 58_950),
+                 ("llama3_3b", (), Layout(mbs=2, remat="full"), 17_543),
+                 ("llama3_8b", ("model.n_layers=8",), Layout(mbs=1, remat="full"), 26_179)]
+
+
+@pytest.mark.parametrize("preset,overrides,lay,measured", H100_MEASURED,
+                         ids=lambda x: x.describe().replace(" ", "-") if isinstance(x, Layout)
+                         else None)
+def test_step_time_against_measured_h100(preset, overrides, lay, measured):
+  model = load_config(None, [f"model.preset={preset}", *overrides]).model
+  assert evaluate(model, lay, 4096, H100).tokens_per_s == pytest.approx(measured, rel=0.10)

@@ -14,6 +14,7 @@ autotuning (XLA picks its default gemm algorithms), which changes no buffer or c
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import re
 
@@ -52,8 +53,13 @@ def spec(gpu: str) -> str:
 def devices(target: str) -> list[jax.Device]:
   """Device descriptions of `target` ('h100x8'), to build a Mesh over and compile for (they
   cannot hold arrays or run). RuntimeError naming the install when the plugin is missing."""
-  gpu, n = parse(target)
+  return list(_topology(*parse(target)))
+
+
+@functools.lru_cache(maxsize=None)
+def _topology(gpu: str, n: int) -> tuple[jax.Device, ...]:
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  target = f"{gpu}x{n}"
   try:
     topo = topologies.get_topology_desc(platform="cuda",
                                         topology=topology_name(n, TARGETS[gpu][1]),
@@ -62,7 +68,7 @@ def devices(target: str) -> list[jax.Device]:
     raise RuntimeError(f"cannot compile for {target}: JAX's CUDA plugin is missing or failed "
                        f"({str(e).splitlines()[0]}); install it with "
                        f"{INSTALL.format(v=jax.__version__)}") from e
-  return list(topo.devices)
+  return tuple(topo.devices)
 
 
 def available() -> bool:
