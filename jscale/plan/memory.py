@@ -194,6 +194,8 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   backward += cast_weights(model, lay) * (2 if zero >= 3 else 0)
   layer_grads = grads * local_param_split(model, lay)[0] / n
   backward += 1.5 * vocab_gradient_bytes(model, lay) + 0.5 * layer_grads
+  if lay.accum > 1 and not pipe and zero != 1:  # a micro-batch's gradient beside the running
+    backward += grads  # sum (ZeRO-1 reduces it into the sum's shard as it goes)
   if pipe:  # each tick's chunk gradient and its running sum (twice the stage's layer gradients);
     # every stage runs the embedding and head (SPMD) and all-reduces their gradients over
     # `stage`: four more vocabulary-sized buffers (measured on XLA:GPU, 1F1B p=4 m=8)
