@@ -132,3 +132,13 @@ class Layouts:
 
   def activation(self, names: Sequence[str | None]) -> NamedSharding:
     return NamedSharding(self.mesh, spec(names, self.rules))
+
+
+def without_axes(s: P, axes: Any) -> P:
+  """`s` with the mesh `axes` removed (a dim split only over them becomes unsplit): the spec
+  inside a shard_map manual over `axes`, where arrays already are their shards."""
+  if not axes:
+    return s
+  drop = lambda e: (e if e is None or (isinstance(e, str) and e not in axes) else None
+                    if isinstance(e, str) else tuple(a for a in e if a not in axes) or None)
+  return P(*(drop(e) for e in s))

@@ -4,8 +4,8 @@ State is a plain pytree, `{"params", "opt_state", "step", "rng"}`, with params a
 dict of fp32 master weights (nnx.to_pure_dict layout), so orbax saves it as is; with FP8's
 delayed scaling also `"dot_state"`, the linear layers' amax histories (`matmul.DotState`), whose
 new values come out of the backward. One optimizer step scans over micro-batches (gradient
-accumulation) and reduces gradients once, at the end. Nothing in the step synchronises with
-the host.
+accumulation) and reduces gradients once, at the end (xla mode: over the axes `over_batch`
+keeps apart). Nothing in the step synchronises with the host.
 """
 
 from __future__ import annotations
@@ -129,8 +129,21 @@ def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int,
   """
   count = comms.batch_sum(jnp.sum(batch["loss_mask"].astype(jnp.float32)))
   scale = 1.0 / jnp.maximum(count, 1.0)
+  with jax.named_scope("backward"):
+    if microbatches == 1:  # (xla mode: XLA reduces each layer's gradient in the backward)
+      grads, loss, stats, new_dots = _grad_loop(comms, loss_fn, params, dot_state or {},
+                                                batch, scale, 1)
+    else:  # each batch shard sums its micro-batches' gradients, reduced once (`over_batch`)
+      grads, loss, stats, new_dots = comms.over_batch(
+          lambda c, *a: _grad_loop(c, loss_fn, *a, microbatches), params, dot_state or {},
+          batch, scale)
+  return grads, comms.batch_sum(loss), count, stats, new_dots
+
+
+def _grad_loop(comms: Comms, loss_fn: Callable, params, dot_state, batch: Batch, scale,
+               microbatches: int):
+  """(grads, loss sum, statistics, new dot_state) of `batch` in `microbatches` (a scan)."""
   wrt, step_comms = comms.grad_target(params)
-  dot_state = dot_state or {}
 
   def scaled_loss(p, d, mb):
     loss_sum, _, stats = loss_fn(p, mb, comms=step_comms, dot_state=d)
@@ -144,25 +157,25 @@ def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int,
     g = comms.grad_accumulator(jax.tree.map(lambda x: x.astype(jnp.float32), g))
     return g, new_dots, aux
 
-  with jax.named_scope("backward"):
-    if microbatches == 1:
-      grads, new_dots, (loss, stats) = one(batch)
-    else:
-      def body(carry, mb):
-        g, d, aux = one(mb)
-        acc_g, acc_d, acc_aux = carry
-        return (jax.tree.map(jnp.add, acc_g, g), jax.tree.map(jnp.maximum, acc_d, d),
-                jax.tree.map(jnp.add, acc_aux, aux)), None
+  if microbatches == 1:
+    grads, new_dots, (loss, stats) = one(batch)
+    return grads, loss, stats, new_dots
 
-      first = jax.tree.map(lambda x: x[0], executor.split_microbatches(batch, microbatches))
-      stats = jax.eval_shape(lambda: loss_fn(wrt, first, comms=step_comms,
-                                             dot_state=dot_state)[2])  # forward only
-      stats0 = {k: jnp.zeros(v.shape, v.dtype) for k, v in stats.items() if k != "moe_loss"}
-      zeros = (comms.zero_grads(params), jax.tree.map(jnp.zeros_like, dot_state),
-               (jnp.zeros((), jnp.float32), stats0))
-      (grads, new_dots, (loss, stats)), _ = jax.lax.scan(
-          body, zeros, executor.split_microbatches(batch, microbatches))
-  return grads, comms.batch_sum(loss), count, stats, new_dots
+  def body(carry, mb):
+    g, d, aux = one(mb)
+    acc_g, acc_d, acc_aux = carry
+    return (jax.tree.map(jnp.add, acc_g, g), jax.tree.map(jnp.maximum, acc_d, d),
+            jax.tree.map(jnp.add, acc_aux, aux)), None
+
+  first = jax.tree.map(lambda x: x[0], executor.split_microbatches(batch, microbatches))
+  stats = jax.eval_shape(lambda: loss_fn(wrt, first, comms=step_comms,
+                                         dot_state=dot_state)[2])  # forward only
+  stats0 = {k: jnp.zeros(v.shape, v.dtype) for k, v in stats.items() if k != "moe_loss"}
+  zeros = (comms.zero_grads(params), jax.tree.map(jnp.zeros_like, dot_state),
+           (jnp.zeros((), jnp.float32), stats0))
+  (grads, new_dots, (loss, stats)), _ = jax.lax.scan(
+      body, zeros, executor.split_microbatches(batch, microbatches))
+  return grads, loss, stats, new_dots
 
 
 def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,

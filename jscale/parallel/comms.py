@@ -53,6 +53,13 @@ class Comms(Seam):
 
   # ---------------------------------------------------------------- gradients
 
+  def over_batch(self, fn: Callable, params: Any, dot_state: Any, batch: Any,
+                 scale: jax.Array) -> Any:
+    """Runs the gradient loop over micro-batches, `fn(comms, params, dot_state, batch, scale)
+    -> (grads, loss sum, statistics, new dot_state)`, with gradients summed over the whole
+    batch (xla mode: in a region where each batch shard accumulates its own, reduced once)."""
+    return fn(self, params, dot_state, batch, scale)
+
   def grad_target(self, params: Any) -> tuple[Any, "Comms"]:
     """(what the gradient is taken with respect to, the seam its forward runs through); manual
     ZeRO-2: the layer weights' fsdp shards, and a seam whose layer scan reads the stored

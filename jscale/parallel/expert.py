@@ -110,8 +110,8 @@ class XlaExpert:
   """GShard dispatch under sharding constraints (mixed into `XlaComms`)."""
 
   def expert_groups(self, batch: int) -> int:
-    size = self.layouts.mesh.shape
-    return math.prod(size[a] for a in self.layouts.rules["batch"])
+    size = self.layouts.mesh.shape  # inside a region manual over batch axes: its shards' groups
+    return math.prod(size[a] for a in self.layouts.rules["batch"] if a not in self.manual_axes)
 
   def experts(self, x_GTD, ids_GTK, gates_GTK, w, moe, dtype, gemm=GroupedDot()):
     size = self.layouts.mesh.shape

@@ -106,25 +106,19 @@ class XlaZero:
                         layouts.compute, is_leaf=lambda x: isinstance(x, tuple))
 
   def grad_accumulator(self, grads: Any) -> Any:
-    return jax.lax.with_sharding_constraint(grads, self.layouts.named(self.layouts.grads))
+    return jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, self._sharding(s)),
+                        grads, self.layouts.grads, is_leaf=lambda x: isinstance(x, P))
 
   def stage_grads(self, grads: Any) -> Any:
     # Inside the stage region (manual over `stage`): the ZeRO-2 shard layout minus `stage`.
     if self.layouts.zero_stage < 2:
       return grads
     specs = {k: self.layouts.grads[k] for k in grads}
-    return jax.tree.map(
-        lambda g, s: jax.lax.with_sharding_constraint(g, self._sharding(_without_stage(s))),
-        grads, specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, self._sharding(s)),
+                        grads, specs, is_leaf=lambda x: isinstance(x, P))
 
   def sync_grads(self, grads: Any) -> Any:
     return self.grad_accumulator(grads)
-
-
-def _without_stage(s: P) -> P:
-  drop = lambda e: (None if e == "stage" else
-                    tuple(a for a in e if a != "stage") or None if isinstance(e, tuple) else e)
-  return P(*(drop(e) for e in s))
 
 
 def _shard_cotangent(x: jax.Array, sharding: NamedSharding) -> jax.Array:

@@ -11,7 +11,7 @@ from jscale.parallel.context.ring import ring_attention
 
 
 class XlaContext:
-  """CP in xla mode (mixed into `XlaComms`: uses `layouts`, `activation`)."""
+  """CP in xla mode (mixed into `XlaComms`: uses `layouts`, `activation`, `_shard_map`)."""
 
   def attention(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, impl: str,
                 interpret: bool = False) -> jax.Array:
@@ -24,9 +24,8 @@ class XlaContext:
       ring = functools.partial(ring_attention, axis_name="sequence",
                                layout=layouts.context_layout,
                                block=attn_lib.ring_blocks(impl, interpret))
-      return attn_lib.named(jax.shard_map(
-          ring, mesh=layouts.mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-          check_vma=False)(q_BLHK, k_BSGK, v_BSGK))
+      return attn_lib.named(self._shard_map(ring, (q_spec, kv_spec, kv_spec), q_spec)(
+          q_BLHK, k_BSGK, v_BSGK))
     # The playbook's all-gather variant: every device sees all keys and values (and their
     # positions, for the mask) and keeps its own queries.
     kv_names = ("batch", None, "kv_heads", "head_dim")

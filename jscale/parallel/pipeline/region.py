@@ -10,8 +10,10 @@ from jax.sharding import PartitionSpec as P
 
 
 class XlaStages:
-  """xla mode (mixed into `XlaComms`): a shard_map manual over `stage` only, so XLA still
-  partitions data / fsdp / tensor inside each stage."""
+  """xla mode (mixed into `XlaComms`): a shard_map manual over `stage` and the batch axes the
+  gradient loop keeps apart (`local_batch_axes`: each shard sums its own micro-batches'
+  gradients, the shards are summed once at the end), so XLA still partitions fsdp (ZeRO-2) /
+  tensor inside each stage and reduces nothing per tick."""
 
   @property
   def stages(self) -> int:
@@ -19,18 +21,27 @@ class XlaStages:
 
   def in_pipeline(self):
     # Inside the stage region constraints are bare specs, resolved against its mesh.
-    return type(self)(self.layouts, in_stage_region=True)
+    return type(self)(self.layouts, manual_axes=frozenset({"stage", *self.local_batch_axes}))
 
   def over_stages(self, fn: Callable, params: Any, microbatches: Any, scale: jax.Array,
                   grads: bool = True):
+    rows = self.local_batch_axes  # micro-batches are [m, b, ...]: b is split over them
     blocks = lambda tree: {k: jax.tree.map(lambda _: P("stage") if k == "blocks" else P(), v)
                            for k, v in tree.items()}
-    region = jax.shard_map(
-        lambda *a: (lambda g, loss, codes: (g, loss, codes[None]))(*fn(*a)),
-        mesh=self.layouts.mesh, in_specs=(blocks(params), P(), P()),
-        out_specs=(blocks(params) if grads else None, P(), P("stage")), axis_names={"stage"},
-        check_vma=False)
-    return region(params, microbatches, scale)
+
+    def region(*args):
+      g, out, codes = fn(*args)  # out: the loss sum, or (loss sum, global statistics)
+      if rows:  # gradients and loss of this shard's rows only so far
+        loss, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+        g, loss = jax.lax.psum((g, loss), rows)
+        out = loss if rest is None else (loss, *rest)
+      return g, out, codes[None]
+
+    mbs = jax.tree.map(lambda x: P(None, rows or None, *([None] * (x.ndim - 2))), microbatches)
+    return jax.shard_map(
+        region, mesh=self.layouts.mesh, in_specs=(blocks(params), mbs, P()),
+        out_specs=(blocks(params) if grads else None, P(), P("stage")),
+        axis_names={"stage", *rows}, check_vma=False)(params, microbatches, scale)
 
 
 class ManualStages:
