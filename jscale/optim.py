@@ -40,7 +40,7 @@ def sumsq(x: jax.Array, shards: int = 1) -> jax.Array:
   whole array on every iteration."""
   x = x.astype(jnp.float32)
   if x.ndim >= 3:
-    if shards > 1:
+    if shards > 1 and x.shape[0] % shards == 0:
       x = x.reshape(shards, x.shape[0] // shards, *x.shape[1:]).swapaxes(0, 1)
     return jnp.sum(jax.lax.map(lambda s: jnp.sum(s * s), x))
   return jnp.sum(x * x)

@@ -133,9 +133,9 @@ def cast_weights(model: ModelConfig, lay: Layout) -> float:
 
 
 def vocab_gradient_bytes(model: ModelConfig, lay: Layout) -> float:
-  """One fp32 vocabulary-sized gradient (head or embedding) on one device: the loss and the
-  backward hold two of them in the making (the head's running sum and one product; a tied
-  embedding's scatter and transposed head halves), beside the finished gradients."""
+  """One fp32 vocabulary-sized gradient (head or embedding) on one device: the unit of the
+  loss's and the backward's vocabulary-sized buffers in the making (the head's running sum and
+  one chunk's product; a tied embedding's scatter and transposed head halves)."""
   return 4 * model.vocab_size * model.d_model / lay.tensor
 
 
