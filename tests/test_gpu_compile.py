@@ -77,7 +77,7 @@ def test_fp8_linears_run_fp8_gemms_on_h100():
 # The planner against XLA:GPU at real sizes (seq 4096), one H100 and 8: the model state exactly,
 # the rest (gradients, activations, transients at the peak) within 15%, the collective volume
 # within 10% (manual mode: the collectives jscale writes, in its dtypes).
-B1, B8 = ("llama3_1b", ()), ("llama3_8b", ("model.n_layers=8",))
+B1, B3, B8 = ("llama3_1b", ()), ("llama3_3b", ()), ("llama3_8b", ("model.n_layers=8",))
 REAL = [(B1, 1, Layout(mbs=2, remat="selective")), (B1, 1, Layout(mbs=2, remat="none")),
         (B1, 1, Layout(mbs=4, remat="full")),
         (B1, 8, Layout(data=8, remat="selective")),
@@ -90,6 +90,8 @@ REAL = [(B1, 1, Layout(mbs=2, remat="selective")), (B1, 1, Layout(mbs=2, remat="
         (B1, 8, Layout(data=8, accum=4, remat="selective")),
         (B1, 8, Layout(fsdp=8, zero_stage=3, accum=4, remat="selective")),
         (B1, 8, Layout(fsdp=8, zero_stage=1, accum=2, remat="selective")),
+        (B1, 8, Layout(fsdp=8, zero_stage=2, accum=4, remat="selective")),
+        (B3, 1, Layout(mbs=2, remat="full")),
         (B8, 1, Layout(remat="full")), (B8, 8, Layout(fsdp=8, zero_stage=3, remat="full")),
         (B8, 8, Layout(data=2, tensor=4, sequence_parallel=True, remat="selective"))]
 

@@ -182,25 +182,36 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   if lay.remat == "none" and zero < 3:  # compute-dtype weights saved for the backward (ZeRO-3
     # gathers them again instead)
     activations += cast_weights(model, lay) * layers_per_chunk * sets
-  # Transients at the step's peak, whichever is larger: the loss's, before any layer gradient
-  # exists, or the backward's beside every gradient: a recomputed layer's full set under remat,
-  # one layer's gathered weights (ZeRO-3: this layer's and the next's, prefetched), fp32
-  # vocabulary-sized gradients in the making (the head's product and sum, a tied embedding's
-  # halves), and a second copy of about half the stacked layer gradients (the backward scan's
-  # output buffers: XLA:GPU double-buffers one per weight shape). The two factors (1.5, 0.5) are
-  # fitted to XLA:GPU's buffer assignment (`python -m jscale.plan --verify N --target h100xN`):
-  # 15 llama3_1b / 3b / 8b layouts within 14% (tests/test_gpu_compile.py).
-  backward = (layer_activation_bytes(model, lay, tokens, "none") if lay.remat != "none" else 0)
-  backward += cast_weights(model, lay) * (2 if zero >= 3 else 0)
-  layer_grads = grads * local_param_split(model, lay)[0] / n
-  backward += 1.5 * vocab_gradient_bytes(model, lay) + 0.5 * layer_grads
-  if lay.accum > 1 and not pipe and zero != 1:  # a micro-batch's gradient beside the running
-    backward += grads  # sum (ZeRO-1 reduces it into the sum's shard as it goes)
+  # Transients at the step's peak, whichever is larger: the loss's or the backward's beside the
+  # gradients. Both hold the vocabulary weight in the compute dtype (the head's operand). The
+  # backward adds half a recomputed layer under remat (the rest is saved or freed as it goes), ZeRO-3's gathered weights of this layer and the next
+  # (prefetched), ZeRO-2/3's full fp32 vocabulary gradient before its reduce-scatter, and under
+  # accumulation the micro-batch's gradients beside their running sum; an untied embedding's
+  # gradient is made last, after the layers' transients are gone. Fitted to XLA:GPU's buffer
+  # assignment (`python -m jscale.plan --verify N --target h100xN`): 19 llama3_1b / 3b / 8b / 70b
+  # layouts on 1 to 64 H100s within 12% (tests/test_gpu_compile.py).
+  vocab = vocab_gradient_bytes(model, lay)
+  vocab_weight = vocab * jnp.dtype(model.dtype).itemsize / 4
+  backward = vocab_weight
+  if lay.remat != "none":
+    backward += 0.5 * layer_activation_bytes(model, lay, tokens, "none")
+  if zero >= 3:
+    backward += 2 * cast_weights(model, lay)
+  if zero >= 2:
+    backward += vocab
+  if lay.accum > 1 and not pipe:
+    backward += grads
+    if zero == 2:  # the micro-batch's vocabulary gradients in full (a tied embedding's halves
+      backward += 2 * vocab  # and their sum) before their reduce-scatter into the sum's shard
+  if not model.tie_embeddings:
+    backward -= vocab
   if pipe:  # each tick's chunk gradient and its running sum (twice the stage's layer gradients);
     # every stage runs the embedding and head (SPMD) and all-reduces their gradients over
     # `stage`: four more vocabulary-sized buffers (measured on XLA:GPU, 1F1B p=4 m=8)
-    backward += 2 * 4 * local_param_split(model, lay)[0] + 4 * vocab_gradient_bytes(model, lay)
-  workspace = max(loss_workspace(model, lay, tokens) - grads, backward)
+    backward += 2 * 4 * local_param_split(model, lay)[0] + 4 * vocab
+  # The loss's peak holds no gradient yet, except under accumulation the running sum.
+  loss = loss_workspace(model, lay, tokens) + vocab_weight - (0 if lay.accum > 1 else grads)
+  workspace = max(loss, backward)
   return Memory(params, grads, optimizer, activations, workspace)
 
 
