@@ -5,12 +5,13 @@ directory, a params checkpoint (`python -m jscale.convert hf-to-jscale`) or a Hu
 Llama / Mixtral directory. Greedy by default; `--temperature`, `--top-k`, `--top-p`, `--seed`
 sample. A row stops at the tokenizer's EOS (unless `--ignore-eos`) or after `--max-new-tokens`.
 Prompts of different lengths run as one batch through a KV cache (`jscale.infer.generator`);
-`--tensor N` splits the model over N devices.
+`--tensor N` splits the model over N devices (each parameter is read straight onto its shards).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from jscale.config import ConfigError
@@ -71,8 +72,13 @@ def run(args) -> list[str]:
   tok_path = setup.tokenizer_path(args.model, data.tokenizer if data else None, args.tokenizer)
   tokenizer = setup.load_tokenizer_at(tok_path)
   mesh = setup.tensor_mesh(args.tensor)
-  cfg, model = model_source.load(args.model, step=args.step)
+  cfg, model = model_source.load(args.model, step=args.step, mesh=mesh)  # read onto its shards
   setup.check_vocab(tokenizer, cfg, tok_path)
+  if tokenizer.vocab_size < cfg.vocab_size:  # a padded vocabulary: never draw an id the
+    # tokenizer cannot decode
+    sampling = dataclasses.replace(sampling, ids=tokenizer.vocab_size)
+    print(f"note: the tokenizer ({tok_path}) has {tokenizer.vocab_size:,} ids, the model "
+          f"{cfg.vocab_size:,}: sampling only the tokenizer's", flush=True)
   cfg, model = setup.for_this_backend(cfg, model, args.dtype)
   ids = [tokenizer.encode(p) for p in prompts]
   if any(not i for i in ids):

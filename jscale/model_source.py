@@ -12,7 +12,8 @@ PATH is one of (`describe` decides, in this order):
 
 From a training checkpoint only the parameters are read (orbax partial restore: the optimizer
 state is never loaded), put back in model layer order (`layout.to_model`: an interleaved
-pipeline stores its layers in chunk order), onto one device (host memory first).
+pipeline stores its layers in chunk order), onto one device, or with `mesh` straight onto each
+parameter's tensor-parallel shards (a model too large for one device is never whole on one).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jscale import params_io
+from jscale import sharding as sharding_lib
 from jscale.checkpoint import complete_steps
-from jscale.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
+from jscale.config import (Config, ConfigError, DataConfig, ModelConfig, ParallelConfig,
+                           TrainConfig)
 from jscale.config_load import from_dict
 from jscale.parallel.pipeline import layout
 
@@ -136,17 +139,27 @@ def train_config(path: str) -> TrainConfig | None:
   return src.config.train if src.config is not None else None
 
 
+def tensor_parallel(abstract_model: nnx.Module, mesh: jax.sharding.Mesh) -> dict:
+  """NamedShardings of `abstract_model`'s parameters (a pure dict) split over `mesh`'s
+  `tensor` axis as a matmul sees them (heads, kv_heads, mlp, vocab), replicated otherwise."""
+  layouts = sharding_lib.Layouts(abstract_model, mesh, ParallelConfig())
+  return layouts.named(layouts.compute)
+
+
 def load(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
-         step: int | None = None) -> tuple[ModelConfig, nnx.Module]:
+         step: int | None = None, mesh: jax.sharding.Mesh | None = None
+         ) -> tuple[ModelConfig, nnx.Module]:
   """(ModelConfig, model) for the model at `path`, its parameters loaded. `dtype` /
-  `param_dtype` replace the compute / storage dtypes (parameters are cast on load)."""
+  `param_dtype` replace the compute / storage dtypes (parameters are cast on load). `mesh`:
+  each parameter is read straight onto its shards (`tensor_parallel`)."""
   # pylint: disable=import-outside-toplevel
   from jscale.convert import load_hf
   from jscale.model import llama
   src = describe(path, step)
+  place = (lambda abstract: tensor_parallel(abstract, mesh)) if mesh is not None else None
   if src.kind == "hf":
-    cfg, model = load_hf(path, dtype=dtype or "float32", param_dtype=param_dtype or "float32")
-    return cfg, model
+    return load_hf(path, dtype=dtype or "float32", param_dtype=param_dtype or "float32",
+                   shardings=place)
   cfg = model_config(path, step)
   stored_dtype = cfg.param_dtype
   cfg = dataclasses.replace(cfg, dtype=dtype or cfg.dtype,
@@ -154,21 +167,24 @@ def load(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
   model = nnx.eval_shape(lambda: llama.create(cfg))
   state = nnx.state(model, nnx.Param)
   want = nnx.to_pure_dict(state)
+  where = place(model) if place else jax.tree.map(lambda _: None, want)
+  stored = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.dtype(stored_dtype),
+                                                          sharding=s), want, where)
   if src.kind == "params":
-    stored = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(stored_dtype)), want)
     pure = params_io.restore_pure(path, stored)
   else:
-    pure = _restore_train_params(src, want, stored_dtype)
+    pure = _restore_train_params(src, stored)
+  # A cast keeps each array where it is (on its shards).
   nnx.replace_by_pure_dict(state, jax.tree.map(lambda x, w: jnp.asarray(x, w.dtype), pure, want))
   nnx.update(model, state)
   return cfg, model
 
 
-def _restore_train_params(src: Source, want: dict, stored_dtype: str) -> dict:
-  """The `params` of a training checkpoint (nothing else is read), in model layer order."""
+def _restore_train_params(src: Source, stored: dict) -> dict:
+  """The `params` of a training checkpoint as `stored` says (shapes, dtype, shardings; nothing
+  else is read), in model layer order."""
   run = src.config
-  target = {"params": jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(stored_dtype)), want)}
+  target = {"params": stored}
   state_dir = os.path.join(os.path.abspath(src.weights), "state")
   try:
     with ocp.PyTreeCheckpointer() as ckptr:

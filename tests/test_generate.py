@@ -116,6 +116,11 @@ def test_sampling_truncation_and_seed():
   assert a == b and a != greedy and gen.generate(PROMPTS, NEW, hot, seed=4).tokens != a
   with pytest.raises(ValueError, match="top_p"):
     Sampling(top_p=0.0).check()
+  # A tokenizer smaller than the model's (padded) vocabulary: no id beyond it is ever drawn,
+  # greedy or hot; below it, greedy is unchanged where its choice was allowed.
+  for s in (Sampling(ids=20), Sampling(temperature=1.5, ids=20)):
+    assert max(max(row) for row in gen.generate(PROMPTS, NEW, s, seed=5).tokens) < 20
+  assert gen.generate(PROMPTS, NEW, Sampling(ids=97)).tokens == greedy
 
 
 def test_tensor_parallel_equals_one_device():

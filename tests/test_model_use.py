@@ -24,6 +24,7 @@ from jscale import generate as generate_cli
 from jscale import model_source
 from jscale import train as train_lib
 from jscale.convert.__main__ import main as convert_main
+from jscale.infer import setup
 from jscale.parallel.pipeline import layout
 
 TOKENS = [[5, 17, 99, 3, 250, 41, 7, 128, 64, 9, 200, 33]]
@@ -103,6 +104,40 @@ def test_sources_resolve_the_same_weights(runs, tmp_path):
   assert model_source.describe(str(run_dir)).step == 2
   assert model_source.data_config(str(run_dir)).source == "stdlib"
   assert model_source.train_config(str(run_dir)).seq_len == 32
+
+
+@pytest.fixture(scope="module")
+def exports(runs, tmp_path_factory):
+  """The dense run exported to an HF dir, and that read back as a params checkpoint."""
+  root = tmp_path_factory.mktemp("exports")
+  run_dir, _ = runs["dense_interleaved"]
+  assert _run(convert_main, ["jscale-to-hf", "--ckpt", str(run_dir), "--out",
+                             str(root / "hf")])[0] == 0
+  assert _run(convert_main, ["hf-to-jscale", "--hf", str(root / "hf"), "--out",
+                             str(root / "params")])[0] == 0
+  return {"hf": root / "hf", "params": root / "params"}
+
+
+@pytest.mark.parametrize("kind", ["run", "step", "params", "hf", "moe run"])
+def test_a_tensor_parallel_load_reads_each_parameter_onto_its_shards(runs, exports, kind):
+  """`model_source.load(mesh=)` (generate --tensor N): every parameter arrives split over
+  `tensor` as a matmul wants it, never whole on one device first; values equal the plain load.
+  The run was stored by an interleaved pipeline: its layer reorder runs on the shards."""
+  run_dir = runs["moe" if kind == "moe run" else "dense_interleaved"][0]
+  path = {"step": run_dir / "checkpoints" / "2", **exports}.get(kind, run_dir)
+  mesh = setup.tensor_mesh(2)
+  _, whole = model_source.load(str(path))
+  _, split = model_source.load(str(path), mesh=mesh)
+  want = model_source.tensor_parallel(split, mesh)
+  pure = nnx.to_pure_dict(nnx.state(split, nnx.Param))
+  n_split = 0
+  for (where, x), y, s in zip(jax.tree_util.tree_flatten_with_path(pure)[0],
+                              jax.tree.leaves(nnx.state(whole, nnx.Param)), jax.tree.leaves(want)):
+    assert x.sharding.is_equivalent_to(s, x.ndim), jax.tree_util.keystr(where)
+    shard = x.addressable_shards[0].data
+    n_split += shard.size < x.size
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert n_split >= 7  # q, k, v, o, gate / up / down or the experts', embedding / head
 
 
 def test_eval_equals_the_training_val_loss(runs):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,11 @@ from jscale.model import llama
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default shard size
 
 
-def model_from_pure(cfg: ModelConfig, pure: dict) -> llama.Llama:
-  """A Llama holding the arrays of `pure`, built abstractly so no random init is paid for."""
+def model_from_pure(cfg: ModelConfig, pure: dict,
+                    shardings: Callable[[nnx.Module], Any] | None = None) -> llama.Llama:
+  """A Llama holding the arrays of `pure`, built abstractly so no random init is paid for.
+  `shardings(abstract model)`: where each parameter goes (host arrays are put straight onto
+  their shards); default: the default device."""
   abstract = nnx.eval_shape(lambda: llama.create(cfg))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   want = nnx.to_pure_dict(params)
@@ -28,23 +32,29 @@ def model_from_pure(cfg: ModelConfig, pure: dict) -> llama.Llama:
       jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(pure)) if a.shape != b.shape]
   if mismatch:
     raise ConfigError(f"converted parameters do not fit the model: {'; '.join(mismatch)}")
-  nnx.replace_by_pure_dict(params, jax.tree.map(jnp.asarray, pure))
+  if shardings is None:
+    placed = jax.tree.map(jnp.asarray, pure)
+  else:
+    placed = jax.tree.map(jax.device_put, pure, shardings(abstract))
+  nnx.replace_by_pure_dict(params, placed)
   return nnx.merge(graphdef, params, rest)
 
 
-def load_hf(path: str, *, dtype: str = "float32",
-            param_dtype: str = "float32") -> tuple[ModelConfig, llama.Llama]:
+def load_hf(path: str, *, dtype: str = "float32", param_dtype: str = "float32",
+            shardings: Callable[[nnx.Module], Any] | None = None
+            ) -> tuple[ModelConfig, llama.Llama]:
   """Reads a transformers Llama or Mixtral checkpoint dir (config.json + safetensors, sharded
   or not); a Mixtral one gives a model with `cfg.moe` set.
 
   `dtype` is the model's compute dtype and `param_dtype` the dtype weights are stored in (bf16
-  checkpoints are upcast exactly). Returns (ModelConfig, model); raises ConfigError for configs
-  jscale cannot reproduce and FileNotFoundError for missing files.
+  checkpoints are upcast exactly); `shardings`: see `model_from_pure`. Returns (ModelConfig,
+  model); raises ConfigError for configs jscale cannot reproduce and FileNotFoundError for
+  missing files.
   """
   cfg = config_from_hf(read_hf_config(path), dtype=dtype, param_dtype=param_dtype)
   with hf_weights.SafetensorsReader(path) as reader:
     pure = hf_weights.hf_to_pure(reader, cfg, jnp.dtype(param_dtype))
-  return cfg, model_from_pure(cfg, pure)
+  return cfg, model_from_pure(cfg, pure, shardings)
 
 
 def save_hf(model: nnx.Module, config: ModelConfig, path: str, *, dtype: str | None = None,

@@ -14,10 +14,12 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-  """temperature 0: greedy (argmax). top_k 0 and top_p 1.0: no truncation."""
+  """temperature 0: greedy (argmax). top_k 0 and top_p 1.0: no truncation. ids > 0: only ids
+  below it are ever drawn (a tokenizer smaller than the model's padded vocabulary)."""
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
+  ids: int = 0
 
   def check(self) -> None:
     """Raises ValueError naming the bad setting and its valid range."""
@@ -27,9 +29,12 @@ class Sampling:
       raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 keeps every token)")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p={self.top_p}: must be in (0, 1] (1 keeps every token)")
+    if self.ids < 0:
+      raise ValueError(f"ids={self.ids}: must be >= 0 (0 allows every id)")
 
-  def arrays(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return (jnp.float32(self.temperature), jnp.int32(self.top_k), jnp.float32(self.top_p))
+  def arrays(self) -> tuple[jax.Array, ...]:
+    return (jnp.float32(self.temperature), jnp.int32(self.top_k), jnp.float32(self.top_p),
+            jnp.int32(self.ids))
 
 
 def truncate(logits_BV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -51,9 +56,11 @@ def truncate(logits_BV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Ar
 
 
 def sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
-           top_p: jax.Array) -> jax.Array:
-  """Next tokens [B] (int32) from fp32 logits [B, V]."""
+           top_p: jax.Array, ids: jax.Array | int = 0) -> jax.Array:
+  """Next tokens [B] (int32) from fp32 logits [B, V]; only ids < `ids` when it is > 0."""
   logits_BV = logits_BV.astype(jnp.float32)
+  allowed_V = (jnp.arange(logits_BV.shape[-1]) < ids) | (ids <= 0)
+  logits_BV = jnp.where(allowed_V, logits_BV, -jnp.inf)
   greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   scaled_BV = truncate(logits_BV / jnp.maximum(temperature, 1e-6), top_k, top_p)
   drawn_B = jax.random.categorical(key, scaled_BV, axis=-1).astype(jnp.int32)
