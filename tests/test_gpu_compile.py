@@ -1,7 +1,8 @@
 """The real XLA:GPU compiler, on this CPU-only machine (`jscale.analysis.gpu_target`: JAX's CUDA
 plugin and cuDNN, no GPU): what a train step compiles to for H100s, asserted structurally — the
 precision of every gemm XLA:GPU emits, cuDNN attention, FP8 gemms, and the planner's memory and
-communication estimates against XLA:GPU's buffer assignment and collectives.
+communication estimates against XLA:GPU's buffer assignment and collectives; and generation's
+prefill and decode step, on one H100 and tensor-parallel on two.
 
 `.ci/run` installs the plugin (`pip install -e '.[gpu-compile]'`); without it this file skips.
 """
@@ -18,8 +19,14 @@ if not gpu_target.available():
               "'.[gpu-compile]' (.ci/run does)", allow_module_level=True)
 
 # pylint: disable=wrong-import-position
+from flax import nnx  # noqa: E402
+
+from jscale import mesh as mesh_lib  # noqa: E402
 from jscale.analysis import dots, hlo, introspect  # noqa: E402
+from jscale.config import MeshConfig, ModelConfig  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
+from jscale.infer.generator import Generator  # noqa: E402
+from jscale.model import llama  # noqa: E402
 from jscale.model.matmul import FP32_MATMULS, SCOPE_PREFIX  # noqa: E402
 from jscale.plan import hardware  # noqa: E402
 from jscale.plan.layout import Layout  # noqa: E402
@@ -141,3 +148,25 @@ def test_xla_mode_reduces_gradients_once_on_h100(lay):
   row = evaluate(model, lay, 4096, H100)
   r = compare("llama3_1b", [], row, 4096, H100, gpu_target.devices("h100x8"))
   assert 0.6 * r["volume_estimate"] <= r["volume_compiled"] <= 1.01 * r["volume_estimate"], r
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["h100x1", "h100x2-tensor2"])
+def test_generation_compiles_for_h100(n):
+  """Issue 21's generation where a GPU would run it: a bf16 Llama's prefill and decode step
+  (`Generator.lower`), alone and split over 2 H100s by tensor parallelism. The prefill's
+  attention is cuDNN's fused kernel, every gemm is bf16, and the decode step's cache is
+  donated: updated in place, not copied."""
+  cfg = ModelConfig(vocab_size=1024, d_model=512, n_layers=2, n_heads=8, n_kv_heads=2,
+                    d_ff=1024, dtype="bfloat16", max_seq_len=1024, attention_impl="cudnn")
+  mesh = mesh_lib.make_mesh(MeshConfig(data=1, tensor=n), gpu_target.devices(f"h100x{n}"))
+  gen = Generator(nnx.eval_shape(lambda: llama.create(cfg)), mesh)
+  prefill, decode = (x.compile() for x in gen.lower(batch=4, prompt_len=64, length=256))
+  calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', prefill.as_text()))
+  assert calls["__cudnn$fmhaSoftmax"] == 1, calls
+  for step in (prefill, decode):
+    found = dots.compiled_dots(step.as_text())
+    assert found and all({d.lhs, d.rhs} == {"bf16"} for d in found), found
+  cache_bytes = 2 * 2 * 4 * 256 * cfg.n_kv_heads * cfg.resolved_head_dim * cfg.n_layers // n
+  assert decode.memory_analysis().alias_size_in_bytes >= cache_bytes
+  if n > 1:
+    assert any(c.kind == "all-reduce" for c in hlo.collectives(decode.as_text()))

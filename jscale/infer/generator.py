@@ -57,8 +57,16 @@ def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
+def _place(x, where: NamedSharding):
+  """`x` onto `where`; an abstract array gets `where` as its sharding."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
+  return jax.device_put(x, where)
+
+
 class Generator:
-  """Generates from `model` (a `Llama`); `mesh`: lay it out for tensor parallelism."""
+  """Generates from `model` (a `Llama`); `mesh`: lay it out for tensor parallelism. An abstract
+  model (`nnx.eval_shape`) gives a generator that can only be lowered (`lower`)."""
 
   def __init__(self, model: Llama, mesh: Mesh | None = None):
     self.cfg = model.cfg
@@ -68,7 +76,7 @@ class Generator:
     if mesh is not None:
       layouts = sharding_lib.Layouts(model, mesh, ParallelConfig())
       params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-      params = jax.device_put(params, layouts.named(layouts.compute))
+      params = jax.tree.map(_place, params, layouts.named(layouts.compute))
       nnx.replace_by_pure_dict(state, params)
       self.cache_sharding = NamedSharding(mesh, sharding_lib.spec(kv_cache.NAMES, layouts.rules))
     self.state = state
@@ -98,6 +106,28 @@ class Generator:
     x_B1D, cache = model.cached_hidden(tokens_B[:, None], positions_B[:, None], cache,
                                        prefill=False)
     return sample(model.logits(x_B1D)[:, 0], key, *sampling), cache
+
+  def lower(self, batch: int, prompt_len: int, length: int
+            ) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
+    """The prefill (`batch` prompts padded to `prompt_len`, a cache of `length` positions) and
+    the decode step, lowered on abstract inputs over the mesh's devices: to read or compile
+    them for devices that are not here (`jscale.analysis.gpu_target`)."""
+    replicated = (NamedSharding(self.mesh, jax.sharding.PartitionSpec()) if self.mesh
+                  else None)
+    spec = lambda shape, dtype, where=None: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=where or replicated)
+    state = jax.tree.map(lambda x: spec(x.shape, x.dtype, getattr(x, "sharding", None)),
+                         self.state)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = spec(key.shape, key.dtype)
+    settings = tuple(spec(a.shape, a.dtype) for a in Sampling().arrays())
+    tokens_B = spec((batch,), jnp.int32)
+    cache = jax.tree.map(lambda c: spec(c.shape, c.dtype, self.cache_sharding),
+                         jax.eval_shape(lambda: kv_cache.init(self.cfg, batch, length)))
+    prefill = self._prefill.trace(length, state, spec((batch, prompt_len), jnp.int32),
+                                  tokens_B, key, settings).lower()
+    decode = self._decode.trace(state, tokens_B, cache, tokens_B, key, settings).lower()
+    return prefill, decode
 
   def compiled_decode_steps(self) -> int:
     """How many decode steps have been compiled (1 after any number of tokens)."""
