@@ -182,7 +182,7 @@ def test_layer_activations_are_what_jax_saves(remat):
 
 
 # Steady-state steps measured on one lent H100 (jax 0.11.2, bf16 matmuls, cuDNN attention, seq
-# 4096; ../shared/measurements/h100_2026-11-23.md, README "Choosing a layout"): preset, overrides,
+# 4096; results/h100_measured/h100_2026-11-23.md, README "Choosing a layout"): preset, overrides,
 # layout, tokens/s. The estimate's step efficiency (0.49) came from the batch-8 row.
 H100_MEASURED = [("llama3_1b", (), Layout(mbs=4, remat="selective"), 57_952),
                  ("llama3_1b", (), Layout(mbs=8, remat="selective"), 58_950),

@@ -6,7 +6,7 @@ from jscale import profile
 
 
 @pytest.mark.parametrize("name, category", [
-    # kernel names from an H100 trace of a llama3_1b step (shared/measurements)
+    # kernel names from an H100 trace of a llama3_1b step (results/h100_measured/)
     ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "gemm"),
     ("sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize128x256x32", "gemm"),
     ("gemm_fusion_dot_24", "gemm"),

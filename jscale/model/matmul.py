@@ -5,7 +5,7 @@ accumulated in fp32 by the tensor cores, the result rounded to the compute dtype
 for an fp32 result (`preferred_element_type=float32`) and casting it back would make the
 backward's cotangent fp32, and JAX's transpose rules would then run both backward products (dx
 and dW) with fp32 operands: TF32 gemms at half rate plus converts (measured on one H100:
-62% of the GPU time of a llama3_1b step, `shared/measurements`).
+62% of the GPU time of a llama3_1b step, `results/h100_measured/`).
 
   * `einsum`: a linear layer's matmul; result in the compute dtype.
   * `einsum_f32`: an fp32 result where a softmax reads it (attention scores, logits), with a
