@@ -147,6 +147,9 @@ class DistributedConfig:
   # a process silent this long (killed, hung, its node gone) is declared lost: JAX's coordination
   # service then stops every other process with a message naming it (no hang on a dead peer)
   heartbeat_timeout_s: int = 60
+  # every process must have reached the coordinator this long after starting to connect, else
+  # each exits (a peer that never started, or died while starting: no wait on JAX's 300 s)
+  init_timeout_s: int = 120
 
 
 @dataclasses.dataclass

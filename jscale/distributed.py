@@ -19,6 +19,8 @@ touches a JAX backend (`jax.devices()`, `device_put`, a jitted call), and picks 
 
 On CPU, cross-process collectives go through gloo (`jax_cpu_collectives_implementation`),
 which is set before the distributed runtime starts unless another implementation was chosen.
+Connecting is bounded by `distributed.init_timeout_s` (a peer that never starts cannot hang the
+others), the run afterwards by JAX's heartbeats (`distributed.heartbeat_timeout_s`).
 
 `global_batch` turns each process's local rows into global `jax.Array`s laid out by a
 `NamedSharding` whose batch axis spans the processes (process p's rows become the p-th block
@@ -27,14 +29,18 @@ of the global batch, for a mesh whose devices are ordered by process as `jax.mak
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import sys
+import threading
 from collections.abc import Mapping
 
 import jax
 import numpy as np
 
 from jscale.config import ConfigError, DistributedConfig
+from jscale.preemption import EXIT_PEERS_MISSING
 
 _EXPLICIT_KEYS = ("coordinator", "num_processes", "process_id")
 # What jax's SLURM cluster detection needs (jax/_src/clusters/slurm_cluster.py); the step
@@ -48,6 +54,9 @@ def validate(dist_cfg: DistributedConfig) -> None:
   if dist_cfg.heartbeat_timeout_s < 1:
     raise ConfigError(f"distributed.heartbeat_timeout_s={dist_cfg.heartbeat_timeout_s} must be "
                       ">= 1 (seconds before a silent process is declared lost)")
+  if dist_cfg.init_timeout_s < 1:
+    raise ConfigError(f"distributed.init_timeout_s={dist_cfg.init_timeout_s} must be >= 1 "
+                      "(seconds for every process to reach the coordinator)")
   given = {k: getattr(dist_cfg, k) for k in _EXPLICIT_KEYS}
   if any(v is not None for v in given.values()) and any(v is None for v in given.values()):
     missing = [f"distributed.{k}" for k, v in given.items() if v is None]
@@ -81,11 +90,13 @@ def initialize(dist_cfg: DistributedConfig) -> None:
     _use_gloo_on_cpu()
     # All three given: "deactivate" keeps jax from filling local_device_ids from a cluster
     # environment it happens to see (under SLURM it would pin one GPU per process).
-    jax.distributed.initialize(coordinator_address=dist_cfg.coordinator,
-                               num_processes=dist_cfg.num_processes,
-                               process_id=dist_cfg.process_id,
-                               cluster_detection_method="deactivate",
-                               heartbeat_timeout_seconds=dist_cfg.heartbeat_timeout_s)
+    with _bounded(dist_cfg, f"process {dist_cfg.process_id} of {dist_cfg.num_processes}",
+                  dist_cfg.coordinator):
+      jax.distributed.initialize(coordinator_address=dist_cfg.coordinator,
+                                 num_processes=dist_cfg.num_processes,
+                                 process_id=dist_cfg.process_id,
+                                 cluster_detection_method="deactivate",
+                                 **_timeouts(dist_cfg))
     return
   ntasks = _slurm_ntasks(os.environ)
   if ntasks is None or ntasks <= 1:
@@ -99,8 +110,39 @@ def initialize(dist_cfg: DistributedConfig) -> None:
   _use_gloo_on_cpu()
   # local_device_ids=[] means "every local device" (jax only restricts visibility for a
   # non-empty list, and auto-detection only fills it when it is None); None keeps jax's default.
-  jax.distributed.initialize(local_device_ids=slurm_local_device_ids(os.environ),
-                             heartbeat_timeout_seconds=dist_cfg.heartbeat_timeout_s)
+  with _bounded(dist_cfg, f"SLURM task {os.environ.get('SLURM_PROCID', '?')} of {ntasks}",
+                "SLURM's first node"):
+    jax.distributed.initialize(local_device_ids=slurm_local_device_ids(os.environ),
+                               **_timeouts(dist_cfg))
+
+
+def _timeouts(dist_cfg: DistributedConfig) -> dict[str, int]:
+  # JAX's own start-up deadline stays behind `_bounded`'s: it aborts without naming a cause.
+  return {"heartbeat_timeout_seconds": dist_cfg.heartbeat_timeout_s,
+          "initialization_timeout": dist_cfg.init_timeout_s + 30}
+
+
+@contextlib.contextmanager
+def _bounded(dist_cfg: DistributedConfig, me: str, coordinator: str):
+  """Exits this process (`EXIT_PEERS_MISSING`) with a message if the block, connecting to the
+  coordinator, has not finished within `distributed.init_timeout_s`: every process blocks
+  there until all have registered, so a peer that never started or died while starting would
+  hang the others."""
+  done = threading.Event()
+
+  def watchdog():
+    if not done.wait(dist_cfg.init_timeout_s):
+      print(f"error: {me}: not every process reached the coordinator at {coordinator} within "
+            f"distributed.init_timeout_s={dist_cfg.init_timeout_s} s: a process failed to start "
+            "or died while starting (see its log); relaunch the same command on every process "
+            "(a run with checkpoints resumes)", file=sys.stderr, flush=True)
+      os._exit(EXIT_PEERS_MISSING)  # pylint: disable=protected-access
+
+  threading.Thread(target=watchdog, name="jscale-init-watchdog", daemon=True).start()
+  try:
+    yield
+  finally:
+    done.set()
 
 
 def is_main() -> bool:

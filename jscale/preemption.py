@@ -28,6 +28,7 @@ EXIT_CONFIG = 2  # a config error, reported before anything compiled
 EXIT_NONFINITE = 3  # a non-finite loss or gradient norm with train.on_nan=stop
 EXIT_PREEMPTED = 75  # stopped by SIGTERM / SIGINT after saving: rerun the command to resume
 EXIT_INTERRUPTED = 130  # a second Ctrl-C: exited at once, unsaved
+EXIT_PEERS_MISSING = 69  # not every process reached the coordinator (distributed.init_timeout_s)
 
 
 class StopSignals:
@@ -56,10 +57,11 @@ class StopSignals:
       print(f"\n{name} again: exiting now, without saving (the checkpoints on disk are whole)",
             file=sys.stderr, flush=True)
       os._exit(EXIT_INTERRUPTED)  # pylint: disable=protected-access
-    if self.requested is None:
+    first = self.requested is None
+    self.requested = self.requested or name  # before printing: a signal may arrive mid-print
+    if first:
       print(f"\n{name} received: finishing the current step, then saving a checkpoint "
             "(Ctrl-C again exits at once, unsaved)", file=sys.stderr, flush=True)
-    self.requested = self.requested or name
 
 
 class SaveTimer:

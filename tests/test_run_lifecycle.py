@@ -16,6 +16,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import jax
@@ -75,19 +77,42 @@ def test_kill9_at_a_random_step_then_resume_is_exact(reference, tmp_path, data_c
   assert soak.losses(str(tmp_path)) == reference, f"killed at step ~{at}"
 
 
-def test_sigterm_saves_the_step_and_resumes_exactly(reference, tmp_path, data_cache):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "ctrl-c"])
+def test_sigterm_saves_the_step_and_resumes_exactly(reference, tmp_path, data_cache, sig):
   proc = _launch(tmp_path, data_cache)
   at = soak.wait_for_step(str(tmp_path), 15, [proc])
-  proc.send_signal(signal.SIGTERM)
+  proc.send_signal(sig)
   stdout, _ = proc.communicate(timeout=120)
   assert proc.returncode == 75, stdout[-3000:]  # EXIT_PREEMPTED
-  saved = int(stdout.split("stopped by SIGTERM after step ")[1].split(":")[0])
+  saved = int(stdout.split(f"stopped by {sig.name} after step ")[1].split(":")[0])
   assert at <= saved < STEPS
   assert f"checkpoint step {saved} saved in {tmp_path}/checkpoints" in stdout
   assert str(saved) in os.listdir(tmp_path / "checkpoints")
   stdout = _finish(tmp_path, data_cache)
   assert f"resuming {tmp_path} from step {saved}" in stdout.splitlines()[0]
   assert soak.losses(str(tmp_path)) == reference
+
+
+def test_a_second_ctrl_c_exits_at_once_and_the_checkpoints_stay_whole(tmp_path, data_cache):
+  proc = _launch(tmp_path, data_cache, "train.steps=100000")
+  soak.wait_for_step(str(tmp_path), 12, [proc])
+  while not (tmp_path / "checkpoints" / "10").exists():  # renamed into place once complete
+    assert proc.poll() is None
+    time.sleep(0.1)
+  proc.send_signal(signal.SIGINT)
+  seen = ""
+  while "SIGINT received" not in seen:  # the first is handled (two at once arrive as one)
+    line = proc.stdout.readline()
+    assert line, seen[-2000:]
+    seen += line
+  proc.send_signal(signal.SIGINT)
+  stdout, _ = proc.communicate(timeout=60)
+  stdout = seen + stdout
+  assert proc.returncode == 130, stdout[-3000:]  # EXIT_INTERRUPTED, unsaved
+  # What is on disk is whole: the same command resumes from the last complete checkpoint.
+  stdout = _finish(tmp_path, data_cache, "train.steps=14")
+  assert f"resuming {tmp_path} from step " in stdout.splitlines()[0]
+  assert max(soak.losses(str(tmp_path))) == 14
 
 
 def test_unreadable_latest_checkpoints_fall_back(reference, tmp_path, data_cache):
@@ -171,6 +196,24 @@ def test_a_killed_process_stops_its_peers_within_the_bound_then_relaunch_resumes
   assert codes == [0, 0], first[-3000:]
   assert f"resuming {tmp_path} from step {saved}" in first
   assert max(soak.losses(str(tmp_path))) == saved + 5
+
+
+def test_a_peer_that_never_starts_stops_the_others_within_the_bound(tmp_path, data_cache):
+  """Process 0 of 2 alone (its peer never started, or died while starting): it exits with
+  EXIT_PEERS_MISSING (69) after distributed.init_timeout_s, naming the key and the way out,
+  instead of waiting on JAX's own 300 s start-up deadline and aborting without a cause."""
+  timeout = 5
+  argv = [sys.executable, "-m", "jscale.train", "--config", "configs/tiny.yaml",
+          *_overrides(tmp_path, data_cache), f"distributed.coordinator=localhost:{soak.free_port()}",
+          "distributed.num_processes=2", "distributed.process_id=0",
+          f"distributed.init_timeout_s={timeout}"]
+  t0 = time.monotonic()
+  proc = subprocess.run(argv, cwd=ROOT, env=soak.child_env(_base_env(), 2), capture_output=True,
+                        text=True, timeout=timeout + 90, check=False)
+  waited = time.monotonic() - t0
+  assert proc.returncode == 69 and waited < timeout + 60, (waited, proc.stderr[-2000:])
+  assert ("process 0 of 2: not every process reached the coordinator at localhost:"
+          in proc.stderr and "distributed.init_timeout_s=5 s" in proc.stderr), proc.stderr[-2000:]
 
 
 def _base_env():
