@@ -114,17 +114,27 @@ def _grad_reductions(colls) -> tuple[int, int]:
   return sum(c.executions for c in ours), sum(c.bytes_per_step for c in ours)
 
 
-@pytest.mark.parametrize("layout", [("mesh.data=8",),
-                                    ("mesh.data=2", "mesh.fsdp=4", "parallel.zero_stage=1")])
-def test_gradients_reduced_once_per_step_with_microbatches(layout):
+@pytest.mark.parametrize("layout, share", [
+    (("mesh.data=8",), 1.0),
+    (("mesh.data=2", "mesh.fsdp=4", "parallel.zero_stage=1"), 0.5)], ids=["dp", "zero1"])
+def test_gradients_reduced_once_per_step_with_microbatches(layout, share):
   """With gradient accumulation each batch shard sums its own micro-batches' gradients and the
   shards are reduced once, in fp32 (`XlaComms.over_batch`): under GSPMD alone XLA reduced every
   micro-batch's gradient, layer by layer, in the compute dtype (XLA:GPU: 16 all-reduces of
-  48 MiB at data=8 and 4 micro-batches where one of 25 MiB does)."""
+  48 MiB at data=8 and 4 micro-batches where one of 25 MiB does). ZeRO-1 reduce-scatters the
+  sum over fsdp (each shard's optimizer needs only its slice) and all-reduces that quarter over
+  data: half the gradient's bytes (result sizes) where an all-reduce over both moved all of
+  them (XLA:GPU, llama3_1b fsdp=8 with 2 micro-batches: 13.8 -> 9.2 GiB per step in all)."""
   cfg, colls = _compiled(*layout, "train.microbatches=2", "model.dtype=bfloat16")
+  ours = [c for c in colls if c.kind in ("all-reduce", "reduce-scatter")
+          and any("[]" not in s for s in c.shapes)]
+  assert all(c.executions == 1 and not c.in_while and set(c.dtypes) == {"f32"} for c in ours), \
+      ours
   runs, moved = _grad_reductions(colls)
   grad_bytes = 4 * metrics.param_counts(cfg.model)["total"]
-  assert runs <= 2 and grad_bytes <= moved <= 1.01 * grad_bytes + 64, colls
+  assert share * grad_bytes <= moved <= 1.01 * share * grad_bytes + 64, colls
+  if share == 1.0:
+    assert runs <= 2  # one combined all-reduce
 
 
 def test_pipeline_reduces_gradients_once_per_step():

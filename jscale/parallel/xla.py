@@ -109,12 +109,31 @@ class XlaComms(XlaZero, XlaTensor, XlaContext, XlaExpert, XlaStages, Comms):
     if not axes or self.manual_axes:
       return fn(self, params, dot_state, batch, scale)
     inner = type(self)(self.layouts, manual_axes=frozenset(axes))
+    # ZeRO-1: each fsdp shard's optimizer needs only its slice of the sum, so the sum is
+    # reduce-scattered over fsdp (the playbook's ZeRO-1 traffic), then all-reduced over data.
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    dims = jax.tree.map(_fsdp_dim if "fsdp" in axes else lambda _: -1, self.layouts.opt,
+                        is_leaf=is_spec)
+    data = tuple(a for a in axes if a != "fsdp")
+
+    def reduce(g, dim):
+      if dim < 0:
+        return jax.lax.psum(g, axes)
+      g = jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True)
+      return jax.lax.psum(g, data) if data else g
 
     def region(params, dot_state, batch, scale):
       grads, loss, stats, new_dots = fn(inner, params, dot_state, batch, scale)
-      return jax.lax.psum((grads, loss), axes) + (stats, new_dots)
+      return jax.tree.map(reduce, grads, dims), jax.lax.psum(loss, axes), stats, new_dots
 
     rows = jax.tree.map(lambda x: P(axes, *([None] * (x.ndim - 1))), batch)
+    grad_specs = jax.tree.map(lambda d: P() if d < 0 else P(*[None] * d, "fsdp"), dims)
     return jax.shard_map(region, mesh=self.layouts.mesh, in_specs=(P(), P(), rows, P()),
-                         out_specs=P(), axis_names=set(axes), check_vma=False)(
-                             params, dot_state, batch, scale)
+                         out_specs=(grad_specs, P(), P(), P()), axis_names=set(axes),
+                         check_vma=False)(params, dot_state, batch, scale)
+
+
+def _fsdp_dim(s: P) -> int:
+  """The dim a ZeRO layout splits over `fsdp` alone (-1: not split, or with another axis)."""
+  hits = [i for i, e in enumerate(s) if e == "fsdp" or e == ("fsdp",)]
+  return hits[0] if hits else -1

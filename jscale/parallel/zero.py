@@ -118,7 +118,11 @@ class XlaZero:
                         grads, specs, is_leaf=lambda x: isinstance(x, P))
 
   def sync_grads(self, grads: Any) -> Any:
-    return self.grad_accumulator(grads)
+    # ZeRO-1: the optimizer's layout (each device updates its fsdp shard: a slice of reduced
+    # gradients, or already the reduce-scatter's output under accumulation, `over_batch`).
+    layout = self.layouts.opt if self.layouts.zero_stage == 1 else self.layouts.grads
+    return jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, self._sharding(s)),
+                        grads, layout, is_leaf=lambda x: isinstance(x, P))
 
 
 def _shard_cotangent(x: jax.Array, sharding: NamedSharding) -> jax.Array:
