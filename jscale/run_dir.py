@@ -60,7 +60,8 @@ class Plan:
 def metadata(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
   """What each checkpoint (and run.json) records of the run: the resolved config, the jscale
   version, the command line."""
-  argv = sys.argv if argv is None else argv
+  if argv is None:  # as typed: `python -m jscale.train ...`, not the module's file path
+    argv = [os.path.basename(sys.executable), *getattr(sys, "orig_argv", sys.argv)[1:]]
   return {"config": config_lib.to_dict(cfg), "jscale": version(),
           "command": " ".join(shlex.quote(a) for a in argv)}
 
@@ -140,7 +141,8 @@ def plan(cfg: Config) -> Plan:
       d.get(section, {}).pop(key, None)
   known = flatten(saved)  # keys a newer jscale added are not differences
   changes = [c for c in diff(saved, now) if c[0] in known]
-  fixed = [c for c in changes if is_fixed(c[0])
+  fp8_off = not flatten(saved).get("fp8.enabled", False) and not cfg.fp8.enabled
+  fixed = [c for c in changes if (is_fixed(c[0]) and not (fp8_off and c[0].startswith("fp8.")))
            # interleaved pipelines store layers in chunk order, which depends on the stages
            or (c[0] == "mesh.stage" and flatten(saved).get("pipeline.virtual_stages", 1) > 1)]
   if fixed:

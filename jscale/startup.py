@@ -98,7 +98,8 @@ def summary(cfg: Config, mesh: jax.sharding.Mesh, start_step: int, checkpoint_di
       f"{_count(train_tokens)} train / {_count(val_tokens)} val tokens",
       f"batch     {t.batch_size} x {t.seq_len} = {step_tokens:,} tokens per step x {t.steps} "
       f"steps = {_count(step_tokens * t.steps)} tokens ({epochs:.2g} epochs)",
-      f"output    {os.path.abspath(t.output_dir)} (metrics.jsonl, metrics.png, run.json); "
+      f"output    {os.path.abspath(t.output_dir)} (metrics.jsonl, "
+      f"{'metrics.png, ' if cfg.logging.plot else ''}run.json); "
       f"checkpoints {checkpoint_dir} {saves}",
       f"start     {start}",
   ]

@@ -154,6 +154,44 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--config", required=True, help="YAML file, e.g. configs/tiny.yaml")
   parser.add_argument("overrides", nargs="*", help="dotted overrides: train.steps=100 ...")
   args = parser.parse_args(argv)
+  streams = sys.stdout, sys.stderr
+  sys.stdout, sys.stderr = _ClosableOutput(sys.stdout), _ClosableOutput(sys.stderr)
+  try:
+    return _main(args)
+  finally:
+    sys.stdout, sys.stderr = streams
+
+
+class _ClosableOutput:
+  """An output stream that outlives its reader (`python -m jscale.train ... | head`): once the
+  pipe is closed, output goes to /dev/null and the run trains on (BrokenPipeError killed it)."""
+
+  def __init__(self, stream):
+    self._stream = stream
+
+  def write(self, text: str) -> int:
+    try:
+      return self._stream.write(text)
+    except BrokenPipeError:
+      self._to_devnull()
+      return len(text)
+
+  def flush(self) -> None:
+    try:
+      self._stream.flush()
+    except BrokenPipeError:
+      self._to_devnull()
+
+  def _to_devnull(self) -> None:
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, self._stream.fileno())  # the fd too: the interpreter's last flush succeeds
+    os.close(null)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._stream, name)
+
+
+def _main(args: argparse.Namespace) -> int:
   try:
     cfg = load_config(args.config, args.overrides)
     xla_flags.apply()  # GPU compute/communication overlap; before any JAX backend starts

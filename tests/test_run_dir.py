@@ -52,6 +52,11 @@ def test_mismatch_lists_every_differing_key_with_both_values(tmp_path):
   p = run_dir.plan(small_config(tmp_path, "train.steps=20", "mesh.fsdp=2", "model.dtype=bfloat16"))
   assert [k for k, _, _ in p.changed] == ["mesh.fsdp", "model.dtype", "train.steps"]
   assert "  changed since the checkpoint: train.steps 6 -> 20" in run_dir.changed_lines(p)
+  # FP8 settings shape the state only when FP8 is on (its amax histories).
+  p = run_dir.plan(small_config(tmp_path, "fp8.amax_history=8"))
+  assert [k for k, _, _ in p.changed] == ["fp8.amax_history"]
+  with pytest.raises(ConfigError, match="fp8.enabled: false in the checkpoint, true now"):
+    run_dir.plan(small_config(tmp_path, "fp8.enabled=true"))
 
 
 def test_interleaved_pipeline_fixes_the_stage_count(tmp_path):

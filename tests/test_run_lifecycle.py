@@ -88,6 +88,8 @@ def test_sigterm_saves_the_step_and_resumes_exactly(reference, tmp_path, data_ca
   assert at <= saved < STEPS
   assert f"checkpoint step {saved} saved in {tmp_path}/checkpoints" in stdout
   assert str(saved) in os.listdir(tmp_path / "checkpoints")
+  with open(tmp_path / "run.json", encoding="utf-8") as f:  # the command as typed
+    assert " -m jscale.train --config configs/tiny.yaml " in json.load(f)["command"]
   stdout = _finish(tmp_path, data_cache)
   assert f"resuming {tmp_path} from step {saved}" in stdout.splitlines()[0]
   assert soak.losses(str(tmp_path)) == reference
@@ -113,6 +115,15 @@ def test_a_second_ctrl_c_exits_at_once_and_the_checkpoints_stay_whole(tmp_path, 
   stdout = _finish(tmp_path, data_cache, "train.steps=14")
   assert f"resuming {tmp_path} from step " in stdout.splitlines()[0]
   assert max(soak.losses(str(tmp_path))) == 14
+
+
+def test_a_closed_output_pipe_does_not_stop_the_run(tmp_path, data_cache):
+  """`python -m jscale.train ... 2>&1 | head -1`: the reader goes away, the run trains on."""
+  proc = _launch(tmp_path, data_cache, "train.steps=12", "logging.every=1")
+  assert proc.stdout.readline().startswith("starting a new run in")
+  proc.stdout.close()
+  assert proc.wait(timeout=120) == 0
+  assert max(soak.losses(str(tmp_path))) == 12 and "12" in os.listdir(tmp_path / "checkpoints")
 
 
 def test_unreadable_latest_checkpoints_fall_back(reference, tmp_path, data_cache):

@@ -48,3 +48,7 @@ def test_resume_and_init_from_are_named(tmp_path):
   assert "mesh data=2 x tensor=2; collectives xla, ZeRO-3" in text
   assert "start     resuming from step 40 (/ck)" in text
   assert "checkpoints /ck off (checkpoint.every=0)" in text
+  assert "(metrics.jsonl, run.json)" in text  # logging.plot=false: no metrics.png named
+  plot = small_config(tmp_path, "logging.plot=true")
+  text = startup.summary(plot, mesh, None, "/ck", (1000, 10), 256, ["attention: xla"])
+  assert "(metrics.jsonl, metrics.png, run.json)" in text
