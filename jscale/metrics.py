@@ -96,8 +96,11 @@ class MetricsWriter:
     self._jsonl = open(path, "a", encoding="utf-8")
     if tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      # A unique file per writer: tensorboardX names files by the second, so a resume within
+      # the same second would overwrite the earlier events.
       self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"),
-                               purge_step=start_step + 1 if start_step else None)
+                               purge_step=start_step + 1 if start_step else None,
+                               filename_suffix=f".{time.time_ns()}")
     if progress:
       from tqdm import tqdm  # pylint: disable=import-outside-toplevel
       self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)

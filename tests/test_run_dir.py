@@ -1,8 +1,10 @@
 """jscale.run_dir: new run / resume / refusal, decided from the files before anything compiles;
-and metrics.jsonl kept one series across resumes."""
+and metrics.jsonl and TensorBoard kept one series across resumes."""
 
+import glob
 import json
 import os
+import struct
 
 import pytest
 
@@ -100,3 +102,39 @@ def test_metrics_trim_keeps_one_series(tmp_path):
   assert metrics.trim_metrics(str(path), 5) == 1  # the nonfinite count carried on
   assert [json.loads(l)["step"] for l in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
   assert metrics.trim_metrics(str(tmp_path / "absent.jsonl"), 5) == 0
+
+
+def _tensorboard_scalars(log_dir) -> dict[int, float]:
+  """step -> "loss" as TensorBoard shows it: event files in order, each record a TFRecord
+  (length, crc, Event, crc); a SessionLog START at step s discards the events written before it
+  at steps >= s (tensorboardX's `purge_step`)."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
+  shown: dict[int, float] = {}
+  for path in sorted(glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))):  # by time
+    data = open(path, "rb").read()
+    at = 0
+    while at < len(data):
+      (n,) = struct.unpack("<Q", data[at:at + 8])
+      event = event_pb2.Event.FromString(data[at + 12:at + 12 + n])
+      at += 16 + n
+      if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+        shown = {s: v for s, v in shown.items() if s < event.step}
+      for value in event.summary.value:
+        if value.tag == "loss":
+          shown[event.step] = value.simple_value
+  return shown
+
+
+def test_tensorboard_keeps_one_series_across_a_resume(tmp_path):
+  first = metrics.MetricsWriter(str(tmp_path), 8, tensorboard=True, progress=False)
+  for step in range(1, 9):
+    first.write(step, {"loss": float(step)})
+  first.close()  # the resume may come within the same second: its events go to another file
+  resumed = metrics.MetricsWriter(str(tmp_path), 8, start_step=4, tensorboard=True,
+                                  progress=False)
+  for step in range(5, 7):
+    resumed.write(step, {"loss": 10.0 + step})
+  resumed.close()
+  assert _tensorboard_scalars(tmp_path / "tensorboard") == {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0,
+                                                            5: 15.0, 6: 16.0}
+  assert [json.loads(l)["step"] for l in open(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
