@@ -205,10 +205,11 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
       backward += 2 * vocab  # and their sum) before their reduce-scatter into the sum's shard
   if not model.tie_embeddings:
     backward -= vocab
-  if pipe:  # each tick's chunk gradient and its running sum (twice the stage's layer gradients);
-    # every stage runs the embedding and head (SPMD) and all-reduces their gradients over
-    # `stage`: four more vocabulary-sized buffers (measured on XLA:GPU, 1F1B p=4 m=8)
-    backward += 2 * 4 * local_param_split(model, lay)[0] + 4 * vocab
+  if pipe:  # a tick's chunk gradient before it is added into the running sum (the stage's
+    # layer gradients once more); every stage runs the embedding and head (SPMD) and
+    # all-reduces their gradients over `stage`: four more vocabulary-sized buffers (measured on
+    # XLA:GPU, 1F1B p=4 m=8)
+    backward += 4 * local_param_split(model, lay)[0] + 4 * vocab
   # The loss's peak holds no gradient yet, except under accumulation the running sum.
   loss = loss_workspace(model, lay, tokens) + vocab_weight - (0 if lay.accum > 1 else grads)
   workspace = max(loss, backward)

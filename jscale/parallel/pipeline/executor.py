@@ -106,12 +106,16 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
       dblocks=jax.tree.map(lambda a: jnp.zeros((v, *a.shape), a.dtype), acc_chunk),
       dshared=_zeros(acc_shared),
       loss=jnp.zeros((), jnp.float32), stats=zero_stats, msg_f=zero_act, msg_b=zero_act)
-  nothing = dict(out_f=zero_act, out_b=zero_act, res=[jnp.zeros(r.shape, r.dtype)
-                                                       for r in res_shapes],
-                 stash=zero_act, dchunk=_zeros(acc_chunk), dshared=_zeros(acc_shared),
-                 loss=jnp.zeros((), jnp.float32), stats=zero_stats)
+  def branches(chunk, mb, x_in, dy_in, stored, stash, dblocks, dshared, local):
+    # The gradient accumulators go through the switch: a branch adds its gradient in place
+    # (the others hand them back untouched), so no branch output holds a second, gradient-
+    # sized buffer beside them.
+    nothing = dict(out_f=zero_act, out_b=zero_act, res=[jnp.zeros(r.shape, r.dtype)
+                                                         for r in res_shapes],
+                   stash=zero_act, dblocks=dblocks, dshared=dshared,
+                   loss=jnp.zeros((), jnp.float32), stats=zero_stats)
+    add_shared = lambda g: jax.tree.map(jnp.add, dshared, dshared_of(g))
 
-  def branches(chunk, mb, x_in, dy_in, stored, stash):
     def forward(x, first, last):
       if first:
         x = fns.embed(shared, mb["tokens"])
@@ -127,7 +131,7 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
         return {**out, "loss": fns.head_loss(shared, y, mb["labels"], mb["loss_mask"])}
       head = lambda sh, y: fns.head_loss(sh, y, mb["labels"], mb["loss_mask"]) * scale
       loss, (dshared, dy) = jax.value_and_grad(head, argnums=(0, 1))(shared, y)
-      return {**out, "loss": loss, "dshared": dshared_of(dshared), "out_b": dy.astype(act.dtype)}
+      return {**out, "loss": loss, "dshared": add_shared(dshared), "out_b": dy.astype(act.dtype)}
 
     def backward(first, need_dx, need_dw, dy):
       if not train:  # forward-only programs never take these branches
@@ -136,10 +140,11 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
       dchunk, dx = pullback((dy, d_stats))
       out = dict(nothing)
       if need_dw:
-        out["dchunk"] = dchunk_of(dchunk)
+        out["dblocks"] = jax.tree.map(lambda a, g: a.at[local].add(g), dblocks,
+                                      dchunk_of(dchunk))
       if need_dx and first:  # the embedding's gradient (a scatter-add of dx)
         _, embed_vjp = jax.vjp(lambda sh: fns.embed(sh, mb["tokens"]), shared)
-        out["dshared"] = dshared_of(embed_vjp(dx.astype(act.dtype))[0])
+        out["dshared"] = add_shared(embed_vjp(dx.astype(act.dtype))[0])
       elif need_dx:
         out["out_b"] = dx.astype(act.dtype)
       if need_dx and not need_dw:
@@ -171,7 +176,9 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
     stored = [r[col["res_read"]] for r in carry["res"]]
     out = jax.lax.switch(col["code"], branches(chunk, mb, inbox_f[col["read_f"]],
                                                inbox_b[col["read_b"]], stored,
-                                               carry["stash"][col["res_read"]]))
+                                               carry["stash"][col["res_read"]],
+                                               carry["dblocks"], carry["dshared"],
+                                               col["local"]))
     new = dict(carry, inbox_f=inbox_f, loss=carry["loss"] + out["loss"],
                stats=jax.tree.map(jnp.add, carry["stats"], out["stats"]))
     new["res"] = [r.at[col["res_write"]].set(o) for r, o in zip(carry["res"], out["res"])]
@@ -180,9 +187,7 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
       is_last_f = col["code"] == prog_lib.C_F_LAST
       new["inbox_b"] = inbox_b.at[col["self_b"]].set(out["out_b"])
       new["stash"] = carry["stash"].at[col["stash_write"]].set(out["stash"])
-      new["dblocks"] = jax.tree.map(lambda a, g: a.at[col["local"]].add(g), carry["dblocks"],
-                                    out["dchunk"])
-      new["dshared"] = jax.tree.map(jnp.add, carry["dshared"], out["dshared"])
+      new["dblocks"], new["dshared"] = out["dblocks"], out["dshared"]
       send_b = jnp.where(is_last_f, jnp.zeros_like(out["out_b"]), out["out_b"])
       new["msg_b"] = jax.lax.ppermute(send_b, stage_axis, bwd_perm)
     new["msg_f"] = jax.lax.ppermute(out["out_f"], stage_axis, fwd_perm)
