@@ -71,12 +71,14 @@ def num_chunks(local_shape: tuple[int, int, int], budget_mb: float) -> int:
 
 def head_loss_sums(h_BLD: jax.Array, head_DV: jax.Array, labels_BL: jax.Array,
                    mask_BL: jax.Array, comms: Seam = LOCAL, budget_mb: float = 0.0,
-                   dot_general: matmul.DotGeneral = jax.lax.dot_general
+                   dot_general: matmul.DotGeneral = jax.lax.dot_general,
+                   head_stored: tuple[str, str] = ("embed", "vocab")
                    ) -> tuple[jax.Array, jax.Array]:
   """(loss sum, token count) of the head `h_BLD @ head_DV` (both in the compute dtype; the
   logits are fp32), chunked by `num_chunks` when its fp32 logits exceed `budget_mb` MiB per
   device (`train.logits_chunk_mb`). The head's products are `dot_general`'s (the model's,
-  `Llama.dot_general`)."""
+  `Llama.dot_general`); `head_stored`: the head weight's dim names in its stored order
+  (`Llama.head_stored`: a tied head is the embedding, [vocab, embed])."""
   b, l, _ = h_BLD.shape
   n = num_chunks(comms.local_shape((b, l, head_DV.shape[-1]), LOGITS_NAMES), budget_mb)
   if n == 1:
@@ -85,7 +87,8 @@ def head_loss_sums(h_BLD: jax.Array, head_DV: jax.Array, labels_BL: jax.Array,
     return cross_entropy_sums(comms.activation(logits, LOGITS_NAMES), labels_BL, mask_BL, comms)
   mask = mask_BL.astype(jnp.float32)
   with jax.named_scope("head_loss_chunked"):
-    return _chunked(h_BLD, head_DV, labels_BL, mask, comms, n, dot_general), jnp.sum(mask)
+    return (_chunked(h_BLD, head_DV, labels_BL, mask, comms, n, dot_general, head_stored),
+            jnp.sum(mask))
 
 
 def _split(x: jax.Array, n: int) -> jax.Array:
@@ -101,13 +104,16 @@ def _merge(x: jax.Array) -> jax.Array:
 
 
 def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int,
-             dot_general: matmul.DotGeneral = jax.lax.dot_general) -> jax.Array:
+             dot_general: matmul.DotGeneral = jax.lax.dot_general,
+             head_stored: tuple[str, str] = ("embed", "vocab")) -> jax.Array:
   """Loss sum over n chunks; custom_vjp: the gradients are made in the forward's scan.
 
   Sums over tokens stay per device inside the scan: the loss and dW are accumulated as
   [S, Q, ...] with S = batch shards and Q = sequence shards (1 x 1 when arrays are already a
   device's block), each device holding its own [1, 1, ...] partial, and reduced once after the
-  loop. Summing over the sharded tokens inside it would make xla mode all-reduce dW per chunk."""
+  loop, into the head weight's stored layout (`Seam.weight_grad`: ZeRO-2/3's fsdp shard, so a
+  reduce-scatter). Summing over the sharded tokens inside it would make xla mode all-reduce dW
+  per chunk."""
   b, l, _ = h_BLD.shape
   lb, ll = comms.local_shape((b, l), LOGITS_NAMES[:2])
   shards = (b // lb, l // ll)  # (S, Q)
@@ -149,7 +155,8 @@ def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int,
     zeros = (per_shard(jnp.zeros(shards, jnp.float32)),
              per_shard(jnp.zeros(shards + head_DV.shape, jnp.float32), "embed", "vocab"))
     (loss, dw_SQDV), dh = jax.lax.scan(body, zeros, chunks(h_BLD, labels_BL, mask_BL))
-    return jnp.sum(loss), (_merge(dh), jnp.sum(dw_SQDV, axis=(0, 1)).astype(head_DV.dtype))
+    dw_DV = comms.weight_grad(jnp.sum(dw_SQDV, axis=(0, 1)), ("embed", "vocab"), head_stored)
+    return jnp.sum(loss), (_merge(dh), dw_DV.astype(head_DV.dtype))
 
   def backward(res, g):
     dh_BLD, dw_DV = res

@@ -98,7 +98,8 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
                                            remat=cfg.train.remat)
       h_BLD, head_DV = model.head_inputs(x_BLD, comms, embed_VD)
       loss_sum, count = head_loss_sums(h_BLD, head_DV, mb["labels"], mb["loss_mask"], comms,
-                                       cfg.train.logits_chunk_mb, model.head_dot)
+                                       cfg.train.logits_chunk_mb, model.head_dot,
+                                       model.head_stored)
     return loss_sum, count, (moe_lib.with_objective(stats, moe) if moe is not None else stats)
 
   return loss_fn

@@ -67,6 +67,7 @@ CHUNKED = ("train.logits_chunk_mb=0.02",)  # one device's 16 x 32 x 256 fp32 log
     (4, ("mesh.sequence=2", "mesh.data=2")),
     (4, ("mesh.stage=2", "mesh.data=2", "pipeline.microbatches=2",
          "parallel.collectives=manual")),
+    (4, ("mesh.fsdp=4", "parallel.zero_stage=3")),  # dW laid out as its fsdp shard
 ])
 def test_training_with_chunks_matches_one_device(n, layout):
   """Train steps with the chunked loss (vocab-parallel under tensor in both modes, strided chunks

@@ -250,6 +250,12 @@ class Llama(nnx.Module):
       x_BLD = comms.embed(embed_VD, tokens_BL).astype(dt)
       return comms.activation(x_BLD, ("batch", "res_seq", "embed"))
 
+  @property
+  def head_stored(self) -> tuple[str, str]:
+    """The head weight's dim names in its stored order: [embed, vocab], or tied [vocab, embed]
+    (`jscale.loss` lays the head's gradient out as the weight is stored)."""
+    return ("vocab", "embed") if self.cfg.tie_embeddings else ("embed", "vocab")
+
   def head_inputs(self, x_BLD: jax.Array, comms: Seam = LOCAL,
                   embed_VD: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The head's operands: final-normed hidden states [B, L, D] (entering the tensor-parallel

@@ -69,6 +69,14 @@ class Seam:
     del dtype
     return params
 
+  def weight_grad(self, g: jax.Array, names: Names, stored_names: Names) -> jax.Array:
+    """A weight's gradient the model summed over the token shards itself (the chunked loss's
+    dW), laid out as the weight is stored: `names` are `g`'s dims, `stored_names` the same
+    names in the weight's own order (a tied head is the embedding transposed). Under ZeRO-2/3
+    in xla mode that is the weight's fsdp shard, so the sum becomes a reduce-scatter."""
+    del names, stored_names
+    return g
+
   def layer_inputs(self, stacked: Any) -> Any:
     """What the layer scan iterates over, given the stacked layer weights; each slice goes
     through `gather_layer`."""

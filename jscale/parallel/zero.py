@@ -86,6 +86,17 @@ class XlaZero:
 
     return jax.tree.map(gather, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
+  def weight_grad(self, g: jax.Array, names, stored_names) -> jax.Array:
+    # ZeRO-2/3: the fsdp shard of the stored weight (its dims named as `g`'s); without it XLA
+    # all-reduced the chunked loss's fp32 head gradient, whole, and sliced it afterwards.
+    if self.layouts.zero_stage < 2 or self.in_stage_region:
+      return g
+    rules, fsdp = self.layouts.rules, self.layouts.mesh.shape["fsdp"]
+    shape = [g.shape[list(names).index(n)] for n in stored_names]
+    stored = add_fsdp(stored_names, shape, spec(stored_names, rules), fsdp)
+    by_name = dict(zip(stored_names, list(stored) + [None] * (len(shape) - len(stored))))
+    return jax.lax.with_sharding_constraint(g, self._sharding(P(*(by_name[n] for n in names))))
+
   def gather_updated_params(self, new_params: Any, old_params: Any) -> Any:
     # ZeRO-1/2 update shards with the sharded optimizer state, then all-gather the new weights.
     # Stacked weights: one layer at a time, in place (`gather_layers_in_place`).
