@@ -30,8 +30,7 @@ from flax import nnx
 from jscale import params_io
 from jscale import sharding as sharding_lib
 from jscale.checkpoint import complete_steps
-from jscale.config import (Config, ConfigError, DataConfig, ModelConfig, ParallelConfig,
-                           TrainConfig)
+from jscale.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
 from jscale.config_load import from_dict
 from jscale.parallel.pipeline import layout
 
@@ -139,24 +138,18 @@ def train_config(path: str) -> TrainConfig | None:
   return src.config.train if src.config is not None else None
 
 
-def tensor_parallel(abstract_model: nnx.Module, mesh: jax.sharding.Mesh) -> dict:
-  """NamedShardings of `abstract_model`'s parameters (a pure dict) split over `mesh`'s
-  `tensor` axis as a matmul sees them (heads, kv_heads, mlp, vocab), replicated otherwise."""
-  layouts = sharding_lib.Layouts(abstract_model, mesh, ParallelConfig())
-  return layouts.named(layouts.compute)
-
-
 def load(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
          step: int | None = None, mesh: jax.sharding.Mesh | None = None
          ) -> tuple[ModelConfig, nnx.Module]:
   """(ModelConfig, model) for the model at `path`, its parameters loaded. `dtype` /
   `param_dtype` replace the compute / storage dtypes (parameters are cast on load). `mesh`:
-  each parameter is read straight onto its shards (`tensor_parallel`)."""
+  each parameter is read straight onto its shards (`sharding.tensor_parallel`)."""
   # pylint: disable=import-outside-toplevel
   from jscale.convert import load_hf
   from jscale.model import llama
   src = describe(path, step)
-  place = (lambda abstract: tensor_parallel(abstract, mesh)) if mesh is not None else None
+  place = ((lambda abstract: sharding_lib.tensor_parallel(abstract, mesh)) if mesh is not None
+           else None)
   if src.kind == "hf":
     return load_hf(path, dtype=dtype or "float32", param_dtype=param_dtype or "float32",
                    shardings=place)

@@ -134,6 +134,13 @@ class Layouts:
     return NamedSharding(self.mesh, spec(names, self.rules))
 
 
+def tensor_parallel(abstract_model: nnx.Module, mesh: Mesh) -> Any:
+  """NamedShardings of a model's parameters (a pure dict) for inference: split over `tensor`
+  as a matmul sees them (heads, kv_heads, mlp, vocab), replicated otherwise."""
+  layouts = Layouts(abstract_model, mesh, ParallelConfig())
+  return layouts.named(layouts.compute)
+
+
 def without_axes(s: P, axes: Any) -> P:
   """`s` with the mesh `axes` removed (a dim split only over them becomes unsplit): the spec
   inside a shard_map manual over `axes`, where arrays already are their shards."""

@@ -22,6 +22,7 @@ from conftest import small_config
 from jscale import eval as eval_cli
 from jscale import generate as generate_cli
 from jscale import model_source
+from jscale import sharding
 from jscale import train as train_lib
 from jscale.convert.__main__ import main as convert_main
 from jscale.infer import setup
@@ -128,7 +129,7 @@ def test_a_tensor_parallel_load_reads_each_parameter_onto_its_shards(runs, expor
   mesh = setup.tensor_mesh(2)
   _, whole = model_source.load(str(path))
   _, split = model_source.load(str(path), mesh=mesh)
-  want = model_source.tensor_parallel(split, mesh)
+  want = sharding.tensor_parallel(split, mesh)
   pure = nnx.to_pure_dict(nnx.state(split, nnx.Param))
   n_split = 0
   for (where, x), y, s in zip(jax.tree_util.tree_flatten_with_path(pure)[0],

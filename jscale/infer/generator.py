@@ -74,11 +74,11 @@ class Generator:
     self.mesh = mesh
     self.cache_sharding = None
     if mesh is not None:
-      layouts = sharding_lib.Layouts(model, mesh, ParallelConfig())
       params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-      params = jax.tree.map(_place, params, layouts.named(layouts.compute))
+      params = jax.tree.map(_place, params, sharding_lib.tensor_parallel(model, mesh))
       nnx.replace_by_pure_dict(state, params)
-      self.cache_sharding = NamedSharding(mesh, sharding_lib.spec(kv_cache.NAMES, layouts.rules))
+      rules = sharding_lib.make_rules(ParallelConfig())
+      self.cache_sharding = NamedSharding(mesh, sharding_lib.spec(kv_cache.NAMES, rules))
     self.state = state
     self._prefill = jax.jit(self._prefill_fn, static_argnums=(0,))
     self._decode = jax.jit(self._decode_fn, donate_argnums=(2,))
