@@ -56,29 +56,44 @@ def config_for(path: str, model_cfg, overrides: list[str]):
   return from_overrides(raw, overrides)
 
 
-def run(args) -> dict:
-  """Evaluates per `args`; prints and returns {loss, perplexity, tokens, ...}."""
+def load_params(path: str, step: int | None, rt) -> dict:
+  """The parameters of the model at `path`, laid out as `rt` (a `runtime.build`) trains them:
+  each read straight onto its shards of that layout (never whole on one device), then in the
+  layer order `rt`'s pipeline stores (a reorder on the shards)."""
   # pylint: disable=import-outside-toplevel
   import jax
   from flax import nnx
 
+  from jscale import model_source
+  from jscale.parallel.pipeline import layout
+  cfg = rt.cfg
+  # The storage order permutes stacked layers only: each leaf's sharding is the same in both.
+  shardings = rt.state_shardings["params"]
+  _, model = model_source.load(path, step=step, dtype=cfg.model.dtype,
+                               param_dtype=cfg.model.param_dtype, shardings=shardings)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  params = layout.params_to_storage(params, cfg.model.n_layers, rt.mesh.shape["stage"],
+                                    cfg.pipeline.virtual_stages)
+  return jax.device_put(params, shardings)  # the reorder's output layout is XLA's choice
+
+
+def run(args) -> dict:
+  """Evaluates per `args`; prints and returns {loss, perplexity, tokens, ...}."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+
   from jscale import model_source, runtime, validate
   from jscale.data import make_eval_batches
   from jscale.infer import evaluate, setup
-  from jscale.parallel.pipeline import layout
   if args.batches < 0:
     raise ConfigError(f"--batches {args.batches}: must be >= 0 (0: the whole split)")
-  model_cfg, model = model_source.load(args.model, step=args.step)
-  cfg = config_for(args.model, model_cfg, args.overrides)
+  cfg = config_for(args.model, model_source.model_config(args.model, args.step), args.overrides)
   validate.check_runtime(cfg)
   tokenizer = setup.load_tokenizer_at(cfg.data.tokenizer)
   setup.check_vocab(tokenizer, cfg.model, f"data.tokenizer={cfg.data.tokenizer}")
   rt = runtime.build(cfg)
   cfg = rt.cfg
-  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  params = layout.params_to_storage(params, cfg.model.n_layers, rt.mesh.shape["stage"],
-                                    cfg.pipeline.virtual_stages)
-  params = jax.device_put(params, rt.state_shardings["params"])
+  params = load_params(args.model, args.step, rt)
   t = cfg.train
   batches = make_eval_batches(cfg.data, t.seq_len, t.batch_size, args.batches,
                               jax.process_index(), jax.process_count(), rt.reorder(),

@@ -12,8 +12,9 @@ PATH is one of (`describe` decides, in this order):
 
 From a training checkpoint only the parameters are read (orbax partial restore: the optimizer
 state is never loaded), put back in model layer order (`layout.to_model`: an interleaved
-pipeline stores its layers in chunk order), onto one device, or with `mesh` straight onto each
-parameter's tensor-parallel shards (a model too large for one device is never whole on one).
+pipeline stores its layers in chunk order), onto one device, or straight onto each parameter's
+shards: its tensor-parallel ones (`mesh`), or any layout given as `shardings` (`jscale.eval`
+reads onto the training layout), so a model too large for one device is never whole on one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -139,17 +141,24 @@ def train_config(path: str) -> TrainConfig | None:
 
 
 def load(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
-         step: int | None = None, mesh: jax.sharding.Mesh | None = None
-         ) -> tuple[ModelConfig, nnx.Module]:
+         step: int | None = None, mesh: jax.sharding.Mesh | None = None,
+         shardings: Any = None) -> tuple[ModelConfig, nnx.Module]:
   """(ModelConfig, model) for the model at `path`, its parameters loaded. `dtype` /
-  `param_dtype` replace the compute / storage dtypes (parameters are cast on load). `mesh`:
-  each parameter is read straight onto its shards (`sharding.tensor_parallel`)."""
+  `param_dtype` replace the compute / storage dtypes (parameters are cast on load). Each
+  parameter is read straight onto its shards: `mesh` lays it out tensor-parallel
+  (`sharding.tensor_parallel`); `shardings`, a tree like the model's parameters (a pure dict,
+  layers stacked), any other way. Neither: one device."""
+  if mesh is not None and shardings is not None:
+    raise ValueError("model_source.load: give mesh or shardings, not both")
   # pylint: disable=import-outside-toplevel
   from jscale.convert import load_hf
   from jscale.model import llama
   src = describe(path, step)
-  place = ((lambda abstract: sharding_lib.tensor_parallel(abstract, mesh)) if mesh is not None
-           else None)
+  place = None
+  if mesh is not None:
+    place = lambda abstract: sharding_lib.tensor_parallel(abstract, mesh)  # noqa: E731
+  elif shardings is not None:
+    place = lambda _: shardings  # noqa: E731
   if src.kind == "hf":
     return load_hf(path, dtype=dtype or "float32", param_dtype=param_dtype or "float32",
                    shardings=place)

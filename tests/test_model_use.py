@@ -21,7 +21,7 @@ from flax import nnx
 from conftest import small_config
 from jscale import eval as eval_cli
 from jscale import generate as generate_cli
-from jscale import model_source
+from jscale import model_source, runtime
 from jscale import sharding
 from jscale import train as train_lib
 from jscale.convert.__main__ import main as convert_main
@@ -159,6 +159,32 @@ def test_eval_equals_the_training_val_loss(runs):
   # A batch the 8 devices cannot split is refused by name, before anything compiles.
   code, _, err = _run(eval_cli.main, ["--model", str(run_dir), "train.batch_size=4"])
   assert code == 2 and "train.batch_size=4" in err
+
+
+@pytest.mark.parametrize("layout_overrides", [
+    ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.zero_stage=3"),
+    ("mesh.data=2", "mesh.stage=2", "mesh.tensor=2", "pipeline.schedule=interleaved",
+     "pipeline.virtual_stages=2", "pipeline.microbatches=2")])
+def test_eval_reads_each_parameter_onto_the_eval_layout(runs, layout_overrides):
+  """`jscale.eval` with a training layout: every parameter is read from the checkpoint straight
+  onto its shards of that layout (a model too large for one device never is whole on one),
+  stored in that layout's layer order, with the plain load's values."""
+  run_dir, _ = runs["dense_interleaved"]
+  path = str(run_dir)
+  cfg = eval_cli.config_for(path, model_source.model_config(path), list(layout_overrides))
+  rt = runtime.build(cfg)
+  params = eval_cli.load_params(path, None, rt)
+  _, whole = model_source.load(path)
+  want = layout.params_to_storage(nnx.to_pure_dict(nnx.state(whole, nnx.Param)),
+                                  cfg.model.n_layers, rt.mesh.shape["stage"],
+                                  rt.cfg.pipeline.virtual_stages)
+  n_split = 0
+  for (where, x), y, s in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                              jax.tree.leaves(want), jax.tree.leaves(rt.state_shardings["params"])):
+    assert x.sharding.is_equivalent_to(s, x.ndim), jax.tree_util.keystr(where)
+    n_split += x.addressable_shards[0].data.size < x.size
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(where))
+  assert n_split >= 9  # every weight matrix of the layers, the embedding (norm scales may not be)
 
 
 def test_generate_from_a_run_equals_generate_from_its_export(runs, tmp_path):
