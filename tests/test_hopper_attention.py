@@ -128,3 +128,34 @@ def test_shared_memory_budget_is_checked_on_cpu():
   fn = jax.jit(lambda q, k, v: hopper.flash_attention(q, k, v, block_sizes=big))
   with pytest.raises(ValueError, match="exceeds available shared memory"):
     fn.trace(q, q, q).lower(lowering_platforms=("cuda",))
+
+
+def _kernel_names(jaxpr) -> list[str]:
+  """Names of the Pallas kernels in a jaxpr, its nested jaxprs included."""
+  names = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("pallas_call", "mpmd_map"):
+      names.append(str(eqn.params.get("name") or eqn.params.get("name_and_src_info")))
+    for v in eqn.params.values():
+      for x in v if isinstance(v, (tuple, list)) else (v,):
+        sub = getattr(x, "jaxpr", x)
+        names += _kernel_names(sub) if hasattr(sub, "eqns") else []
+  return names
+
+
+def test_selective_remat_saves_the_hopper_forward():
+  """`remat: selective` keeps the Hopper forward's output and lse for the backward kernels (a
+  Mosaic GPU kernel reaches the policy wrapped in a `custom_vmap_call`; unrecognised, the
+  backward reran the forward kernel). Traced on CPU: a gradient runs each kernel once."""
+  from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=import-outside-toplevel
+  from jscale.model.llama import remat_policy  # pylint: disable=import-outside-toplevel
+  q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+  loss = jax.checkpoint(lambda q, k, v: hopper.flash_attention(q, k, v).astype(jnp.float32).sum(),
+                        policy=remat_policy("selective"))
+  saved = [(a.shape, a.dtype) for a, why in saved_residuals(loss, q, kv, kv)
+           if "custom_vmap_call" in why]
+  assert saved == [((1, 512, 4, 64), jnp.bfloat16), ((1, 4, 512), jnp.float32)], saved
+  names = _kernel_names(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv).jaxpr)
+  assert sorted(names) == ["flash_attention_dkv_hopper", "flash_attention_dq_hopper",
+                           "flash_attention_fwd_hopper"], names

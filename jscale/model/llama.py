@@ -136,12 +136,24 @@ def _save_all_but_gathered(prim, *_, **params) -> bool:
 
 
 def _attention_kernel_forward(prim, params) -> bool:
-  # A fused attention kernel's forward (cuDNN's custom call; the Pallas flash kernel): its
-  # outputs include the softmax statistics the backward kernel reads. Saving them (with the
-  # output, already kept as "attn_ctx") spares the backward a second attention forward.
+  # A fused attention kernel's forward (cuDNN's custom call; the Pallas flash kernels): its
+  # outputs are the attention output and the softmax statistics the backward kernel reads.
+  # Saving them spares the backward a second attention forward. (The kernels' output is not
+  # also named "attn_ctx": the same values would be saved twice.)
   return (prim.name == "dot_product_attention_fwd_wrapper" or
-          (prim.name == "pallas_call" and
-           "flash_attention_fwd" in str(params.get("name") or params.get("name_and_src_info"))))
+          any("flash_attention_fwd" in name for name in _pallas_call_names(prim, params)))
+
+
+def _pallas_call_names(prim, params) -> list[str]:
+  """The kernel names `prim` runs: a pallas_call's own, or those inside the `custom_vmap_call`
+  a Mosaic GPU kernel (`plgpu.kernel`) is wrapped in, which is what a remat policy sees of it
+  (the kernel within is a pallas_call, or an `mpmd_map` in jax 0.10)."""
+  if prim.name in ("pallas_call", "mpmd_map"):
+    return [str(params.get("name") or params.get("name_and_src_info"))]
+  call = params.get("call") if prim.name == "custom_vmap_call" else None
+  if call is None:
+    return []
+  return [n for eqn in call.jaxpr.eqns for n in _pallas_call_names(eqn.primitive, eqn.params)]
 
 
 def remat_policy(remat: str):
