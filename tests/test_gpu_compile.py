@@ -67,6 +67,14 @@ def test_every_gemm_on_h100_is_bf16_and_attention_is_cudnn():
   assert not bad, "\n".join(f"{d.lhs} x {d.rhs} at {d.location[-120:]}" for d in bad)
   calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))
   assert calls["__cudnn$fmhaSoftmax"] == 1 and calls["__cudnn$fmhaSoftmaxBackward"] == 1
+  # `remat: selective` stores the kernel's output for the backward once per layer (named as
+  # "attn_ctx" too, it was stored twice: 1 GiB more per step at llama3_1b batch 4).
+  out = re.findall(r"%(\S+) = \S+ get-tuple-element\(%dot_product_attention_fwd[\w.]*\), "
+                   r"index=0", text)
+  assert len(out) == 1, out
+  stores = re.findall(r"dynamic_update_slice[\w.]* = .*fusion\([^)]*%" + re.escape(out[0]) +
+                      r"[,)]", text)
+  assert len(stores) == 1, stores
 
 
 def test_fp8_linears_run_fp8_gemms_on_h100():

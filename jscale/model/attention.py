@@ -106,6 +106,11 @@ def pallas_backend(q_shape, k_shape, v_shape, dtype, causal: bool,
   return "hopper", f"Hopper (sm_{sm}): Mosaic GPU kernels"
 
 
+# Fused kernels: `remat: selective` saves their forward's outputs (with the softmax statistics
+# their backward reads) by primitive (`llama.remat_policy`). Their output is not also named:
+# JAX would save the same values twice (1 GiB per step at llama3_1b batch 4, seq 4096).
+KERNEL_IMPLS = ("cudnn", "pallas")
+
 IMPLS: dict[str, Callable[..., jax.Array]] = {"xla": xla_attention, "cudnn": cudnn_attention,
                                                "ring": xla_attention, "pallas": pallas_attention}
 # Backends each impl can run on; checked at config validation, never a silent fallback
@@ -162,16 +167,16 @@ def local_impl(impl: str, q_BLHK: jax.Array) -> str:
 
 def attention(q_BLHK, k_BSGK, v_BSGK, impl: str = "xla", causal: bool = True,
               positions=None, interpret: bool = False) -> jax.Array:
-  """Dispatches to `impl`; the result is named for selective rematerialisation.
+  """Dispatches to `impl`; a non-kernel result is named for selective rematerialisation.
   `interpret`: Pallas impls only (run in the Pallas interpreter)."""
   impl = local_impl(impl, q_BLHK)
   kwargs = {"interpret": interpret} if impl == "pallas" else {}
-  return named(IMPLS[impl](q_BLHK, k_BSGK, v_BSGK, causal=causal, positions=positions,
-                           **kwargs))
+  ctx_BLHK = IMPLS[impl](q_BLHK, k_BSGK, v_BSGK, causal=causal, positions=positions, **kwargs)
+  return ctx_BLHK if impl in KERNEL_IMPLS else named(ctx_BLHK)
 
 
 def named(ctx_BLHK: jax.Array) -> jax.Array:
-  """Names the attention output "attn_ctx" (kept by `remat: selective`)."""
+  """Names a non-kernel attention output "attn_ctx" (kept by `remat: selective`)."""
   return checkpoint_name(ctx_BLHK, "attn_ctx")
 
 

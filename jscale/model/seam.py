@@ -96,13 +96,14 @@ class Seam:
     `interpret`: run a Pallas impl in the Pallas interpreter."""
     del positions_BL  # one device (or no context parallelism): tokens are in order
     impl = attn_lib.local_impl(impl, q_BLHK)
-    if impl in ("pallas", "cudnn"):  # kernels: run on each device's shards of batch and heads
+    if impl in attn_lib.KERNEL_IMPLS:  # kernels: run on each device's shards of batch and heads
       # (cuDNN too: a custom call inside GSPMD regions such as a pipeline stage, and only ever
       # per-device work, so it gets the same per-shard dispatch as the Pallas kernel)
       fn = (functools.partial(attn_lib.pallas_attention, interpret=interpret)
             if impl == "pallas" else attn_lib.cudnn_attention)
       names = (attn_lib.Q_NAMES, attn_lib.KV_NAMES, attn_lib.KV_NAMES)
-      return attn_lib.named(self.kernel(fn, (q_BLHK, k_BSGK, v_BSGK), names, attn_lib.Q_NAMES))
+      # Not named "attn_ctx": the policy saves the kernel's outputs (`attn_lib.KERNEL_IMPLS`).
+      return self.kernel(fn, (q_BLHK, k_BSGK, v_BSGK), names, attn_lib.Q_NAMES)
     return attn_lib.attention(q_BLHK, k_BSGK, v_BSGK, impl)
 
   # ---------------------------------------------------------------- tensor parallelism

@@ -100,13 +100,13 @@ def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: 
   Per token, h = d_model, c = the compute dtype's bytes:
   - full: the layer input (h).
   - selective (`llama.SELECTIVE_SAVE`): the q, k, v projections (a·k, g·k, g·k), the attention
-    kernel's query input and output (a·k each) with its fp32 log-sum-exp (a), the attention
-    and MLP outputs (h each), gate and up (f each).
+    kernel's output (a·k) with its fp32 log-sum-exp (a), the layer input and the attention
+    output (h each), gate and up (f each).
   - none: every intermediate: the two RMSNorms' fp32 input and normalised input and two fp32
-    scalars each (4h + 4 fp32), their outputs and the two residual adds (4h), q before and
-    after RoPE and the attention output (3 a·k), k and v (2 g·k), the log-sum-exp, six [f] MLP
-    tensors (gate, up, the SiLU's parts, their product); and the layer's weights in the
-    compute dtype (`cast_weights`, unless ZeRO-3 gathers them again).
+    scalars each (4h + 4 fp32), their outputs and the two residual adds (4h), q and k after
+    RoPE, v and the attention output (2 a·k + 2 g·k), the log-sum-exp, six [f] MLP tensors
+    (gate, up, the SiLU's parts, their product); and the layer's weights in the compute dtype
+    (`cast_weights`, unless ZeRO-3 gathers them again).
   Tensor parallelism splits heads and f; sequence parallelism also the [h] terms.
   """
   c = jnp.dtype(model.dtype).itemsize
@@ -120,7 +120,7 @@ def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: 
     f = model.moe.top_k * (model.moe.d_ff or model.d_ff) + model.moe.shared_d_ff
   none = remat == "none"
   h_terms = 4 * d * (c + 4) + 16 if none else 2 * d * c
-  split = c * (3 * a * k + 2 * g * k + (6 if none else 2) * f) + 4 * a
+  split = c * (2 * a * k + 2 * g * k + (6 if none else 2) * f) + 4 * a
   if model.moe is not None:
     split += 4 * model.moe.n_experts * t  # router logits: replicated, not split
   return tokens * (h_terms / (t if lay.sequence_parallel else 1) + split / t)

@@ -24,8 +24,8 @@ class XlaContext:
       ring = functools.partial(ring_attention, axis_name="sequence",
                                layout=layouts.context_layout,
                                block=attn_lib.ring_blocks(impl, interpret))
-      return attn_lib.named(self._shard_map(ring, (q_spec, kv_spec, kv_spec), q_spec)(
-          q_BLHK, k_BSGK, v_BSGK))
+      # The ring names its output "attn_ctx" itself; naming it again here saved it twice.
+      return self._shard_map(ring, (q_spec, kv_spec, kv_spec), q_spec)(q_BLHK, k_BSGK, v_BSGK)
     # The playbook's all-gather variant: every device sees all keys and values (and their
     # positions, for the mask) and keeps its own queries.
     kv_names = ("batch", None, "kv_heads", "head_dim")
@@ -46,7 +46,6 @@ class ManualContext:
     if self.cp == 1:  # a Pallas impl runs on this device's shards as they are
       return super().attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl, interpret)
     # Context parallelism is always the ring here; the block math is the flash kernel for
-    # attention_impl=pallas, else plain jnp.
-    return attn_lib.named(ring_attention(q_BLHK, k_BSGK, v_BSGK, "sequence",
-                                         layout=self.layouts.context_layout,
-                                         block=attn_lib.ring_blocks(impl, interpret)))
+    # attention_impl=pallas, else plain jnp. It names its output "attn_ctx" itself.
+    return ring_attention(q_BLHK, k_BSGK, v_BSGK, "sequence", layout=self.layouts.context_layout,
+                          block=attn_lib.ring_blocks(impl, interpret))
