@@ -2,6 +2,7 @@
 their formulas, expert parallelism (both modes) against one device, and what communicates."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +177,31 @@ def test_manual_ep_all_to_all_moves_tokens_not_weights():
   stats, _ = _a2a_bytes("mesh.expert=4")
   assert abs(stats["all-to-all"]["bytes"] - 4 * want) <= 0.1 * 4 * want
   assert "all-gather" not in stats
+
+
+@pytest.mark.parametrize("layout,n", [((), 1), (("model.moe.dispatch=capacity",), 1),
+                                      (("mesh.expert=2", "parallel.collectives=manual"), 2)],
+                         ids=["dropless", "capacity", "manual-ep2"])
+def test_selective_remat_reruns_no_expert_matmul_or_all_to_all(layout, n):
+  """`remat: selective` keeps the experts' input rows, gate, up and output (`moe_in`,
+  `mlp_gate`, `mlp_up`, `moe_out`): the backward reruns the router and the sort (and manual
+  EP's all-to-all of the per-expert counts), but no expert matmul and no all-to-all of rows,
+  as with no remat (full remat reruns both). Before, an MoE
+  layer saved nothing of its experts and recomputed their whole forward."""
+  counts = {}
+  for remat in ("none", "selective", "full"):
+    cfg = small_config(None, *MOE, "model.dtype=bfloat16", "mesh.data=1", f"train.remat={remat}",
+                       "model.attention_impl=pallas", "model.kernel_interpret=true", *layout)
+    rt = runtime.build(cfg, jax.devices()[:n])
+    text = str(jax.make_jaxpr(rt.train_step())(rt.abstract_state(),
+                                               introspect.abstract_batch(cfg)))
+    counts[remat] = (text.count("ragged_dot_general["), text.count("dot_general["),
+                     len(re.findall(r"bf16\[[\d,]*\] = all_to_all\[", text)))  # rows, not counts
+  # The router's fp32 product is the one matmul rerun (the attention is a kernel, its forward
+  # saved).
+  router = (0, 1, 0)
+  assert counts["selective"] == tuple(map(sum, zip(counts["none"], router))), counts
+  assert counts["full"] > counts["selective"], counts
 
 
 @pytest.mark.parametrize("mode,schedule,extra", [("manual", "1f1b", ("mesh.expert=2",)),

@@ -107,8 +107,10 @@ class MoE(nnx.Module):
     y_BLD = y_GTD.reshape(b, l, d)
     if self.cfg.shared_d_ff:
       dt, c = self.dtype, comms
-      gate = einsum("BLD,DF->BLF", h_BLD, self.shared_gate, dt, self.shared_gate_dot, c)
-      up = einsum("BLD,DF->BLF", h_BLD, self.shared_up, dt, self.shared_up_dot, c)
+      gate = checkpoint_name(einsum("BLD,DF->BLF", h_BLD, self.shared_gate, dt,
+                                    self.shared_gate_dot, c), "mlp_gate")
+      up = checkpoint_name(einsum("BLD,DF->BLF", h_BLD, self.shared_up, dt, self.shared_up_dot,
+                                  c), "mlp_up")
       y_BLD = y_BLD + einsum("BLF,FD->BLD", jax.nn.silu(gate) * up, self.shared_down, dt,
                              self.shared_down_dot, c)
     return y_BLD, stats

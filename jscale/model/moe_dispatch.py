@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jscale.model import matmul
 from jscale.model.moe_gemm import GroupedDot
@@ -43,16 +44,19 @@ def ragged_ffn(x_AD: jax.Array, sizes_E: jax.Array, w: ExpertWeights, dtype,
   """SwiGLU of rows sorted by expert (`sizes_E` rows each, in order); rows past sum(sizes_E)
   come out zero. Operands and result in `dtype` (so are the backward's: `jscale.model.matmul`)."""
   dot = lambda x, m: gemm(x, m, sizes_E, dtype)
-  h_AF = jax.nn.silu(dot(x_AD, w.gate_EDF)) * dot(x_AD, w.up_EDF)
-  return dot(h_AF, w.down_EFD)
+  x_AD = checkpoint_name(x_AD, "moe_in")
+  gate_AF = checkpoint_name(dot(x_AD, w.gate_EDF), "mlp_gate")
+  up_AF = checkpoint_name(dot(x_AD, w.up_EDF), "mlp_up")
+  return dot(jax.nn.silu(gate_AF) * up_AF, w.down_EFD)
 
 
 def dense_ffn(x_ECD: jax.Array, w: ExpertWeights, dtype) -> jax.Array:
   """SwiGLU of every expert's slot buffer (a batched matmul over experts)."""
   dot = lambda spec, x, m: matmul.einsum(spec, x, m, dtype)
-  h_ECF = jax.nn.silu(dot("ECD,EDF->ECF", x_ECD, w.gate_EDF)) * dot("ECD,EDF->ECF", x_ECD,
-                                                                     w.up_EDF)
-  return dot("ECF,EFD->ECD", h_ECF, w.down_EFD)
+  x_ECD = checkpoint_name(x_ECD, "moe_in")
+  gate_ECF = checkpoint_name(dot("ECD,EDF->ECF", x_ECD, w.gate_EDF), "mlp_gate")
+  up_ECF = checkpoint_name(dot("ECD,EDF->ECF", x_ECD, w.up_EDF), "mlp_up")
+  return dot("ECF,EFD->ECD", jax.nn.silu(gate_ECF) * up_ECF, w.down_EFD)
 
 
 @jax.custom_vjp
@@ -110,6 +114,7 @@ def dispatch_sorted(x_TD: jax.Array, s: Sorted) -> jax.Array:
 def combine_sorted(out_AD: jax.Array, s: Sorted, gate_TK: jax.Array) -> jax.Array:
   """Σ_k gate · expert output back onto the tokens: a gather into [T, K, D] and an fp32
   weighted sum over K (elementwise, fused), in `out_AD`'s dtype."""
+  out_AD = checkpoint_name(out_AD, "moe_out")  # the gates' gradient reads it
   out_TKD = permute(out_AD, s.rank_A, s.order_A).reshape(*gate_TK.shape, -1)
   y_TD = jnp.sum(out_TKD.astype(jnp.float32) * gate_TK[..., None], axis=1)
   return y_TD.astype(out_AD.dtype)
@@ -142,6 +147,7 @@ def dispatch(x_TD: jax.Array, ids_TK, pos_TK, n_experts: int, cap: int) -> jax.A
 def combine(y_ECD: jax.Array, ids_TK, pos_TK, gates_TK) -> jax.Array:
   """Σ_k gate · y[expert, slot] for the kept assignments; dropped ones add nothing."""
   cap = y_ECD.shape[1]
+  y_ECD = checkpoint_name(y_ECD, "moe_out")  # the gates' gradient reads it
   kept_TK = pos_TK < cap
   rows_TKD = y_ECD[ids_TK, jnp.minimum(pos_TK, cap - 1)].astype(jnp.float32)
   w_TK = jnp.where(kept_TK, gates_TK, 0.0)

@@ -95,34 +95,43 @@ def tokens_per_microbatch(lay: Layout, seq: int) -> int:
 def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: str) -> float:
   """Bytes one layer keeps for its backward, per device, for `tokens` local tokens: what JAX
   saves under jscale's remat policy (`jax.ad_checkpoint.saved_residuals` of the layer lists the
-  same; `tests/test_plan.py` checks it), with cuDNN's fused attention (GPU's default).
+  same; `tests/test_plan.py` checks it, dense and MoE), with cuDNN's fused attention (GPU's
+  default).
 
-  Per token, h = d_model, c = the compute dtype's bytes:
+  Per token, h = d_model, c = the compute dtype's bytes, f = the MLP's hidden width (MoE: k
+  routed copies of the expert width plus the shared expert's):
   - full: the layer input (h).
   - selective (`llama.SELECTIVE_SAVE`): the q, k, v projections (a·k, g·k, g·k), the attention
     kernel's output (a·k) with its fp32 log-sum-exp (a), the layer input and the attention
-    output (h each), gate and up (f each).
+    output (h each), gate and up (f each); MoE also the experts' sorted input rows and their
+    outputs (k·h each).
   - none: every intermediate: the two RMSNorms' fp32 input and normalised input and two fp32
-    scalars each (4h + 4 fp32), their outputs and the two residual adds (4h), q and k after
-    RoPE, v and the attention output (2 a·k + 2 g·k), the log-sum-exp, six [f] MLP tensors
-    (gate, up, the SiLU's parts, their product); and the layer's weights in the compute dtype
-    (`cast_weights`, unless ZeRO-3 gathers them again).
-  Tensor parallelism splits heads and f; sequence parallelism also the [h] terms.
+    scalars each (4h + 4 fp32), their outputs, the attention's input and the MLP's as their
+    matmuls read them (4h; an MoE without a shared expert 3h), q and k after RoPE, v and the
+    attention output (2 a·k + 2 g·k), the log-sum-exp, six [f] MLP tensors (gate, up, the
+    SiLU's parts, their product); MoE also the router's fp32 input and probabilities (4h, 4E),
+    the top-k's and the sort's indices and gates, the sorted rows (k·h) and the fp32 gated
+    outputs (4·k·h); and the layer's weights in the compute dtype (`cast_weights`, unless
+    ZeRO-3 gathers them again).
+  Tensor parallelism splits heads and f (not the MoE's routing or rows); sequence parallelism
+  also the [h] terms. Dropless MoE in xla mode over `expert` / `tensor` (GShard's slot buffer,
+  one slot per token and expert) keeps E / k times the rows: not modelled.
   """
   c = jnp.dtype(model.dtype).itemsize
   d, t = model.d_model, lay.tensor
   a, g, k = model.n_heads, model.n_kv_heads, model.resolved_head_dim
   if remat == "full":
     return tokens * c * d / (t if lay.sequence_parallel else 1)
-  if model.moe is None:
-    f = model.d_ff
-  else:  # routed copies of each token, shared experts, the router's [E] logits (fp32)
-    f = model.moe.top_k * (model.moe.d_ff or model.d_ff) + model.moe.shared_d_ff
-  none = remat == "none"
-  h_terms = 4 * d * (c + 4) + 16 if none else 2 * d * c
+  moe, none = model.moe, remat == "none"
+  f = model.d_ff if moe is None else moe.top_k * (moe.d_ff or model.d_ff) + moe.shared_d_ff
+  mlp_input = moe is None or moe.shared_d_ff > 0  # a dense matmul reading the normed input
+  h_terms = 16 * d + (3 + mlp_input) * c * d + 16 if none else 2 * d * c
   split = c * (2 * a * k + 2 * g * k + (6 if none else 2) * f) + 4 * a
-  if model.moe is not None:
-    split += 4 * model.moe.n_experts * t  # router logits: replicated, not split
+  if moe is not None:  # routing and rows: whole on every tensor-parallel device
+    top = moe.top_k
+    rows = (c * top * d + 4 * top * d + 4 * d + 4 * moe.n_experts + 16 + 20 * top if none
+            else 2 * c * top * d)
+    split += rows * t
   return tokens * (h_terms / (t if lay.sequence_parallel else 1) + split / t)
 
 
