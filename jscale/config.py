@@ -35,9 +35,10 @@ class MoeConfig:
   # dropless (sort + grouped matmul) | capacity (drop overflow)
   dispatch: Literal["dropless", "capacity"] = "dropless"
   capacity_factor: float = 1.25  # capacity: slots per expert = factor * tokens * top_k / experts
-  # dropless grouped matmul: auto (the Pallas kernel on Hopper where it tiles, else ragged_dot)
-  # | ragged_dot (XLA's) | pallas (Mosaic GPU kernel; model.kernel_interpret runs it on CPU)
-  gemm: Literal["auto", "ragged_dot", "pallas"] = "auto"
+  # dropless grouped matmul: auto (the Pallas kernel on Hopper where it tiles, else tiled) |
+  # tiled (a batched matmul over row tiles, plain XLA) | ragged_dot (XLA's: E x the FLOPs on
+  # GPU and CPU) | pallas (Mosaic GPU kernel; model.kernel_interpret runs it on CPU)
+  gemm: Literal["auto", "tiled", "ragged_dot", "pallas"] = "auto"
   aux_loss_weight: float = 0.01  # Switch load-balancing loss
   z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
   every: int = 1  # MoE in every k-th layer (layers k-1, 2k-1, ...), dense SwiGLU in the others

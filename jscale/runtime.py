@@ -96,7 +96,8 @@ def pallas_kernels(cfg: Config, mesh: Mesh) -> tuple[str, str]:
 
 def moe_gemm(cfg: Config, mesh: Mesh) -> tuple[str, str]:
   """Which grouped matmul an MoE's dropless experts run on `mesh`'s devices, and why
-  (`moe_gemm.auto_gemm` for model.moe.gemm=auto): "pallas", "ragged_dot", or "" (no MoE)."""
+  (`moe_gemm.auto_gemm` for model.moe.gemm=auto): "pallas", "tiled", "ragged_dot", or ""
+  (slot buffers, or no MoE)."""
   m = cfg.model
   if m.moe is None:
     return "", ""
@@ -107,7 +108,7 @@ def moe_gemm(cfg: Config, mesh: Mesh) -> tuple[str, str]:
   if m.moe.gemm != "auto":
     return m.moe.gemm, f"model.moe.gemm={m.moe.gemm}"
   if m.kernel_interpret:
-    return "ragged_dot", "model.kernel_interpret: auto keeps XLA's ragged_dot"
+    return "tiled", "model.kernel_interpret: auto runs the tiled XLA matmuls"
   f = (m.moe.d_ff or m.d_ff) // mesh.shape["tensor"]
   return moe_gemm_lib.auto_gemm(m.dtype, m.d_model, f, m.moe.n_experts // mesh.shape["expert"],
                                 moe_gemm_lib.compute_capability(mesh.devices.flat[0]))

@@ -219,7 +219,7 @@ def check_backend(cfg: Config, backend: str) -> None:
     raise ConfigError(f"{key}={impl} cannot run on backend {backend!r}: {fix}")
   if m.moe is not None and m.moe.gemm == "pallas" and backend != "gpu" and not m.kernel_interpret:
     raise ConfigError(f"model.moe.gemm=pallas cannot run on backend {backend!r}: the grouped "
-                      "matmul kernel compiles for Hopper GPUs; use model.moe.gemm=ragged_dot "
+                      "matmul kernel compiles for Hopper GPUs; use model.moe.gemm=tiled "
                       "(or auto), or set model.kernel_interpret=true to run it in the (slow) "
                       "Mosaic GPU interpreter")
 
@@ -238,7 +238,7 @@ def check_moe_gemm(cfg: Config, sizes: dict[str, int], device=None) -> None:
   cc = moe_gemm.compute_capability(device) if device is not None else None
   if device is not None and device.platform == "gpu" and not str(cc).startswith("9"):
     raise ConfigError(f"model.moe.gemm=pallas needs a Hopper GPU (compute capability 9.x), "
-                      f"this is {cc}: use model.moe.gemm=auto or ragged_dot")
+                      f"this is {cc}: use model.moe.gemm=auto or tiled")
   f = (m.moe.d_ff or m.d_ff) // sizes["tensor"]
   why_not = moe_gemm.kernel_fits(m.dtype, m.d_model, f, m.moe.n_experts // sizes["expert"])
   if why_not is not None:

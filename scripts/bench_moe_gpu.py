@@ -7,14 +7,14 @@
 
 1. kernels: 8 groups of uneven size over 32768 rows, 2048 -> 2048, bf16 (the shape of one
    expert matmul of the training rows below): fwd and fwd+bwd (dlhs + drhs) TFLOP/s of the
-   Pallas kernel (`pallas_kernels.grouped_matmul`; its default tiles and a sweep), XLA's
-   jax.lax.ragged_dot, tokamax's ragged_dot when it imports, and a dense matmul of the same
-   FLOPs (the ceiling). Timing: `kernel_timing` (profiler kernel time where it works, else a
+   Pallas kernel (`pallas_kernels.grouped_matmul`; its default tiles and a sweep), the tiled
+   XLA matmul (`jscale.model.grouped_tiles`), XLA's jax.lax.ragged_dot (8x the FLOPs on GPU),
+   tokamax's ragged_dot when it imports, and a dense matmul of the same FLOPs (the ceiling). Timing: `kernel_timing` (profiler kernel time where it works, else a
    back-to-back loop).
 2. train: a 1B-wide MoE (16 layers, d_model 2048, 8 experts of d_ff 2048, top-2, vocab 32k,
    seq 4096, batch 4, bf16, attention auto = cuDNN), one `python -m jscale.train` process per
-   row (`bench_train.run_row`): dropless with the kernel, dropless with ragged_dot, capacity
-   1.0 and 1.25, and the dense model of equal active parameters (d_ff 4096). tokens/s, MFU on
+   row (`bench_train.run_row`): dropless with the kernel, with the tiled XLA matmul and with
+   ragged_dot, capacity 1.0 and 1.25, and the dense model of equal active parameters (d_ff 4096). tokens/s, MFU on
    active parameters (the trainer's), peak memory, where the device time goes.
 Goal (issue 20): dropless with the kernel >= capacity 1.25's throughput and >= 35% active MFU.
 """
@@ -34,6 +34,7 @@ MOE = ("model.preset=llama3_1b", "model.vocab_size=32768", "model.moe.n_experts=
        "model.moe.top_k=2", "model.moe.d_ff=2048", "train.batch_size=4", "train.remat=selective")
 ROWS: dict[str, tuple[str, ...]] = {
     "dropless pallas": (*MOE, "model.moe.gemm=pallas"),
+    "dropless tiled": (*MOE, "model.moe.gemm=tiled"),
     "dropless ragged_dot": (*MOE, "model.moe.gemm=ragged_dot"),
     "capacity 1.0": (*MOE, "model.moe.dispatch=capacity", "model.moe.capacity_factor=1.0"),
     "capacity 1.25": (*MOE, "model.moe.dispatch=capacity", "model.moe.capacity_factor=1.25"),
@@ -59,6 +60,7 @@ def kernel_rows(m: int, k: int, n: int, g: int, sweep: bool, quick: bool) -> lis
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import kernel_timing  # pylint: disable=import-outside-toplevel
+  from jscale.model import grouped_tiles  # pylint: disable=import-outside-toplevel
   from pallas_kernels import grouped_matmul as gm  # pylint: disable=import-outside-toplevel
   keys = jax.random.split(jax.random.key(0), 3)
   lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
@@ -67,6 +69,7 @@ def kernel_rows(m: int, k: int, n: int, g: int, sweep: bool, quick: bool) -> lis
   sizes = jnp.asarray(_group_sizes(m, g))
   impls = {"pallas default": functools.partial(gm.grouped_matmul, blocks=gm.DEFAULT,
                                                interpret=quick),
+           "tiled (XLA)": lambda a, b, s: grouped_tiles.grouped_dot(a, b, s, a.dtype),
            "ragged_dot": jax.lax.ragged_dot}
   if sweep and not quick:
     for t in SWEEP:

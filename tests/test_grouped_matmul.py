@@ -101,7 +101,7 @@ def test_bad_shapes_name_the_fix(lhs, rhs, sizes, match):
 
 def test_fp32_operands_are_refused():
   s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
-  with pytest.raises(ValueError, match="model.dtype=bfloat16 or model.moe.gemm=ragged_dot"):
+  with pytest.raises(ValueError, match="model.dtype=bfloat16 or model.moe.gemm=tiled"):
     check_shapes(s((256, 128), jnp.float32), s((4, 128, 128), jnp.float32),
                  s((4,), jnp.int32), SMALL)
 
@@ -123,7 +123,8 @@ def test_compiled_on_hopper(case):
 
 
 def test_benchmark_script_runs_its_kernel_table_on_cpu(tmp_path):
-  # The GPU benchmark's plumbing (interpreted kernel, ragged_dot, dense; timings meaningless).
+  # The GPU benchmark's plumbing (interpreted kernel, tiled, ragged_dot, dense; timings
+  # meaningless).
   import os  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
@@ -134,6 +135,6 @@ def test_benchmark_script_runs_its_kernel_table_on_cpu(tmp_path):
                         text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-2000:]
   table = (tmp_path / "bench_moe_gpu_kernels.md").read_text()
-  for impl in ("pallas default", "ragged_dot", "dense (same FLOPs)"):
+  for impl in ("pallas default", "tiled (XLA)", "ragged_dot", "dense (same FLOPs)"):
     assert f"| {impl} |" in table
   assert "failed" not in table

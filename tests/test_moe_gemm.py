@@ -65,12 +65,31 @@ def test_auto_picks_the_kernel_on_hopper_where_it_tiles():
   assert moe_gemm.auto_gemm(jnp.bfloat16, 2048, 2048, 8, "9.0") == (
       "pallas", "Hopper (sm_90): Mosaic GPU grouped matmul")
   impl, why = moe_gemm.auto_gemm(jnp.bfloat16, 2048, 2048, 8, "8.0")
-  assert impl == "ragged_dot" and "for Hopper" in why
+  assert impl == "tiled" and "for Hopper" in why and "8x the FLOPs" in why
   impl, why = moe_gemm.auto_gemm(jnp.float32, 2048, 2048, 8, "9.0")
-  assert impl == "ragged_dot" and "bf16 or fp16" in why
+  assert impl == "tiled" and "bf16 or fp16" in why
   impl, why = moe_gemm.auto_gemm(jnp.bfloat16, 2048, 96, 8, "9.0")
-  assert impl == "ragged_dot" and "not a multiple" in why
-  assert moe_gemm.for_model("auto", jnp.bfloat16, 2048, 2048, 8) == GroupedDot("ragged_dot")
+  assert impl == "tiled" and "not a multiple" in why
+  assert moe_gemm.for_model("auto", jnp.bfloat16, 2048, 2048, 8) == GroupedDot("tiled")
+
+
+def test_tiled_experts_match_ragged_dot_values_and_gradients():
+  """The MoE layer with `model.moe.gemm: tiled` (bf16) against XLA's ragged_dot."""
+  x, ids, gates, w = _inputs()
+
+  def loss(gemm):
+    def f(x, gates, w):
+      y = md.dropless(x, ids, gates, w, jnp.bfloat16, gemm)
+      return jnp.sum(jnp.sin(y.astype(jnp.float32))), y
+    return jax.jit(jax.value_and_grad(f, (0, 1, 2), has_aux=True))
+
+  (_, y), grads = loss(GroupedDot("tiled"))(x, gates, w)
+  (_, y_ref), grads_ref = loss(GroupedDot("ragged_dot"))(x, gates, w)
+  assert_close("y", y, y_ref, 1e-2)
+  for name, g, r in zip(("dx", "dgates", "dw_gate", "dw_up", "dw_down"),
+                        jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+    assert_close(name, g, r, 2e-2)
+  assert not np.any(np.asarray(grads[2].gate_EDF[3]))  # the unchosen expert's weights: zero
 
 
 MOE = ("model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.d_ff=128", "mesh.data=1")
@@ -80,7 +99,7 @@ def test_runtime_reports_what_the_experts_run():
   cfg = small_config(None, *MOE)
   rt = runtime.build(cfg, jax.devices()[:1])
   impl, why = runtime.moe_gemm(rt.cfg, rt.mesh)
-  assert impl == "ragged_dot" and "compute capability None" in why
+  assert impl == "tiled" and "compute capability None" in why
   cfg = small_config(None, *MOE, "model.moe.dispatch=capacity")
   assert runtime.moe_gemm(cfg, rt.mesh)[0] == ""
 

@@ -10,6 +10,7 @@ decides TF32 vs bf16 gemms on a GPU), on any backend, without compiling.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -32,6 +33,7 @@ class Dot:
   lhs_shape: str  # e.g. "8x256x256"
   rhs_shape: str
   location: str  # the names along the op's location, joined by " / "
+  flops: int = 0  # 2 * output elements * contracted size (compiled dots; cuBLAS calls: 0)
 
   @property
   def operands(self) -> tuple[str, str]:
@@ -98,7 +100,9 @@ def compiled_dots(compiled: Any) -> list[Dot]:
         continue
       (lt, ls), (rt, rs) = types[ops[0]][0], types[ops[1]][0]
       op_name = re.search(r'op_name="([^"]*)"', attrs)
-      out.append(Dot(lt, rt, hlo._leaves(shape)[0][0],  # pylint: disable=protected-access
-                     "x".join(map(str, ls)), "x".join(map(str, rs)),
-                     op_name.group(1) if op_name else ""))
+      ot, os_ = hlo._leaves(shape)[0]  # pylint: disable=protected-access
+      contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attrs)
+      k = math.prod(ls[int(i)] for i in contract.group(1).split(",") if i) if contract else 0
+      out.append(Dot(lt, rt, ot, "x".join(map(str, ls)), "x".join(map(str, rs)),
+                     op_name.group(1) if op_name else "", 2 * math.prod(os_) * k))
   return out

@@ -23,7 +23,7 @@ def for_this_backend(cfg: ModelConfig, model: Llama, dtype: str | None = None
   """(cfg, model) with the same weights, runnable here: compute `dtype` if given; the attention `auto` picks for this
   backend and dtype (cuDNN on a GPU where it applies; a run trained with other kernels may be
   sampled anywhere); GPU-only kernels (Pallas norm, the Pallas grouped matmul) replaced by
-  XLA's off the GPU; MoE dropless."""
+  XLA's off the GPU (`auto`'s tiled grouped matmul); MoE dropless."""
   dtype = dtype or cfg.dtype
   on_gpu = jax.default_backend() == "gpu"
   impl = attention.local_impl("auto", jax.ShapeDtypeStruct((1, 1, 1, cfg.resolved_head_dim),
@@ -31,7 +31,7 @@ def for_this_backend(cfg: ModelConfig, model: Llama, dtype: str | None = None
   moe = cfg.moe
   if moe is not None:
     moe = dataclasses.replace(moe, dispatch="dropless",  # generation never drops a token
-                              gemm=moe.gemm if on_gpu else "ragged_dot")
+                              gemm=moe.gemm if on_gpu else "auto")
   cfg = dataclasses.replace(cfg, dtype=dtype, attention_impl=impl, moe=moe,
                             norm_impl=cfg.norm_impl if on_gpu else "xla", kernel_interpret=False)
   rebuilt = nnx.eval_shape(lambda: llama.create(cfg))

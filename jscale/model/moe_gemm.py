@@ -1,10 +1,13 @@
 """Which grouped matmul runs an MoE's experts (`model.moe.gemm`), and the call itself.
 
-  * ragged_dot: `jax.lax.ragged_dot` (XLA's grouped matmul; any backend, any dtype).
+  * tiled: a batched matmul over tiles of each expert's rows, in plain XLA
+    (`jscale.model.grouped_tiles`; any backend, any dtype, ~1.1-1.3x the products' FLOPs).
+  * ragged_dot: `jax.lax.ragged_dot`. XLA:GPU and XLA:CPU expand it into one dense dot
+    against every expert's weights: E times the FLOPs (`tests/test_gpu_compile.py`).
   * pallas: the Hopper Mosaic GPU kernels (`pallas_kernels.grouped_matmul`): persistent, warp
     specialised, tiles that never mix two experts' weights; bf16 / fp16, widths that tile.
     With model.kernel_interpret they run in JAX's Mosaic GPU interpreter (CPU tests).
-  * auto: pallas on compute capability 9.x where it tiles the experts, ragged_dot elsewhere.
+  * auto: pallas on compute capability 9.x where it tiles the experts, tiled elsewhere.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-GEMMS = ("auto", "ragged_dot", "pallas")
+from jscale.model import grouped_tiles
+
+GEMMS = ("auto", "tiled", "ragged_dot", "pallas")
 
 
 def compute_capability(device: jax.Device | None = None) -> str | None:
@@ -41,17 +46,18 @@ def auto_gemm(dtype, d_model: int, d_ff: int, n_experts: int,
               cc: str | None) -> tuple[str, str]:
   """(impl, why) that `model.moe.gemm: auto` runs on a device of compute capability `cc`."""
   if cc is None or not str(cc).startswith("9"):
-    return "ragged_dot", f"compute capability {cc}: the Pallas grouped matmul is for Hopper"
+    return "tiled", (f"compute capability {cc}: the Pallas grouped matmul is for Hopper; "
+                     f"tiled XLA matmuls (ragged_dot would cost {n_experts}x the FLOPs)")
   why_not = kernel_fits(dtype, d_model, d_ff, n_experts)
   if why_not is not None:
-    return "ragged_dot", why_not
+    return "tiled", f"the Pallas kernel does not apply ({why_not}): tiled XLA matmuls"
   return "pallas", f"Hopper (sm_{str(cc).replace('.', '')}): Mosaic GPU grouped matmul"
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupedDot:
   """The experts' grouped matmul: rows sorted by expert (sizes_E each), weights [E, K, N]."""
-  impl: str = "ragged_dot"  # ragged_dot | pallas (resolved: never auto)
+  impl: str = "ragged_dot"  # tiled | ragged_dot | pallas (resolved: never auto)
   interpret: bool = False
 
   def __call__(self, x_AK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array,
@@ -61,6 +67,8 @@ class GroupedDot:
     if self.impl == "pallas":
       from pallas_kernels.grouped_matmul import grouped_matmul  # pylint: disable=import-outside-toplevel
       return grouped_matmul(x, w, sizes_E, interpret=self.interpret)
+    if self.impl == "tiled":
+      return grouped_tiles.grouped_dot(x, w, sizes_E, dtype)
     return jax.lax.ragged_dot(x, w, sizes_E)
 
 
@@ -68,6 +76,6 @@ def for_model(gemm: str, dtype, d_model: int, d_ff: int, n_experts: int,
               interpret: bool = False) -> GroupedDot:
   """The GroupedDot `model.moe.gemm` asks for (auto: decided for this process's devices)."""
   if gemm == "auto":
-    gemm = "ragged_dot" if interpret else auto_gemm(dtype, d_model, d_ff, n_experts,
-                                                    compute_capability())[0]
+    gemm = "tiled" if interpret else auto_gemm(dtype, d_model, d_ff, n_experts,
+                                               compute_capability())[0]
   return GroupedDot(gemm, interpret and gemm == "pallas")

@@ -84,11 +84,11 @@ def validate(lhs, rhs, group_sizes, blocks: GmmBlocks, transpose_rhs: bool = Fal
       lhs.dtype != rhs.dtype):
     raise ValueError(f"the grouped matmul kernel takes bf16 or fp16 operands of one dtype, got "
                      f"{lhs.dtype} and {rhs.dtype}: set model.dtype=bfloat16 or "
-                     f"model.moe.gemm=ragged_dot")
+                     f"model.moe.gemm=tiled")
   for name, size, tile in (("K", k, blocks.tile_k), ("N", n, COMPUTE_WGS * blocks.tile_n)):
     if size % tile:
       raise ValueError(f"{name}={size} is not a multiple of {tile} (the kernel's tiles): use "
-                       f"model.moe.gemm=ragged_dot for this width, or a width that is")
+                       f"model.moe.gemm=tiled for this width, or a width that is")
   for name in ("tile_m", "tile_n", "tile_k"):
     if getattr(blocks, name) % 64:
       raise ValueError(f"GmmBlocks.{name}={getattr(blocks, name)} must be a multiple of 64 "

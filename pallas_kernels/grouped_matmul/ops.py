@@ -58,7 +58,7 @@ def check_shapes(lhs, rhs, group_sizes, blocks: C.GmmBlocks | None = None) -> No
   C.validate(dout, rhs, group_sizes, C.fit(blocks, n, k), transpose_rhs=True)
   if k % blocks.tile_m:
     raise ValueError(f"K={k} is not a multiple of tile_m={blocks.tile_m} (the weight "
-                     f"gradient's output rows): use model.moe.gemm=ragged_dot for this width")
+                     f"gradient's output rows): use model.moe.gemm=tiled for this width")
 
 
 def grouped_matmul(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, *,
