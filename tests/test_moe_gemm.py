@@ -1,7 +1,7 @@
-"""`model.moe.gemm`: the Hopper grouped matmul kernel (interpreted on CPU) and the tiled XLA one
-inside the MoE layer
-against ragged_dot, what `auto` picks and why, bad choices refused before compile, and the
-dispatch's data movement (gathers both ways: no scatter-add of token rows in the step)."""
+"""`model.moe.gemm`: the Hopper grouped matmul kernel (interpreted on CPU) and the tiled XLA
+one inside the MoE layer against ragged_dot, what `auto` picks and why, bad choices refused
+before compile, and the dispatch's data movement (gathers both ways: no scatter-add of token
+rows in the step)."""
 
 import re
 
