@@ -93,10 +93,15 @@ def grouped_dot(x_AK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, dtype,
     return gather_rows(y_PN, dest_A, valid_A, src_P, valid_P)
 
 
+def _onehot(expert_T: jax.Array, n_experts: int, dtype) -> jax.Array:
+  """[T, E]: which expert each tile's rows go to (unused tiles, expert E: none)."""
+  return (expert_T[:, None] == jnp.arange(n_experts)).astype(dtype)
+
+
 def _per_tile(w_EKN: jax.Array, expert_T: jax.Array) -> jax.Array:
-  """[T, K, N]: each tile's expert's weights (a one-hot matmul, exact; unused tiles, expert
-  E, get zeros: their rows are zero anyway)."""
-  onehot_TE = (expert_T[:, None] == jnp.arange(w_EKN.shape[0])).astype(w_EKN.dtype)
+  """[T, K, N]: each tile's expert's weights (a one-hot matmul, exact; unused tiles get zeros:
+  their rows are zero anyway)."""
+  onehot_TE = _onehot(expert_T, w_EKN.shape[0], w_EKN.dtype)
   return matmul.einsum("TE,EKN->TKN", onehot_TE, w_EKN, w_EKN.dtype)
 
 
@@ -117,7 +122,7 @@ def _tile_products_bwd(res, g_TMN):
   dtype = x_TMK.dtype
   dx_TMK = matmul.einsum("TMN,TKN->TMK", g_TMN, _per_tile(w_EKN, expert_T), dtype)
   dw_TKN = matmul.einsum("TMK,TMN->TKN", x_TMK, g_TMN, dtype)
-  onehot_TE = (expert_T[:, None] == jnp.arange(w_EKN.shape[0])).astype(dtype)
+  onehot_TE = _onehot(expert_T, w_EKN.shape[0], dtype)
   dw_EKN = matmul.einsum("TE,TKN->EKN", onehot_TE, dw_TKN, dtype)  # sums each expert's tiles
   return dx_TMK, dw_EKN.astype(w_EKN.dtype), np.zeros(expert_T.shape, jax.dtypes.float0)
 
