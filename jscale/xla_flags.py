@@ -1,8 +1,10 @@
 """XLA flags for overlapping communication with compute on GPU, set by the launcher.
 
 `python -m jscale.train` prepends these to XLA_FLAGS before any JAX backend starts (flags the
-user already gave win; `JSCALE_XLA_FLAGS=0` turns this off). They are GPU flags: other backends
-parse and ignore them. What each does:
+user already gave win; `JSCALE_XLA_FLAGS=0` turns this off), and lets JAX's allocator take 0.9
+of GPU memory (`MEM_FRACTION`, what `jscale.plan` budgets; XLA_PYTHON_CLIENT_MEM_FRACTION set
+by the user wins). They are GPU settings: other backends parse and ignore them. What each flag
+does:
 
 * latency_hiding_scheduler: schedules async collectives (all-gather / reduce-scatter /
   all-reduce start..done) so that independent compute runs in between.
@@ -41,7 +43,15 @@ def with_overlap_flags(xla_flags: str) -> str:
   return " ".join(missing + xla_flags.split())
 
 
+# Share of GPU memory JAX's allocator takes (JAX's default, 0.75, leaves 20 GB of an H100
+# idle): the budget `jscale.plan` fits layouts to (`plan/hardware.py`); the rest stays for
+# cuDNN / cuBLAS workspaces and NCCL, outside XLA's pool.
+MEM_FRACTION = "0.9"
+
+
 def apply() -> None:
-  """Sets XLA_FLAGS for this process; call before anything starts a JAX backend."""
+  """Sets XLA_FLAGS and, unless the user set it, XLA_PYTHON_CLIENT_MEM_FRACTION for this
+  process; call before anything starts a JAX backend."""
   if os.environ.get("JSCALE_XLA_FLAGS", "1") != "0":
     os.environ["XLA_FLAGS"] = with_overlap_flags(os.environ.get("XLA_FLAGS", ""))
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)

@@ -288,6 +288,15 @@ def test_launcher_xla_flags_exist_in_this_jaxlib():
   mine = xla_flags.with_overlap_flags("--xla_gpu_enable_pipelined_all_gather=false")
   assert "--xla_gpu_enable_pipelined_all_gather=true" not in mine.split()
   assert "--xla_gpu_enable_latency_hiding_scheduler=true" in mine.split()
+  # The allocator's share: the planner's budget unless the user gave one.
+  code = ("import os; from jscale import xla_flags; xla_flags.apply(); "
+          "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])")
+  for given, want in ((None, xla_flags.MEM_FRACTION), ("0.5", "0.5")):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+    env.update({"XLA_PYTHON_CLIENT_MEM_FRACTION": given} if given else {})
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=TIMEOUT, check=True).stdout.split()
+    assert out == [want], out
   env = _base_env(1)
   env["XLA_FLAGS"] += " " + " ".join(flags)
   r = subprocess.run([sys.executable, "-c", "import jax; print(jax.devices())"], env=env,

@@ -14,6 +14,8 @@ import bisect
 import dataclasses
 import math
 
+from jscale.xla_flags import MEM_FRACTION
+
 # nodes -> all-reduce busbw (GB/s), the playbook's 256 MB measurements.
 _ALL_REDUCE_GBS = {1: 436, 2: 362, 4: 160, 8: 100, 16: 85, 32: 65, 64: 33}
 # All-gather / reduce-scatter: 250 GB/s in a node, 11 across 64 nodes (two points; log-log in
@@ -40,8 +42,9 @@ GPUS = {
     # on the lent H100 (issue 16: llama3_1b, seq 4096, bf16 matmuls, cuDNN attention, 49.0%
     # MFU at batch 8); the bare bf16 gemm there ran at ~790-800 TFLOP/s (0.80 of peak).
     # 3.0 TB/s HBM measured on the same card. 79.6 GiB of HBM3, of which a run may use
-    # XLA_PYTHON_CLIENT_MEM_FRACTION (scripts/slurm/train.sbatch sets 0.9; JAX's default 0.75).
-    "h100": Gpu("h100", 989.5e12, 0.9 * 79.6 * 2**30, 3.0e12, 0.49, 8,
+    # MEM_FRACTION (XLA_PYTHON_CLIENT_MEM_FRACTION: `python -m jscale.train` and train.sbatch
+    # set 0.9 unless given; JAX's default is 0.75).
+    "h100": Gpu("h100", 989.5e12, float(MEM_FRACTION) * 79.6 * 2**30, 3.0e12, 0.49, 8,
                 "datasheet peak; efficiency and HBM measured by jscale on one H100 (issue 16)"),
 }
 
