@@ -102,8 +102,11 @@ def _run_config(run_dir: str) -> tuple[Config, int]:
   with open(os.path.join(run_dir, "run.json"), encoding="utf-8") as f:
     info = json.load(f)
   cfg = from_dict(info["config"])
-  # The run's attention was resolved for its devices (e.g. cudnn): pick again where it runs.
-  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl="auto"))
+  # The run's attention and MoE matmul were resolved for its devices (e.g. cudnn, the Hopper
+  # kernel): pick again where it runs.
+  moe = cfg.model.moe and dataclasses.replace(cfg.model.moe, gemm="auto")
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl="auto",
+                                                           moe=moe))
   return cfg, int(info.get("mesh", {}).get("stage", max(cfg.mesh.stage, 1)))
 
 

@@ -37,6 +37,7 @@ class Runtime:
   state_shapes: Any  # ShapeDtypeStructs of the train state (no shardings)
   state_shardings: Any
   attention_why: str = ""  # why model.attention_impl=auto chose cfg.model.attention_impl
+  moe_gemm: tuple[str, str] = ("", "")  # what an MoE's experts run, and why (`moe_gemm`)
 
   def init_state(self) -> ts.State:
     return ts.init_state(self.cfg, self.state_shardings, self.mesh.shape["stage"])
@@ -120,10 +121,15 @@ def _with_attention(cfg: Config, impl: str) -> Config:
 
 def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
   """Mesh, layouts and comms for `cfg` on `devices` (default: all); `Runtime.cfg` is `cfg` with
-  model.attention_impl=auto resolved for those devices."""
+  model.attention_impl=auto and model.moe.gemm=auto resolved for those devices (not for the
+  process's default device: a step compiled here for other GPUs runs what they would)."""
   validate.check_config(cfg)
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   cfg, attention_why = resolve_attention(cfg, mesh)
+  gemm = moe_gemm(cfg, mesh)
+  if cfg.model.moe is not None and cfg.model.moe.gemm == "auto" and gemm[0]:
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, moe=dataclasses.replace(cfg.model.moe, gemm=gemm[0])))
   validate.check_mesh(cfg, mesh)
   abstract_model = nnx.eval_shape(lambda: ts.create_model(cfg))
   graphdef = nnx.split(abstract_model)[0]
@@ -132,4 +138,5 @@ def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
   state_shardings = layouts.state(make_optimizer(cfg.train), abstract)
   comms = (ManualComms(layouts, cfg.parallel.bucket_mb) if cfg.parallel.collectives == "manual"
            else XlaComms(layouts))
-  return Runtime(cfg, mesh, layouts, comms, graphdef, abstract, state_shardings, attention_why)
+  return Runtime(cfg, mesh, layouts, comms, graphdef, abstract, state_shardings, attention_why,
+                 gemm)

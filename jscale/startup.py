@@ -52,7 +52,7 @@ def kernel_lines(rt: runtime.Runtime, requested_attention: str) -> list[str]:
   kernels, kernels_why = runtime.pallas_kernels(cfg, rt.mesh)
   if kernels:
     lines.append(f"flash kernels: {kernels} ({kernels_why})")
-  gemm, gemm_why = runtime.moe_gemm(cfg, rt.mesh)
+  gemm, gemm_why = rt.moe_gemm
   if cfg.model.moe is not None:
     lines.append(f"moe experts: {gemm or 'slot buffers'} ({gemm_why})")
   return lines

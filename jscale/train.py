@@ -55,7 +55,7 @@ def write_run_info(cfg: Config, rt: runtime.Runtime, requested_attention: str,
           "mesh": {k: int(v) for k, v in rt.mesh.shape.items()}, "jax": jax.__version__,
           **meta}
   if cfg.model.moe is not None:
-    info["moe_gemm"], info["moe_gemm_why"] = runtime.moe_gemm(cfg, rt.mesh)
+    info["moe_gemm"], info["moe_gemm_why"] = rt.moe_gemm
   os.makedirs(cfg.train.output_dir, exist_ok=True)
   path = os.path.join(cfg.train.output_dir, "run.json")
   with open(path + ".tmp", "w", encoding="utf-8") as f:

@@ -22,6 +22,7 @@ if not gpu_target.available():
 from flax import nnx  # noqa: E402
 
 from jscale import mesh as mesh_lib  # noqa: E402
+from jscale import runtime  # noqa: E402
 from jscale.analysis import dots, hlo, introspect  # noqa: E402
 from jscale.config import MeshConfig, ModelConfig  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
@@ -95,6 +96,18 @@ def test_dropless_expert_flops_on_h100(gemm, low, high):
   rows = cfg.train.batch_size * cfg.train.seq_len * 2  # top-2 copies of every token
   ideal = 9 * 2 * rows * 256 * 256  # per layer: loop bodies count once
   assert low <= expert / ideal <= high, expert / ideal
+
+
+def test_auto_runs_the_hopper_grouped_matmul_on_h100s():
+  """`model.moe.gemm: auto` is resolved for the mesh's devices (H100s here, on a CPU machine):
+  the step runs the Hopper kernels, nine per layer (3 forward, 6 backward), no XLA expert dot."""
+  cfg = load_config("configs/tiny.yaml", [*TINY_BF16, *MOE_GPU])
+  devices = gpu_target.devices("h100x1")
+  assert runtime.build(cfg, devices).cfg.model.moe.gemm == "pallas"
+  compiled, _ = introspect.compile_train_step(cfg, devices)
+  text = compiled.as_text()
+  assert text.count('custom_call_target="mosaic_gpu') == 9
+  assert not [d for d in dots.compiled_dots(text) if re.search(r"ragged|tiles", d.location)]
 
 
 def test_fp8_linears_run_fp8_gemms_on_h100():

@@ -85,8 +85,9 @@ MOE = ("model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.d_ff=128", "mesh
 def test_runtime_reports_what_the_experts_run():
   cfg = small_config(None, *MOE)
   rt = runtime.build(cfg, jax.devices()[:1])
-  impl, why = runtime.moe_gemm(rt.cfg, rt.mesh)
+  impl, why = rt.moe_gemm
   assert impl == "tiled" and "compute capability None" in why
+  assert rt.cfg.model.moe.gemm == "tiled"  # resolved for the mesh's devices, not the process's
   cfg = small_config(None, *MOE, "model.moe.dispatch=capacity")
   assert runtime.moe_gemm(cfg, rt.mesh)[0] == ""
 
