@@ -110,6 +110,17 @@ def test_auto_runs_the_hopper_grouped_matmul_on_h100s():
   assert not [d for d in dots.compiled_dots(text) if re.search(r"ragged|tiles", d.location)]
 
 
+@pytest.mark.parametrize("mode", ["xla", "manual"])
+def test_pallas_attention_runs_the_hopper_kernels_on_h100s(mode):
+  """`attention_impl: pallas` picks its kernels for the mesh's devices (`Seam.kernel_device`),
+  so the step compiled here for an H100 runs the Mosaic GPU ones: forward, dK/dV and dQ, the
+  forward once (`remat: selective` keeps its outputs), no Triton kernel."""
+  text = _compiled_text("model.attention_impl=pallas", "model.n_heads=4", "model.n_kv_heads=2",
+                        f"parallel.collectives={mode}")  # head_dim 64: the Hopper kernels tile it
+  calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))
+  assert calls["mosaic_gpu_v2"] == 3 and len(calls) == 1, calls
+
+
 def test_fp8_linears_run_fp8_gemms_on_h100():
   """Issue 18: XLA:GPU keeps the scaled FP8 products as FP8 gemms (e4m3 x e4m3 forward, e5m2
   gradients backward) for the targeted linears, and the head stays bf16. Deviceless, XLA picks

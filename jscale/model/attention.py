@@ -66,15 +66,17 @@ def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
 
 
 def pallas_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
-                     causal: bool = True, positions=None, interpret: bool = False) -> jax.Array:
+                     causal: bool = True, positions=None, interpret: bool = False,
+                     device: jax.Device | None = None) -> jax.Array:
   """Pallas flash attention (GPU, or the Pallas interpreter; GQA in the kernel; index-causal
-  only): the Hopper (Mosaic GPU) kernels where `pallas_backend` picks them, else the portable
+  only): the Hopper (Mosaic GPU) kernels where `pallas_backend` picks them for `device` (the
+  mesh's, from `Seam.kernel_device`; default this process's), else the portable
   (Triton-lowered) ones. Runs on whole arrays: under a mesh call it through `Seam.kernel`."""
   if positions is not None:
     raise ValueError("pallas attention masks by index, not by token positions: under context "
                      "parallelism the model's seam runs it as the ring's block function")
   backend, _ = pallas_backend(q_BLHK.shape, k_BSGK.shape, v_BSGK.shape, q_BLHK.dtype, causal,
-                              None if interpret else _compute_capability())
+                              None if interpret else compute_capability(device))
   if backend == "hopper":
     from pallas_kernels.flash_attention import hopper  # pylint: disable=import-outside-toplevel
     return hopper.flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal)
@@ -82,8 +84,9 @@ def pallas_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
   return flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal, interpret=interpret)
 
 
-def _compute_capability() -> str | None:
-  dev = jax.devices()[0]
+def compute_capability(device: jax.Device | None = None) -> str | None:
+  """A GPU's compute capability ("9.0"; default: this process's first device), None off GPU."""
+  dev = device or jax.devices()[0]
   return getattr(dev, "compute_capability", None) if dev.platform == "gpu" else None
 
 

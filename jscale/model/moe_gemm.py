@@ -18,14 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from jscale.model import grouped_tiles
+from jscale.model.attention import compute_capability
 
 GEMMS = ("auto", "tiled", "ragged_dot", "pallas")
-
-
-def compute_capability(device: jax.Device | None = None) -> str | None:
-  """The GPU's compute capability ("9.0"), None off GPU."""
-  dev = device or jax.devices()[0]
-  return getattr(dev, "compute_capability", None) if dev.platform == "gpu" else None
 
 
 def kernel_fits(dtype, d_model: int, d_ff: int, n_experts: int) -> str | None:

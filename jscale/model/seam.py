@@ -56,6 +56,12 @@ class Seam:
     del in_names, out_names
     return fn(*args)
 
+  def kernel_device(self) -> jax.Device:
+    """The device kernels are chosen for (the Hopper ones by its compute capability): this
+    process's first; a mesh's seam answers for the mesh, so a step compiled here for other
+    GPUs runs what they would."""
+    return jax.devices()[0]
+
   def amax(self, x: jax.Array) -> jax.Array:
     """max |x| over the whole (possibly sharded) tensor, an fp32 scalar: FP8's scales. Global
     arrays (one device, xla mode) need nothing more; manual mode takes the max over devices."""
@@ -99,7 +105,8 @@ class Seam:
     if impl in attn_lib.KERNEL_IMPLS:  # kernels: run on each device's shards of batch and heads
       # (cuDNN too: a custom call inside GSPMD regions such as a pipeline stage, and only ever
       # per-device work, so it gets the same per-shard dispatch as the Pallas kernel)
-      fn = (functools.partial(attn_lib.pallas_attention, interpret=interpret)
+      fn = (functools.partial(attn_lib.pallas_attention, interpret=interpret,
+                              device=self.kernel_device())
             if impl == "pallas" else attn_lib.cudnn_attention)
       names = (attn_lib.Q_NAMES, attn_lib.KV_NAMES, attn_lib.KV_NAMES)
       # Not named "attn_ctx": the policy saves the kernel's outputs (`attn_lib.KERNEL_IMPLS`).

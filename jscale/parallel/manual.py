@@ -38,6 +38,9 @@ class ManualComms(ManualZero, ManualTensor, ManualContext, ManualExpert, ManualS
     self.amax_axes = tuple(a for a, n in size.items() if n > 1 and a != "stage")
     self._init_zero(bucket_mb)
 
+  def kernel_device(self):
+    return self.mesh.devices.flat[0]
+
   def program(self, fn: Callable, in_shardings: Any, out_shardings: Any) -> Callable:
     specs = lambda t: jax.tree.map(lambda s: s.spec, t,
                                    is_leaf=lambda x: isinstance(x, NamedSharding))

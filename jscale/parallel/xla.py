@@ -81,6 +81,9 @@ class XlaComms(XlaZero, XlaTensor, XlaContext, XlaExpert, XlaStages, Comms):
     spec = lambda names: self.layouts.activation(names).spec
     return self._shard_map(fn, tuple(spec(n) for n in in_names), spec(out_names))(*args)
 
+  def kernel_device(self):
+    return self.layouts.mesh.devices.flat[0]
+
   def amax(self, x: jax.Array) -> jax.Array:
     return self._over_manual_batch(jax.lax.pmax, super().amax(x))
 
