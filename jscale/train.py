@@ -194,7 +194,7 @@ class _ClosableOutput:
 def _main(args: argparse.Namespace) -> int:
   try:
     cfg = load_config(args.config, args.overrides)
-    xla_flags.apply()  # GPU compute/communication overlap; before any JAX backend starts
+    xla_flags.apply(cfg)  # GPU compute/communication overlap; before any JAX backend starts
     distributed.initialize(cfg.distributed)  # before anything starts a JAX backend
     summary = run(cfg)
   except ConfigError as e:

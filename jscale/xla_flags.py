@@ -36,11 +36,36 @@ GPU_OVERLAP_FLAGS = (
 )
 
 
-def with_overlap_flags(xla_flags: str) -> str:
-  """`xla_flags` with every overlap flag it does not set already put in front of it."""
+# Not with ZeRO-3 and gradient accumulation: to prefetch the first layer's all-gather across
+# the micro-batch loop, the pipeliner peels that loop's first iteration, a second copy of the
+# layer scans whose saved activations get their own buffers: every micro-batch's activations
+# twice (XLA:GPU, llama3_1b fsdp=8 ZeRO-3, 4 micro-batches: temporaries 7.3 -> 10.9 GiB;
+# Llama-3 70B's planned layout, 64 micro-batches: 66.6 -> 89.4 GiB per step, over an H100).
+_PEELS_ACCUMULATION = "--xla_gpu_enable_pipelined_all_gather=true"
+
+
+def overlap_flags(cfg=None) -> tuple[str, ...]:
+  """The overlap flags for a run of `cfg` (a Config; None: all of them)."""
+  if (cfg is not None and cfg.parallel.zero_stage == 3 and cfg.train.microbatches > 1):
+    return tuple(f for f in GPU_OVERLAP_FLAGS if f != _PEELS_ACCUMULATION)
+  return GPU_OVERLAP_FLAGS
+
+
+def with_overlap_flags(xla_flags: str, cfg=None) -> str:
+  """`xla_flags` with every overlap flag (for `cfg`) it does not set already put in front."""
   given = {f.split("=")[0] for f in xla_flags.split()}
-  missing = [f for f in GPU_OVERLAP_FLAGS if f.split("=")[0] not in given]
+  missing = [f for f in overlap_flags(cfg) if f.split("=")[0] not in given]
   return " ".join(missing + xla_flags.split())
+
+
+def compiler_options(cfg=None) -> dict[str, bool | int]:
+  """The overlap flags for `cfg` as `Lowered.compile(compiler_options=...)` takes them: what a
+  step compiled for GPUs elsewhere (`jscale.analysis`) needs to be the launcher's program."""
+  out = {}
+  for flag in overlap_flags(cfg):
+    name, value = flag[2:].split("=")
+    out[name] = value == "true" if value in ("true", "false") else int(value)
+  return out
 
 
 # Share of GPU memory JAX's allocator takes (JAX's default, 0.75, leaves 20 GB of an H100
@@ -49,9 +74,9 @@ def with_overlap_flags(xla_flags: str) -> str:
 MEM_FRACTION = "0.9"
 
 
-def apply() -> None:
-  """Sets XLA_FLAGS and, unless the user set it, XLA_PYTHON_CLIENT_MEM_FRACTION for this
-  process; call before anything starts a JAX backend."""
+def apply(cfg=None) -> None:
+  """Sets XLA_FLAGS (the overlap flags for `cfg`) and, unless the user set it,
+  XLA_PYTHON_CLIENT_MEM_FRACTION for this process; call before anything starts a JAX backend."""
   if os.environ.get("JSCALE_XLA_FLAGS", "1") != "0":
-    os.environ["XLA_FLAGS"] = with_overlap_flags(os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = with_overlap_flags(os.environ.get("XLA_FLAGS", ""), cfg)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)

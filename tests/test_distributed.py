@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jscale import distributed
 from jscale.config import ConfigError, DistributedConfig
+from jscale.config_load import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp_worker.py")
@@ -288,6 +289,11 @@ def test_launcher_xla_flags_exist_in_this_jaxlib():
   mine = xla_flags.with_overlap_flags("--xla_gpu_enable_pipelined_all_gather=false")
   assert "--xla_gpu_enable_pipelined_all_gather=true" not in mine.split()
   assert "--xla_gpu_enable_latency_hiding_scheduler=true" in mine.split()
+  # Not the pipelined all-gather under ZeRO-3 with micro-batches (tests/test_gpu_compile.py).
+  z3 = load_config(None, ["parallel.zero_stage=3", "mesh.fsdp=2", "train.microbatches=2"])
+  assert "--xla_gpu_enable_pipelined_all_gather=true" in xla_flags.overlap_flags()
+  assert "--xla_gpu_enable_pipelined_all_gather=true" not in xla_flags.with_overlap_flags("", z3)
+  assert xla_flags.compiler_options()["xla_gpu_all_gather_combine_threshold_bytes"] == 2**27
   # The allocator's share: the planner's budget unless the user gave one.
   code = ("import os; from jscale import xla_flags; xla_flags.apply(); "
           "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])")

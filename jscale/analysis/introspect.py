@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jscale import runtime
+from jscale import runtime, xla_flags
 from jscale.config import Config
 from jscale.config_load import load_config
 from jscale.metrics import param_counts
@@ -35,7 +35,10 @@ def compile_train_step(cfg: Config, devices: Sequence[jax.Device] | None = None
   t0 = time.perf_counter()
   lowered = step.lower(rt.abstract_state(), abstract_batch(cfg))
   t1 = time.perf_counter()
-  compiled = lowered.compile()
+  # For GPUs: the overlap flags `python -m jscale.train` runs with (they change the program's
+  # schedule and buffers), whatever this process's XLA_FLAGS.
+  gpu = rt.mesh.devices.flat[0].platform == "gpu"
+  compiled = lowered.compile(compiler_options=xla_flags.compiler_options(cfg) if gpu else None)
   t2 = time.perf_counter()
   return compiled, {"lower_s": t1 - t0, "compile_s": t2 - t1}
 

@@ -197,8 +197,9 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   # (prefetched), ZeRO-2/3's full fp32 vocabulary gradient before its reduce-scatter, and under
   # accumulation the micro-batch's gradients beside their running sum; an untied embedding's
   # gradient is made last, after the layers' transients are gone. Fitted to XLA:GPU's buffer
-  # assignment (`python -m jscale.plan --verify N --target h100xN`): 19 llama3_1b / 3b / 8b / 70b
-  # layouts on 1 to 64 H100s within 12% (tests/test_gpu_compile.py).
+  # assignment with the launcher's overlap flags (`python -m jscale.plan --verify N --target
+  # h100xN`): 19 llama3_1b / 3b / 8b / 70b layouts on 1 to 64 H100s within 12%
+  # (tests/test_gpu_compile.py).
   vocab = vocab_gradient_bytes(model, lay)
   vocab_weight = vocab * jnp.dtype(model.dtype).itemsize / 4
   backward = vocab_weight
@@ -222,6 +223,8 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   # The loss's peak holds no gradient yet, except under accumulation the running sum.
   loss = loss_workspace(model, lay, tokens) + vocab_weight - (0 if lay.accum > 1 else grads)
   workspace = max(loss, backward)
+  if zero >= 3 and lay.accum == 1:  # the launcher's pipelined all-gather (`xla_flags`: not
+    workspace += vocab_weight  # with accumulation) holds a prefetched vocabulary weight (fitted)
   return Memory(params, grads, optimizer, activations, workspace)
 
 
