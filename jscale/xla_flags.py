@@ -40,7 +40,7 @@ GPU_OVERLAP_FLAGS = (
 # the micro-batch loop, the pipeliner peels that loop's first iteration, a second copy of the
 # layer scans whose saved activations get their own buffers: every micro-batch's activations
 # twice (XLA:GPU, llama3_1b fsdp=8 ZeRO-3, 4 micro-batches: temporaries 7.3 -> 10.9 GiB;
-# Llama-3 70B's planned layout, 64 micro-batches: 66.6 -> 89.4 GiB per step, over an H100).
+# Llama-3 70B's planned layout, 64 micro-batches: 66.6 -> 74.9 GiB per step, over an H100's 71.6).
 _PEELS_ACCUMULATION = "--xla_gpu_enable_pipelined_all_gather=true"
 
 

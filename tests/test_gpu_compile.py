@@ -177,7 +177,7 @@ def test_zero3_accumulation_leaves_out_the_pipelined_all_gather():
   """The launcher's overlap flags leave XLA's pipelined all-gather out under ZeRO-3 with
   micro-batches: to prefetch across the micro-batch loop the pipeliner peels its first
   iteration, and the copy's saved activations get buffers of their own (Llama-3 70B's planned
-  layout: 89 GiB per step). If this stops holding, the flag can come back."""
+  layout: 74.9 GiB per step, over an H100). If this stops holding, the flag can come back."""
   cfg = load_config(None, ["model.preset=llama3_1b", "model.dtype=bfloat16",
                            "train.seq_len=4096", "train.remat=selective", "mesh.data=1",
                            "mesh.fsdp=8", "parallel.zero_stage=3", "train.batch_size=32",
