@@ -61,7 +61,8 @@ def _run(cfg, devices, steps):
   from jscale import runtime  # pylint: disable=import-outside-toplevel
   from jscale.analysis import introspect
   rt = runtime.build(cfg, devices)
-  compiled = rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(cfg)).compile()
+  compiled = introspect.compile_as_launched(
+      rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(cfg)), rt)
   if not steps:
     return None, None, compiled, rt
   state, losses, times, reorder = rt.init_state(), [], [], rt.reorder()

@@ -35,12 +35,17 @@ def compile_train_step(cfg: Config, devices: Sequence[jax.Device] | None = None
   t0 = time.perf_counter()
   lowered = step.lower(rt.abstract_state(), abstract_batch(cfg))
   t1 = time.perf_counter()
-  # For GPUs: the overlap flags `python -m jscale.train` runs with (they change the program's
-  # schedule and buffers), whatever this process's XLA_FLAGS.
-  gpu = rt.mesh.devices.flat[0].platform == "gpu"
-  compiled = lowered.compile(compiler_options=xla_flags.compiler_options(cfg) if gpu else None)
+  compiled = compile_as_launched(lowered, rt)
   t2 = time.perf_counter()
   return compiled, {"lower_s": t1 - t0, "compile_s": t2 - t1}
+
+
+def compile_as_launched(lowered: jax.stages.Lowered, rt: runtime.Runtime) -> jax.stages.Compiled:
+  """Compiles `rt`'s lowered step as `python -m jscale.train` would: for GPUs with the overlap
+  flags it runs with (they change the program's schedule and buffers), whatever this process's
+  XLA_FLAGS."""
+  gpu = rt.mesh.devices.flat[0].platform == "gpu"
+  return lowered.compile(compiler_options=xla_flags.compiler_options(rt.cfg) if gpu else None)
 
 
 def time_steps(step: Callable, state: Any, batch: Any, steps: int) -> tuple[float, float]:
