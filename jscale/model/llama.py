@@ -31,10 +31,11 @@ from jscale.model.seam import GATHERED, LOCAL, Seam
 # Matmul outputs kept by `remat: selective`; scores, softmax and pointwise ops are recomputed.
 # "attn_lse" (ring attention's log-sum-exp) lets the backward ring run without a forward ring.
 # MoE: the experts' input rows and output ("moe_in", "moe_out": dispatched, and before the
-# gated combine) besides gate and up, so the backward reruns no grouped matmul and no
-# all-to-all, only the router, the sort and the gathers.
+# gated combine) besides gate and up, and expert parallelism's exchanged per-expert counts
+# ("moe_counts"), so the backward reruns no grouped matmul and no all-to-all, only the router,
+# the sort and the gathers.
 SELECTIVE_SAVE = ("q_proj", "k_proj", "v_proj", "attn_ctx", "attn_lse", "attn_out", "mlp_gate",
-                  "mlp_up", "mlp_out", "moe_in", "moe_out")
+                  "mlp_up", "mlp_out", "moe_in", "moe_out", "moe_counts")
 
 
 class Block(nnx.Module):

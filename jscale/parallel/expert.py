@@ -30,6 +30,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jscale.model import moe_dispatch as md
@@ -64,7 +65,8 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
   src_NR = jnp.minimum(input_offsets[:, None] + i_R, operand.shape[0] - 1)
   blocks_NRD = jnp.where((i_R < send_sizes[:, None])[..., None], operand[src_NR], 0)
   got_NRD = jax.lax.all_to_all(blocks_NRD, axis, 0, 0, tiled=True)
-  at_N = jax.lax.all_to_all(output_offsets, axis, 0, 0, tiled=True)  # where each source's go
+  # Where each source's rows go; named so `remat: selective` keeps it, not exchanging it again.
+  at_N = checkpoint_name(jax.lax.all_to_all(output_offsets, axis, 0, 0, tiled=True), "moe_counts")
   dest_NR = jnp.where(i_R < recv_sizes[:, None], at_N[:, None] + i_R, output.shape[0])
   return output.at[dest_NR].set(got_NRD.astype(output.dtype), mode="drop")
 
@@ -82,7 +84,8 @@ def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis: 
   # Sorted rows are contiguous per destination device: block j starts at start_N[j].
   per_dev_N = s.sizes_E.reshape(n_ep, e_l).sum(axis=1)
   start_N = jnp.cumsum(per_dev_N) - per_dev_N
-  sizes_NE = jax.lax.all_to_all(s.sizes_E.reshape(n_ep, e_l), axis, 0, 0, tiled=True)
+  sizes_NE = checkpoint_name(  # kept by `remat: selective`: the backward exchanges no counts
+      jax.lax.all_to_all(s.sizes_E.reshape(n_ep, e_l), axis, 0, 0, tiled=True), "moe_counts")
   recv_N = sizes_NE.sum(axis=1)
   # Both directions land in a padded [n_ep * rows, D] layout: source (or expert device) j's
   # rows at j * rows, so the receiver never needs the senders' offsets.
