@@ -115,6 +115,16 @@ def moe_gemm(cfg: Config, mesh: Mesh) -> tuple[str, str]:
                                 moe_gemm_lib.compute_capability(mesh.devices.flat[0]))
 
 
+def resolve_moe_gemm(cfg: Config, mesh: Mesh) -> tuple[Config, tuple[str, str]]:
+  """`cfg` with model.moe.gemm=auto replaced by the grouped matmul it runs on `mesh`'s devices,
+  and (impl, why) as `moe_gemm` gives them (other values, and slot buffers, left as they are)."""
+  gemm = moe_gemm(cfg, mesh)
+  if cfg.model.moe is None or cfg.model.moe.gemm != "auto" or not gemm[0]:
+    return cfg, gemm
+  moe = dataclasses.replace(cfg.model.moe, gemm=gemm[0])
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe)), gemm
+
+
 def _with_attention(cfg: Config, impl: str) -> Config:
   return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
 
@@ -126,10 +136,7 @@ def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
   validate.check_config(cfg)
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   cfg, attention_why = resolve_attention(cfg, mesh)
-  gemm = moe_gemm(cfg, mesh)
-  if cfg.model.moe is not None and cfg.model.moe.gemm == "auto" and gemm[0]:
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, moe=dataclasses.replace(cfg.model.moe, gemm=gemm[0])))
+  cfg, gemm = resolve_moe_gemm(cfg, mesh)
   validate.check_mesh(cfg, mesh)
   abstract_model = nnx.eval_shape(lambda: ts.create_model(cfg))
   graphdef = nnx.split(abstract_model)[0]
