@@ -25,8 +25,9 @@ or fails gets a note, not a crash. FLOPs count only the causal half of the score
 recomputed, dV, dP, dQ, dK), so forward + backward = 3.5x forward. `err` is max |out - out_xla|
 of the forward.
 
-RMSNorm: bf16 [N, D] rows, fp32 weight: pallas (pallas_kernels.rms_norm), xla (its jnp
-reference, jitted), triton (jax-triton, when it imports); fwd, fwd+bwd (vjp with a fixed
+RMSNorm: bf16 [N, D] rows, fp32 weight: pallas (pallas_kernels.rms_norm, Triton-lowered),
+hopper (pallas_kernels.rms_norm.hopper, Mosaic GPU; Hopper GPUs and the interpreter), xla (the
+jnp reference, jitted), triton (jax-triton, when it imports); fwd, fwd+bwd (vjp with a fixed
 cotangent; y, dx and dw all returned), and the same fused with the residual add the model uses
 (rms_norm(x, w, residual_ND=r) -> (y, h = x + r)). Bytes counted, the traffic an ideal kernel
 cannot avoid (e = 2 bytes of x, 4 of w):
@@ -204,15 +205,23 @@ def norm_impls(opts, on_gpu: bool):
   impls = {"pallas": lambda x, w, r=None: rms_norm(x, w, eps=EPS, residual_ND=r,
                                                    interpret=opts.interpret),
            "xla": lambda x, w, r=None: xla_rms_norm(x, w, eps=EPS, residual_ND=r)}
+  skipped = []
+  capability = str(getattr(jax.devices()[0], "compute_capability", "")) if on_gpu else None
+  if opts.interpret or capability.startswith("9"):  # the Mosaic GPU kernels: Hopper only
+    from pallas_kernels.rms_norm import hopper  # pylint: disable=import-outside-toplevel
+    impls["hopper"] = lambda x, w, r=None: hopper.rms_norm(x, w, eps=EPS, residual_ND=r,
+                                                           interpret=opts.interpret)
+  else:
+    skipped.append(("hopper", f"compute capability {capability}: not Hopper"))
   if not on_gpu:
-    return impls, [("triton", "GPU only")]
+    return impls, skipped + [("triton", "GPU only")]
   try:
     importlib.import_module("jax_triton")  # triton_kernel imports it only when called
     from pallas_kernels.rms_norm.triton_kernel import rms_norm_triton  # pylint: disable=import-outside-toplevel
   except ImportError as e:
-    return impls, [("triton", _reason(e))]
+    return impls, skipped + [("triton", _reason(e))]
   impls["triton"] = lambda x, w, r=None: rms_norm_triton(x, w, EPS, residual=r)
-  return impls, []
+  return impls, skipped
 
 
 def norm_passes(norm, x, w, r, dy, dh) -> dict:
@@ -282,7 +291,7 @@ def main(argv=None) -> int:
     return 2
   if opts.quick:
     opts.seq, opts.head_dim, opts.tokens, opts.hidden = [32], [16], 64, 32
-    opts.norm_dims, opts.warmup, opts.iters, opts.repeats = [64], 1, 2, 1
+    opts.norm_dims, opts.warmup, opts.iters, opts.repeats = [128], 1, 2, 1
   if not on_gpu:
     opts.profile_calls = 0  # the kernel time reads GPU stream lines; a CPU trace has none
   out = opts.out or ("results/bench_kernels_quick" if opts.quick else "results/bench_kernels")

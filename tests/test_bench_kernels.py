@@ -66,8 +66,8 @@ def test_refuses_cpu_without_interpret_quick(capsys):
 
 
 def test_quick_smoke_run(tmp_path):
-  """--interpret --quick end to end: fwd and fwd+bwd rows of every CPU impl, the fused
-  residual rows, the copy references, and both tables."""
+  """--interpret --quick end to end: fwd and fwd+bwd rows of every CPU impl (the Hopper
+  norm in the Mosaic GPU interpreter), the fused residual rows, the copy references, and both tables."""
   out = tmp_path / "x"
   # Compile speed, not code speed, decides this run's time (the timings mean nothing here).
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
@@ -81,6 +81,7 @@ def test_quick_smoke_run(tmp_path):
   for impl in ("pallas", "xla"):
     for kind in ("fwd", "fwd+bwd"):
       assert ("attention", impl, kind) in done
+  for impl in ("pallas", "hopper", "xla"):  # the Mosaic GPU norm runs in its interpreter
     for kind in ("fwd", "fwd+bwd", "fused fwd", "fused fwd+bwd"):
       assert ("rmsnorm", impl, kind) in done
   assert {("copy", c, "read+write") for c in ("x + 1", "jit copy", "device_put")} <= done
@@ -91,5 +92,5 @@ def test_quick_smoke_run(tmp_path):
                                                                   "triton"}
   md = (tmp_path / "x.md").read_text()
   assert "## Attention" in md and "## RMSNorm" in md and "## Copy reference" in md
-  assert "TFLOP/s from loop time" in md and "| 64 | 64 | fused fwd+bwd |" in md
+  assert "TFLOP/s from loop time" in md and "| 64 | 128 | fused fwd+bwd |" in md
 

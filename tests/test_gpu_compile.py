@@ -126,6 +126,17 @@ def test_pallas_attention_runs_the_hopper_kernels_on_h100s(mode):
   assert calls["mosaic_gpu_v2"] == 3 * UNROLL and len(calls) == 1, calls
 
 
+def test_pallas_norm_runs_the_hopper_kernels_on_h100s():
+  """`norm_impl: pallas` picks the Mosaic GPU RMSNorm kernels for the mesh's H100: per layer
+  two norms forward and two backward (their forward is not rerun), plus the final norm's."""
+  text = _compiled_text("model.norm_impl=pallas", "model.d_model=256")
+  calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))
+  assert calls["mosaic_gpu_v2"] == 4 * UNROLL + 2, calls
+  kernels = collections.Counter(re.findall(r"rms_norm_(?:fwd|bwd)_hopper_mosaic_gpu", text))
+  assert kernels["rms_norm_fwd_hopper_mosaic_gpu"] == kernels[
+      "rms_norm_bwd_hopper_mosaic_gpu"] == 2 * UNROLL + 1, kernels
+
+
 def test_fp8_linears_run_fp8_gemms_on_h100():
   """Issue 18: XLA:GPU keeps the scaled FP8 products as FP8 gemms (e4m3 x e4m3 forward, e5m2
   gradients backward) for the targeted linears, and the head stays bf16. Deviceless, XLA picks

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jscale.model import attention as attn_lib
 from jscale.model import matmul
 from jscale.model.seam import GATHERED, LOCAL, Seam
 
@@ -35,12 +36,27 @@ def ones_param(shape: Sequence[int], names: Sequence[str], dtype) -> nnx.Param:
 _NORM_ROWS = ("batch", "res_seq", None)
 
 
+def norm_backend(shape, dtype, compute_capability: str | None) -> tuple[str, str]:
+  """("hopper" | "portable", why) for `norm_impl: pallas`: the Mosaic GPU kernels (bulk TMA
+  slabs, persistent blocks) on compute capability 9.x where they take the shape (D a
+  multiple of 128), the portable Triton-lowered kernel otherwise (other GPUs, the
+  interpreter, odd widths)."""
+  if compute_capability is None or not str(compute_capability).startswith("9"):
+    return "portable", f"compute capability {compute_capability}: not Hopper"
+  from pallas_kernels.rms_norm import hopper  # pylint: disable=import-outside-toplevel
+  if (why := hopper.supports(shape, dtype)) is not None:
+    return "portable", why
+  return "hopper", f"Hopper (sm_{str(compute_capability).replace('.', '')}): Mosaic GPU kernels"
+
+
 class RMSNorm(nnx.Module):
   """RMSNorm with statistics in fp32 (HF LlamaRMSNorm semantics).
 
-  `impl="pallas"`: the fused Pallas kernel (`pallas_kernels.rms_norm`, same formula; the input
-  is cast to `dtype` first, a no-op for the model's residual stream), run on each device's rows
-  through `comms.kernel`; `interpret` runs it in the Pallas interpreter.
+  `impl="pallas"`: a fused Pallas kernel (same formula; the input is cast to `dtype` first, a
+  no-op for the model's residual stream), run on each device's rows through `comms.kernel`:
+  the Mosaic GPU kernels (`pallas_kernels.rms_norm.hopper`) where `norm_backend` picks them
+  for the mesh's device, else the portable one (`pallas_kernels.rms_norm`); `interpret` runs
+  the portable kernel in the Pallas interpreter.
   """
 
   def __init__(self, dim: int, eps: float, dtype, param_dtype, impl: str = "xla",
@@ -59,9 +75,13 @@ class RMSNorm(nnx.Module):
     return (x.astype(self.dtype) * self.scale[...].astype(self.dtype))
 
   def _pallas(self, x_BLD: jax.Array, comms: Seam) -> jax.Array:
-    from pallas_kernels.rms_norm import rms_norm  # pylint: disable=import-outside-toplevel
+    capability = None if self.interpret else attn_lib.compute_capability(comms.kernel_device())
 
     def norm(x, weight_D):  # the kernel flattens leading dims to rows, casts weight to x's dtype
+      if norm_backend(x.shape, self.dtype, capability)[0] == "hopper":
+        from pallas_kernels.rms_norm import hopper  # pylint: disable=import-outside-toplevel
+        return hopper.rms_norm(x, weight_D, eps=self.eps)
+      from pallas_kernels.rms_norm import rms_norm  # pylint: disable=import-outside-toplevel
       return rms_norm(x, weight_D, eps=self.eps, interpret=self.interpret)
 
     x_BLD = x_BLD.astype(self.dtype)
