@@ -4,7 +4,8 @@ On CPU they run in JAX's Mosaic GPU interpreter (shared memory, barriers, bulk c
 persistent walk over row slabs), checked against the plain-jnp reference and the portable
 kernel on the same inputs, values and gradients; and they lower through Mosaic GPU for the
 `cuda` platform at the model's widths (register layouts, bulk copies over 256 elements, the
-shared-memory budget are checked there). `norm_impl: pallas` picks them on Hopper only.
+shared-memory budget are checked there). `norm_impl: pallas` picks them on Hopper only. On an
+H100 the same checks run compiled (`test_compiled_on_hopper`, skipped elsewhere).
 """
 
 import jax
@@ -16,6 +17,9 @@ from close import assert_close
 from jscale.model.layers import norm_backend
 from pallas_kernels.rms_norm import hopper, hopper_pipeline as hp, reference, rms_norm
 from pallas_kernels.rms_norm.hopper import HopperNormBlocks
+
+ON_HOPPER = (jax.default_backend() == "gpu"
+             and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
 
 
 def _normal(rng, shape, dtype, mean=0.0, std=1.0):
@@ -37,9 +41,28 @@ CASES = {
 }
 
 
+# Compiled on an H100: the model's widths, a row count no default slab size divides evenly
+# over the 264 CUDA blocks, bf16 with the residual and without.
+COMPILED = {
+    "bf16_residual_d2048": ((3, 1000, 2048), jnp.bfloat16, jnp.float32, True, HopperNormBlocks()),
+    "bf16_d4096": ((6000, 4096), jnp.bfloat16, jnp.float32, False, HopperNormBlocks()),
+    "bf16_residual_d8192": ((1234, 8192), jnp.bfloat16, jnp.float32, True, HopperNormBlocks()),
+    "f32_d2048": ((4096, 2048), jnp.float32, jnp.float32, False, HopperNormBlocks()),
+}
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_and_gradients(case):
-  shape, dtype, w_dtype, with_residual, blocks = CASES[case]
+  _check(case, *CASES[case], interpret=True)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="compiled Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize("case", list(COMPILED))
+def test_compiled_on_hopper(case):
+  _check(case, *COMPILED[case], interpret=False)
+
+
+def _check(case, shape, dtype, w_dtype, with_residual, blocks, interpret):
   rng = np.random.default_rng(0)
   x = _normal(rng, shape, dtype)
   w = _normal(rng, shape[-1:], w_dtype, mean=1.0, std=0.2)
@@ -56,8 +79,8 @@ def test_forward_and_gradients(case):
     return f
 
   kernel_fn = lambda x, w, res: hopper.rms_norm(x, w, eps=1e-5, residual_ND=res,
-                                                block_sizes=blocks, interpret=True)
-  portable_fn = lambda x, w, res: rms_norm(x, w, eps=1e-5, residual_ND=res, interpret=True)
+                                                block_sizes=blocks, interpret=interpret)
+  portable_fn = lambda x, w, res: rms_norm(x, w, eps=1e-5, residual_ND=res, interpret=interpret)
   ref_fn = lambda x, w, res: reference(x, w, eps=1e-5, residual_ND=res)
   f32 = lambda a: None if a is None else a.astype(jnp.float32)
   ref32_fn = lambda x, w, res: ref_fn(f32(x), f32(w), f32(res))

@@ -67,27 +67,37 @@ class RMSNorm(nnx.Module):
     self.impl = impl
     self.interpret = interpret
 
-  def __call__(self, x_BLD: jax.Array, comms: Seam = LOCAL) -> jax.Array:
+  def __call__(self, x_BLD: jax.Array, comms: Seam = LOCAL, residual_BLD=None):
+    """normed x, or with `residual_BLD` (normed h, h) for h = residual + x: the pallas
+    kernels add the residual stream in the same pass over memory."""
+    if residual_BLD is not None:
+      if self.impl == "pallas" and x_BLD.dtype == residual_BLD.dtype == jnp.dtype(self.dtype):
+        return self._pallas(x_BLD, comms, residual_BLD)
+      h_BLD = residual_BLD + x_BLD
+      return self(h_BLD, comms), h_BLD
     if self.impl == "pallas":
       return self._pallas(x_BLD, comms)
     x = x_BLD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
     return (x.astype(self.dtype) * self.scale[...].astype(self.dtype))
 
-  def _pallas(self, x_BLD: jax.Array, comms: Seam) -> jax.Array:
+  def _pallas(self, x_BLD: jax.Array, comms: Seam, residual_BLD=None):
     capability = None if self.interpret else attn_lib.compute_capability(comms.kernel_device())
 
-    def norm(x, weight_D):  # the kernel flattens leading dims to rows, casts weight to x's dtype
+    def norm(x, weight_D, residual=None):  # leading dims flattened to rows; weight cast to x's
       if norm_backend(x.shape, self.dtype, capability)[0] == "hopper":
         from pallas_kernels.rms_norm import hopper  # pylint: disable=import-outside-toplevel
-        return hopper.rms_norm(x, weight_D, eps=self.eps)
+        return hopper.rms_norm(x, weight_D, eps=self.eps, residual_ND=residual)
       from pallas_kernels.rms_norm import rms_norm  # pylint: disable=import-outside-toplevel
-      return rms_norm(x, weight_D, eps=self.eps, interpret=self.interpret)
+      return rms_norm(x, weight_D, eps=self.eps, residual_ND=residual, interpret=self.interpret)
 
-    x_BLD = x_BLD.astype(self.dtype)
+    args = (x_BLD.astype(self.dtype), self.scale[...])
+    names = (_NORM_ROWS, (None,))
+    if residual_BLD is not None:
+      args, names = args + (residual_BLD,), names + (_NORM_ROWS,)
     if x_BLD.ndim != len(_NORM_ROWS):
-      return norm(x_BLD, self.scale[...])
-    return comms.kernel(norm, (x_BLD, self.scale[...]), (_NORM_ROWS, (None,)), _NORM_ROWS)
+      return norm(*args)
+    return comms.kernel(norm, args, names, _NORM_ROWS)  # (normed, h) share the rows' layout
 
 
 def einsum(spec: str, x: jax.Array, w: nnx.Param, dtype,

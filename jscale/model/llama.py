@@ -66,8 +66,9 @@ class Block(nnx.Module):
     out_BLD = self.attn(h_BLD, positions_BL, inv_freq, comms)
     # Outputs are named once out of the tensor-parallel region: `selective` keeps the reduced
     # sums (1/t of them under SP), so recomputing the MLP's norm input redoes no all-reduce.
-    x_BLD = x_BLD + checkpoint_name(comms.leave_tensor_parallel(out_BLD), "attn_out")
-    h_BLD = comms.enter_tensor_parallel(self.mlp_norm(x_BLD, comms))
+    out_BLD = checkpoint_name(comms.leave_tensor_parallel(out_BLD), "attn_out")
+    h_BLD, x_BLD = self.mlp_norm(out_BLD, comms, residual_BLD=x_BLD)  # add + norm in one pass
+    h_BLD = comms.enter_tensor_parallel(h_BLD)
     out_BLD, stats = self.mlp(h_BLD, comms)
     return x_BLD + checkpoint_name(comms.leave_tensor_parallel(out_BLD), "mlp_out"), stats
 

@@ -1,5 +1,8 @@
 """Fused RMSNorm (+ residual add) Pallas GPU kernels, with a plain-jnp reference.
 
+`rms_norm` is the portable kernel (Triton-lowered; runs in the Pallas interpreter);
+`pallas_kernels.rms_norm.hopper.rms_norm` the Mosaic GPU one for Hopper (same contract).
+
 `triton_kernel` (the same op through jax-triton) is not imported here: it needs the `triton`
 extra and a GPU; import `pallas_kernels.rms_norm.triton_kernel` explicitly.
 """
