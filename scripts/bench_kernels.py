@@ -2,7 +2,7 @@
 
   python scripts/bench_kernels.py [--seq 1024,2048,4096,8192,16384] [--head-dim 64,128]
       [--tokens 16384] [--hidden 2048] [--norm-dims 2048,4096,8192] [--iters 30]
-      [--repeats 3] [--warmup 3] [--profile-calls 10] [--out results/bench_kernels]
+      [--repeats 3] [--warmup 3] [--profile-calls 10] [--norm-sweep] [--out results/bench_kernels]
   python scripts/bench_kernels.py --interpret --quick   # CPU smoke run: tiny shapes, interpreter
 
 Timing (scripts/kernel_timing.py), each function jitted and compiled first, two figures per call:
@@ -66,6 +66,9 @@ from pallas_kernels.flash_attention import flash_attention  # noqa: E402
 from pallas_kernels.rms_norm import reference as xla_rms_norm, rms_norm  # noqa: E402
 
 EPS = 1e-6
+# --norm-sweep: (slabs in flight, CUDA blocks per SM) of the Hopper RMSNorm, beside its
+# default (2, 2); rows per slab follow from the shared-memory budget (hopper_pipeline.rows_for).
+HOPPER_NORM_SWEEP = [(1, 4), (2, 1), (3, 1), (4, 1), (2, 3), (3, 2), (2, 4)]
 
 
 def _reason(e: BaseException) -> str:
@@ -211,6 +214,11 @@ def norm_impls(opts, on_gpu: bool):
     from pallas_kernels.rms_norm import hopper  # pylint: disable=import-outside-toplevel
     impls["hopper"] = lambda x, w, r=None: hopper.rms_norm(x, w, eps=EPS, residual_ND=r,
                                                            interpret=opts.interpret)
+    for slots, per_sm in HOPPER_NORM_SWEEP if opts.norm_sweep else ():
+      blocks = hopper.HopperNormBlocks(max_concurrent_steps=slots, blocks_per_sm=per_sm)
+      impls[f"hopper slots={slots} per_sm={per_sm}"] = functools.partial(
+          lambda x, w, r=None, b=blocks: hopper.rms_norm(x, w, eps=EPS, residual_ND=r,
+                                                         block_sizes=b, interpret=opts.interpret))
   else:
     skipped.append(("hopper", f"compute capability {capability}: not Hopper"))
   if not on_gpu:
@@ -277,6 +285,8 @@ def main(argv=None) -> int:
   ap.add_argument("--repeats", type=int, default=3, help="timed loops (the median is kept)")
   ap.add_argument("--profile-calls", type=int, default=10,
                   help="calls traced for the kernel time (GPU; 0: no profiler)")
+  ap.add_argument("--norm-sweep", action="store_true",
+                  help="also time the Hopper RMSNorm at each of HOPPER_NORM_SWEEP's settings")
   ap.add_argument("--interpret", action="store_true", help="Pallas interpreter (CPU smoke)")
   ap.add_argument("--quick", action="store_true", help="tiny shapes, 2 iterations")
   ap.add_argument("--out", default=None, help="path prefix (default results/bench_kernels, "
