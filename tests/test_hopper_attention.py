@@ -3,9 +3,11 @@
 On CPU: every kernel (forward, dK/dV, dQ) lowers through Pallas' Mosaic GPU pipeline for the
 `cuda` platform (layouts, wgmma shapes, TMA transfers and the shared-memory budget are checked
 there), the scores never exist outside them, bad shapes are refused with the fix, and the
-model's `attention_impl: pallas` picks them on Hopper only. jax 0.10's GPU interpreter cannot
-run them (it has no `run_state`, no register-operand or transposed-operand wgmma), so values
-and gradients against the reference are checked compiled, on an H100 (skipped elsewhere).
+model's `attention_impl: pallas` picks them on Hopper only. Values and gradients against the
+reference run in JAX's Mosaic GPU interpreter: everything but the products and register
+layouts, which jax 0.10's interpreter cannot run (no `run_state`, no wgmma from registers or a
+transposed operand, no layout casts) and `hopper_ops` computes as plain dots there; and
+compiled, on an H100 (skipped elsewhere).
 """
 
 import jax
@@ -24,10 +26,11 @@ ON_HOPPER = (jax.default_backend() == "gpu"
              and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
 
 
-def _fwd_bwd(causal, segments, with_dlse=False):
+def _fwd_bwd(causal, segments, with_dlse=False, interpret=False, blocks=None):
   def f(q, k, v, do, seg):
     fn = lambda q, k, v: hopper.flash_attention(q, k, v, causal=causal, segment_ids=seg,
-                                                return_lse=True)
+                                                return_lse=True, block_sizes=blocks,
+                                                interpret=interpret)
     (out, lse), vjp = jax.vjp(fn, q, k, v)
     # An lse cotangent (ring attention's merge has one) exercises delta's dlse term.
     dlse = jnp.cos(lse) if with_dlse else jnp.zeros_like(lse)
@@ -103,13 +106,31 @@ def test_runtime_reports_which_flash_kernels_run(overrides, kernels, why):
 @pytest.mark.parametrize("causal, g, d, segments", [
     (True, 2, 128, False), (False, 4, 64, False), (True, 1, 64, True), (False, 2, 128, True)])
 def test_values_and_gradients_match_reference_on_hopper(causal, g, d, segments):
+  _check_against_reference(causal, g, d, segments, b=2, l=512, h=4)
+
+
+# The same kernels in JAX's Mosaic GPU interpreter, their products and layouts as `hopper_ops`
+# substitutes them: 64-row tiles so causal blocks straddle, skip and release; GQA; segments.
+SMALL = HopperBlocks(block_q=64, block_kv=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
+                     block_kv_dq=64)
+
+
+@pytest.mark.parametrize("causal, g, d, segments", [
+    (True, 1, 64, False), (False, 2, 64, True), (True, 1, 128, True)])
+def test_values_and_gradients_match_reference_interpreted(causal, g, d, segments):
+  _check_against_reference(causal, g, d, segments, b=1, l=256, h=2, interpret=True,
+                           blocks=SMALL)
+
+
+def _check_against_reference(causal, g, d, segments, *, b, l, h, interpret=False, blocks=None):
   rng = np.random.default_rng(0)
-  b, l, h = 2, 512, 4
   normal = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32)).astype(jnp.bfloat16)
   q, do, k, v = normal(b, l, h, d), normal(b, l, h, d), normal(b, l, g, d), normal(b, l, g, d)
+  # Segments of 37, 263 and the rest of 512 tokens (256: 37, 219): boundaries inside tiles.
   seg = (jnp.asarray(np.searchsorted([37, 300], np.arange(l), side="right")[None]
                      .repeat(b, 0), jnp.int32) if segments else None)
-  out, lse, grads = jax.jit(_fwd_bwd(causal, segments, with_dlse=True))(q, k, v, do, seg)
+  fn = _fwd_bwd(causal, segments, with_dlse=True, interpret=interpret, blocks=blocks)
+  out, lse, grads = jax.jit(fn)(q, k, v, do, seg)
   f32 = lambda x: x.astype(jnp.float32)
   ref = lambda q, k, v: reference(f32(q), f32(k), f32(v), causal=causal, segment_ids=seg)
   (ref_out, ref_lse), ref_vjp = jax.vjp(ref, q, k, v)

@@ -60,7 +60,7 @@ def check_shapes(q_shape, kv_shape, dtype=jnp.bfloat16, *, causal: bool = True,
 
 def flash_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, segment_ids=None,
                     sm_scale: float | None = None, block_sizes: HopperBlocks | None = None,
-                    return_lse: bool = False):
+                    return_lse: bool = False, interpret: bool = False):
   """Softmax(q kᵀ * sm_scale) v on Hopper, differentiable.
 
   Args:
@@ -72,6 +72,8 @@ def flash_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, segment_ids=
     sm_scale: defaults to 1 / sqrt(K).
     block_sizes: tiles (default `blocks_for(L, K)`); sequences must be multiples of them.
     return_lse: also return lse [B, H, L] fp32 (natural log, differentiable).
+    interpret: run in JAX's Mosaic GPU interpreter (CPU tests), products and layouts as
+      `hopper_ops` describes.
 
   Returns:
     out [B, L, H, K] in q's dtype, or (out, lse) when return_lse.
@@ -81,6 +83,6 @@ def flash_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, segment_ids=
   hc.validate(q_BLHK, k_BSGK, v_BSGK, q_seg, kv_seg, causal, blocks)
   sm_scale = 1.0 / math.sqrt(q_BLHK.shape[-1]) if sm_scale is None else sm_scale
   cfg = hc.Config(causal=causal, sm_scale=float(sm_scale), blocks=blocks,
-                  segments=q_seg is not None)
+                  segments=q_seg is not None, interpret=interpret)
   out, lse = _flash(q_BLHK, k_BSGK, v_BSGK, q_seg, kv_seg, cfg)
   return (out, lse) if return_lse else out

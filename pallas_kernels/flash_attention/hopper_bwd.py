@@ -53,7 +53,7 @@ def dkv(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse2_BHL, delta_BHL, do_BLH
     k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem = buffers
     k_loaded, v_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded = loaded
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
-    tile = lax.axis_index("kv_seq")
+    tile, ops = lax.axis_index("kv_seq"), cfg.ops
     stream_from = first_q_block(tile * (hc.COMPUTE_WGS * bkv))
     per_head = n_q - stream_from
     slots = cfg.blocks.max_concurrent_steps
@@ -66,7 +66,7 @@ def dkv(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse2_BHL, delta_BHL, do_BLH
       own = (batch, pl.ds(kv_base, bkv), kv_head)
       plgpu.copy_gmem_to_smem(k_ref.at[own], k_smem, k_loaded.at[wg])
       plgpu.copy_gmem_to_smem(v_ref.at[own], v_smem, v_loaded.at[wg])
-      kv_seg = hc.row_vector(kv_seg_ref.at[batch], kv_base, bkv) if cfg.segments else None
+      kv_seg = ops.row_vector(kv_seg_ref.at[batch], kv_base, bkv) if cfg.segments else None
       plgpu.barrier_wait(k_loaded.at[wg])
       plgpu.barrier_wait(v_loaded.at[wg])
       first_seen = first_q_block(kv_base)
@@ -84,27 +84,19 @@ def dkv(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse2_BHL, delta_BHL, do_BLH
         slot = hc.slot_of(head_step, slots)
         wait_loaded(slot)
 
-        def sT_product(acc_ref):  # scores transposed: [keys, queries]
-          plgpu.wgmma(acc_ref, k_smem, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
-          return acc_ref[...]
-        sT = pl.run_scoped(sT_product, plgpu.ACC((bkv, bq), jnp.float32))
-        lse2 = plgpu.load(lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
-        q_seg = hc.col_vector(q_seg_ref.at[batch], i * bq, bq) if cfg.segments else None
-        visible = hc.mask((bkv, bq), kv_base, i * bq, causal, kv_seg, q_seg, rows_are_q=False)
+        # Scores transposed: [keys, queries].
+        sT = ops.product((bkv, bq), k_smem, q_smem.at[slot], transpose_b=True)
+        lse2 = ops.vector(lse_smem.at[slot], 1)
+        q_seg = ops.col_vector(q_seg_ref.at[batch], i * bq, bq) if cfg.segments else None
+        visible = ops.mask((bkv, bq), kv_base, i * bq, causal, kv_seg, q_seg, rows_are_q=False)
         pT = _recompute_p(sT, lse2, visible, scale, 1)
-
-        def dv_and_dpT(refs):  # one wgmma group: a single wait for both products
-          dv_ref, dpT_ref = refs
-          plgpu.wgmma(dv_ref, pT.astype(dtype), do_smem.at[slot])
-          plgpu.wgmma(dpT_ref, v_smem, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
-        dv, dpT = pl.run_state(dv_and_dpT)((plgpu.ACC.init(dv),
-                                             plgpu.ACC.init(hc.wgmma_zeros((bkv, bq)))))
-        delta = plgpu.load(delta_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+        # One wgmma group: a single wait for both products.
+        dv, dpT = ops.accumulate((dv, ops.zeros((bkv, bq))),
+                                 [(pT.astype(dtype), do_smem.at[slot], False),
+                                  (v_smem, do_smem.at[slot], True)])
+        delta = ops.vector(delta_smem.at[slot], 1)
         dsT = pT * (dpT - lax.broadcast_in_dim(delta, dpT.shape, [1]))
-
-        def dk_product(acc_ref):
-          plgpu.wgmma(acc_ref, dsT.astype(dtype), q_smem.at[slot])
-        dk = pl.run_state(dk_product)(plgpu.ACC.init(dk))
+        (dk,) = ops.accumulate((dk,), [(dsT.astype(dtype), q_smem.at[slot], False)])
         plgpu.barrier_arrive(consumed.at[slot])
         return dk, dv
 
@@ -124,7 +116,7 @@ def dkv(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse2_BHL, delta_BHL, do_BLH
         return lax.fori_loop(jnp.maximum(first_seen, unmasked_from), n_q,
                              lambda i, c: plain((at(i), i), c), carry)
 
-      dk, dv = lax.fori_loop(0, r, head, (hc.wgmma_zeros((bkv, d)), hc.wgmma_zeros((bkv, d))))
+      dk, dv = lax.fori_loop(0, r, head, (ops.zeros((bkv, d)), ops.zeros((bkv, d))))
       k_smem[...] = (dk * cfg.sm_scale).astype(dtype)
       v_smem[...] = dv.astype(dtype)
       plgpu.commit_smem()
@@ -156,6 +148,8 @@ def dkv(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse2_BHL, delta_BHL, do_BLH
       def _refill(step):
         load(step + slots, hc.slot_of(step, slots), True)
 
+      hc.drain(total, slots, (consumed,))
+
   slots = cfg.blocks.max_concurrent_steps
   args = [q_BLHK, k_BSGK, v_BSGK] + ([q_seg_BL, kv_seg_BS] if cfg.segments else [])
   kv_out = jax.ShapeDtypeStruct(k_BSGK.shape, dtype)
@@ -172,7 +166,7 @@ def dkv(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse2_BHL, delta_BHL, do_BLH
       ],
       grid=(g, s // (hc.COMPUTE_WGS * bkv), b),
       grid_names=("kv_heads", "kv_seq", "batch"),
-      **hc.KERNEL_ARGS,
+      **hc.kernel_args(cfg.interpret),
   )(*args, lse2_BHL, delta_BHL, do_BLHK)
 
 
@@ -197,6 +191,7 @@ def dq(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse2_BHL, delta_BHL, do_BLHK
     k_consumed, v_consumed = consumed
     batch, q_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     tile, stream_steps = hc.q_tile(n_tiles, bq, bkv, n_kv, cfg.causal)
+    ops = cfg.ops
 
     @pl.when(wg < hc.COMPUTE_WGS)
     def _compute():
@@ -206,9 +201,9 @@ def dq(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse2_BHL, delta_BHL, do_BLHK
       rows = (batch, pl.ds(q_base, bq), q_head)
       plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_loaded.at[wg])
       plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, do_loaded.at[wg])
-      lse2 = hc.row_vector(lse_ref.at[batch, q_head], q_base, bq)
-      delta = hc.row_vector(delta_ref.at[batch, q_head], q_base, bq)
-      q_seg = hc.row_vector(q_seg_ref.at[batch], q_base, bq) if cfg.segments else None
+      lse2 = ops.row_vector(lse_ref.at[batch, q_head], q_base, bq)
+      delta = ops.row_vector(delta_ref.at[batch, q_head], q_base, bq)
+      q_seg = ops.row_vector(q_seg_ref.at[batch], q_base, bq) if cfg.segments else None
       plgpu.barrier_wait(q_loaded.at[wg])
       plgpu.barrier_wait(do_loaded.at[wg])
       kv_steps, unmasked_steps = hc.kv_range(q_base, bq, bkv, n_kv, cfg.causal)
@@ -217,29 +212,19 @@ def dq(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse2_BHL, delta_BHL, do_BLHK
         slot = hc.slot_of(step, slots)
         plgpu.barrier_wait(k_loaded.at[slot])
 
-        def s_product(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-          return acc_ref[...]
-        s_ = pl.run_scoped(s_product, plgpu.ACC((bq, bkv), jnp.float32))
+        s_ = ops.product((bq, bkv), q_smem, k_smem.at[slot], transpose_b=True)
         plgpu.barrier_wait(v_loaded.at[slot])
-
-        def dp_product(acc_ref):
-          plgpu.wgmma(acc_ref, do_smem, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
-          return acc_ref[...]
-        dp = pl.run_scoped(dp_product, plgpu.ACC((bq, bkv), jnp.float32))
+        dp = ops.product((bq, bkv), do_smem, v_smem.at[slot], transpose_b=True)
         plgpu.barrier_arrive(v_consumed.at[slot])
-        kv_seg = hc.col_vector(kv_seg_ref.at[batch], step * bkv, bkv) if cfg.segments else None
-        visible = hc.mask((bq, bkv), q_base, step * bkv, causal, q_seg, kv_seg)
+        kv_seg = ops.col_vector(kv_seg_ref.at[batch], step * bkv, bkv) if cfg.segments else None
+        visible = ops.mask((bq, bkv), q_base, step * bkv, causal, q_seg, kv_seg)
         p = _recompute_p(s_, lse2, visible, scale, 0)
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-
-        def dq_product(acc_ref):
-          plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
-        dq_acc = pl.run_state(dq_product)(plgpu.ACC.init(dq_acc))
+        (dq_acc,) = ops.accumulate((dq_acc,), [(ds.astype(dtype), k_smem.at[slot], False)])
         plgpu.barrier_arrive(k_consumed.at[slot])
         return dq_acc
 
-      dq_acc = hc.wgmma_zeros((bq, d))
+      dq_acc = ops.zeros((bq, d))
       dq_acc = lax.fori_loop(0, unmasked_steps, functools.partial(kv_step, causal=False), dq_acc)
       if cfg.causal:
         dq_acc = lax.fori_loop(unmasked_steps, kv_steps, functools.partial(kv_step, causal=True),
@@ -247,6 +232,7 @@ def dq(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse2_BHL, delta_BHL, do_BLHK
 
         def release(step, _):  # blocks only the other warpgroup needs
           slot = hc.slot_of(step, slots)
+          hc.observe_loaded((k_loaded, v_loaded), slot)
           plgpu.barrier_arrive(k_consumed.at[slot])
           plgpu.barrier_arrive(v_consumed.at[slot])
         lax.fori_loop(kv_steps, stream_steps, release, None)
@@ -271,5 +257,5 @@ def dq(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse2_BHL, delta_BHL, do_BLHK
       ],
       grid=(h, n_tiles, b),
       grid_names=("heads", "q_seq", "batch"),
-      **hc.KERNEL_ARGS,
+      **hc.kernel_args(cfg.interpret),
   )(*args, lse2_BHL, delta_BHL, do_BLHK)

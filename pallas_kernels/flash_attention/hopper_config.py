@@ -19,15 +19,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.flash_attention.hopper_ops import Ops
+
 # Finite, so a row whose keys are all masked in one block gives exp2(0), not NaN; such rows are
 # wiped by the rescale of the next visible block, or zeroed at the end if none is (as in the
 # portable kernel).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2E = math.log2(math.e)
 COMPUTE_WGS = 2  # compute warpgroups per CUDA block; the memory warpgroup is the third
-# plgpu.kernel arguments every kernel shares: warpgroups as Pallas threads, exp2 / rcp approx.
-KERNEL_ARGS = dict(num_threads=COMPUTE_WGS + 1, thread_name="wg",
-                   compiler_params=plgpu.CompilerParams(approx_math=True))
+
+
+def kernel_args(interpret: bool) -> dict:
+  """plgpu.kernel arguments every kernel shares: warpgroups as Pallas threads, exp2 / rcp
+  approximations; in interpret mode, JAX's Mosaic GPU interpreter."""
+  args = dict(num_threads=COMPUTE_WGS + 1, thread_name="wg",
+              compiler_params=plgpu.CompilerParams(approx_math=True))
+  if interpret:
+    from pallas_kernels.grouped_matmul.config import interpret_params  # pylint: disable=import-outside-toplevel
+    args["interpret"] = interpret_params()
+  return args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +83,12 @@ class Config:
   sm_scale: float
   blocks: HopperBlocks
   segments: bool
+  interpret: bool = False
+
+  @property
+  def ops(self) -> Ops:
+    """The products and layouts of this run (compiled, or in JAX's GPU interpreter)."""
+    return Ops(self.interpret)
 
 
 def validate(q, k, v, q_seg, kv_seg, causal: bool, blocks: HopperBlocks) -> None:
@@ -118,42 +134,6 @@ def smem(shape, dtype):
                                               plgpu.SwizzleTransform(128)))
 
 
-def wgmma_zeros(shape):
-  """fp32 zeros in the wgmma accumulator's register layout."""
-  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-
-
-def row_vector(ref, start, n: int):
-  """ref[start:start + n] laid out as one value per row of a [n, *] wgmma tile."""
-  # Plain per-thread loads (optimized=False): Mosaic GPU has no optimised GMEM load of these
-  # layouts, and they are once per tile (or a few bytes per step) beside the TMA streams.
-  return plgpu.load(ref.at[pl.ds(start, n)], (), layout=plgpu.Layout.WGMMA.reduce(1),
-                    optimized=False)
-
-
-def col_vector(ref, start, n: int):
-  """ref[start:start + n] laid out as one value per column of a [*, n] wgmma tile."""
-  return plgpu.load(ref.at[pl.ds(start, n)], (), layout=plgpu.Layout.WGMMA.reduce(0),
-                    optimized=False)
-
-
-def mask(shape, row_start, col_start, causal: bool, row_seg=None, col_seg=None,
-         rows_are_q: bool = True):
-  """[rows, cols] visibility of keys to queries in a wgmma-layout tile, or None when all
-  visible. Rows are queries (cols keys) unless `rows_are_q` is False (the transposed tiles of
-  the dK/dV kernel). row_seg / col_seg: segment ids per row / column (row_vector/col_vector)."""
-  visible = None
-  if causal:
-    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row_start
-    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col_start
-    visible = rows >= cols if rows_are_q else cols >= rows
-  if row_seg is not None:
-    same = (lax.broadcast_in_dim(row_seg, shape, [0])
-            == lax.broadcast_in_dim(col_seg, shape, [1]))
-    visible = same if visible is None else visible & same
-  return visible
-
-
 def q_tile(n_tiles: int, block_q: int, block_kv: int, n_kv: int, causal: bool):
   """(tile, stream_steps) of a CUDA block over query tiles of COMPUTE_WGS * block_q rows: its
   tile (heaviest causal tiles launch first) and the K / V blocks its last row sees."""
@@ -176,6 +156,15 @@ def slot_of(step, slots: int):
   """The shared-memory slot that holds stream step `step`."""
   return lax.rem(step, jnp.array(slots, step.dtype))
 
+
+
+def observe_loaded(barriers, slot) -> None:
+  """Waits on a released slot's `loaded` barriers (K, V), the data unused, so every thread
+  that arrives on a slot's `consumed` barrier has seen each of its loads complete and barrier
+  phases stay in step (JAX's GPU interpreter checks that no phase goes unobserved). Costs only
+  this warpgroup's idle tail: the other one is still computing on those blocks."""
+  for barrier in barriers:
+    plgpu.barrier_wait(barrier.at[slot])
 
 
 def when(cond, fn) -> None:
@@ -214,3 +203,15 @@ def stream_kv(wg, k_ref, v_ref, k_smem, v_smem, loaded, consumed, batch, q_head,
     @pl.loop(0, steps - slots)
     def _refill(step):
       load(step + slots, slot_of(step, slots), True)
+
+    drain(steps, slots, (k_consumed, v_consumed))
+
+
+def drain(steps, slots: int, consumed) -> None:
+  """The memory warpgroup's last waits: the `consumed` phases of the final `slots` stream steps
+  (no load follows them), so it observes every phase of its barriers, as JAX's GPU
+  interpreter checks. The compute warpgroups are finishing those blocks meanwhile."""
+  @pl.loop(jnp.maximum(steps - slots, 0), steps)
+  def _drain(step):
+    for barrier in consumed:
+      plgpu.barrier_wait(barrier.at[slot_of(step, slots)])

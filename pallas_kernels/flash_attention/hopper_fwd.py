@@ -47,7 +47,7 @@ def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: hc.Config):
     k_loaded, v_loaded, q_loaded = loaded
     k_consumed, v_consumed = consumed
     batch, q_head = lax.axis_index("batch"), lax.axis_index("heads")
-    wg = lax.axis_index("wg")
+    wg, ops = lax.axis_index("wg"), cfg.ops
     tile, stream_steps = hc.q_tile(n_tiles, bq, bkv, n_kv, cfg.causal)
 
     def take_turn():  # the two compute warpgroups alternate on the tensor cores
@@ -62,12 +62,9 @@ def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: hc.Config):
       kv_steps, unmasked_steps = hc.kv_range(q_base, bq, bkv, n_kv, cfg.causal)
       plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), q_head], qo_smem,
                               q_loaded.at[wg])
-      q_seg = hc.row_vector(q_seg_ref.at[batch], q_base, bq) if cfg.segments else None
+      q_seg = ops.row_vector(q_seg_ref.at[batch], q_base, bq) if cfg.segments else None
       plgpu.barrier_wait(q_loaded.at[wg])
-      m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
-                            plgpu.Layout.WGMMA.reduce(1))
-      l_sum = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-      acc = hc.wgmma_zeros((bq, d))
+      m, l_sum, acc = ops.zeros((bq,), -jnp.inf), ops.zeros((bq,)), ops.zeros((bq, d))
       plgpu.barrier_wait(k_loaded.at[0])
       hc.when(wg == 1, take_turn)
 
@@ -75,14 +72,11 @@ def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: hc.Config):
         acc, m, l_sum = carry
         slot = hc.slot_of(step, slots)
 
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-          take_turn()
-          return acc_ref[...]
-        qk = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+        qk = ops.product((bq, bkv), qo_smem, k_smem.at[slot], transpose_b=True,
+                         issued=take_turn)
         plgpu.barrier_arrive(k_consumed.at[slot])
-        kv_seg = hc.col_vector(kv_seg_ref.at[batch], step * bkv, bkv) if cfg.segments else None
-        visible = hc.mask((bq, bkv), q_base, step * bkv, causal, q_seg, kv_seg)
+        kv_seg = ops.col_vector(kv_seg_ref.at[batch], step * bkv, bkv) if cfg.segments else None
+        visible = ops.mask((bq, bkv), q_base, step * bkv, causal, q_seg, kv_seg)
         if visible is not None:
           qk = jnp.where(visible, qk, masked_qk)
         # Online softmax in base 2; the scale folds into one FMA per score.
@@ -106,12 +100,11 @@ def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: hc.Config):
           softmax_done()
           l_sum += p.sum(axis=1)
 
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+        def prefetch_wait():  # while the product runs: the next K block's arrival
           nxt = step + 1
           hc.when(nxt < kv_steps,
                   lambda: plgpu.barrier_wait(k_loaded.at[hc.slot_of(nxt, slots)]))
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        (acc,) = ops.accumulate((acc,), [(p16, v_smem.at[slot], False)], issued=prefetch_wait)
         plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_new, l_sum
 
@@ -124,6 +117,7 @@ def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: hc.Config):
 
         def release(step, _):  # blocks only the other warpgroup needs: hand their slots back
           slot = hc.slot_of(step, slots)
+          hc.observe_loaded((k_loaded, v_loaded), slot)
           plgpu.barrier_arrive(k_consumed.at[slot])
           plgpu.barrier_arrive(v_consumed.at[slot])
           take_turn()
@@ -163,6 +157,6 @@ def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: hc.Config):
       ],
       grid=(h, n_tiles, b),
       grid_names=("heads", "q_seq", "batch"),
-      **hc.KERNEL_ARGS,
+      **hc.kernel_args(cfg.interpret),
   )(*args)
   return out, lse2
