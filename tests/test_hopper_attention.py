@@ -122,10 +122,18 @@ def test_values_and_gradients_match_reference_interpreted(causal, g, d, segments
                            blocks=SMALL)
 
 
-def _check_against_reference(causal, g, d, segments, *, b, l, h, interpret=False, blocks=None):
+def test_cross_attention_shapes_interpreted():
+  # Queries and keys of different lengths (one query tile, three K / V blocks of the default
+  # 128), two batch rows, 2 query heads per kv head: the streams' slots wrap around.
+  _check_against_reference(False, 1, 64, False, b=2, l=128, h=2, s=384, interpret=True)
+
+
+def _check_against_reference(causal, g, d, segments, *, b, l, h, s=None, interpret=False,
+                             blocks=None):
   rng = np.random.default_rng(0)
   normal = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32)).astype(jnp.bfloat16)
-  q, do, k, v = normal(b, l, h, d), normal(b, l, h, d), normal(b, l, g, d), normal(b, l, g, d)
+  s = s or l
+  q, do, k, v = normal(b, l, h, d), normal(b, l, h, d), normal(b, s, g, d), normal(b, s, g, d)
   # Segments of 37, 263 and the rest of 512 tokens (256: 37, 219): boundaries inside tiles.
   seg = (jnp.asarray(np.searchsorted([37, 300], np.arange(l), side="right")[None]
                      .repeat(b, 0), jnp.int32) if segments else None)
