@@ -20,6 +20,7 @@ from jscale.config import Config, ConfigError
 from jscale.parallel.context.order import Reorder
 from jscale.model import attention as attn_lib
 from jscale.model import moe_gemm as moe_gemm_lib
+from jscale.model.layers import norm_backend
 from jscale.optim import make_optimizer
 from jscale.parallel.comms import Comms
 from jscale.parallel.manual import ManualComms
@@ -93,6 +94,19 @@ def pallas_kernels(cfg: Config, mesh: Mesh) -> tuple[str, str]:
   cc = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
   return attn_lib.pallas_backend((1, seq, m.n_heads, hd), (1, seq, m.n_kv_heads, hd),
                                  (1, seq, m.n_kv_heads, hd), m.dtype, True, cc)
+
+
+def norm_kernels(cfg: Config, mesh: Mesh) -> tuple[str, str]:
+  """Which RMSNorm kernels `norm_impl: pallas` runs on `mesh`'s devices, and why
+  (`layers.norm_backend`): "hopper", "portable", or "" for the XLA norm."""
+  m = cfg.model
+  if m.norm_impl != "pallas":
+    return "", ""
+  if m.kernel_interpret:
+    return "portable", "the Pallas interpreter"
+  device = mesh.devices.flat[0]
+  cc = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
+  return norm_backend((cfg.train.seq_len, m.d_model), m.dtype, cc)
 
 
 def moe_gemm(cfg: Config, mesh: Mesh) -> tuple[str, str]:

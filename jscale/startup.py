@@ -44,14 +44,17 @@ def model_line(cfg: ModelConfig) -> str:
 
 
 def kernel_lines(rt: runtime.Runtime, requested_attention: str) -> list[str]:
-  """What the runtime chose for attention (and why, for "auto"), the flash kernels and the MoE
-  experts' grouped matmul."""
+  """What the runtime chose for attention (and why, for "auto"), the flash and RMSNorm kernels
+  and the MoE experts' grouped matmul."""
   cfg = rt.cfg
   why = f" (model.attention_impl=auto: {rt.attention_why})" if requested_attention == "auto" else ""
   lines = [f"attention: {cfg.model.attention_impl}{why}"]
   kernels, kernels_why = runtime.pallas_kernels(cfg, rt.mesh)
   if kernels:
     lines.append(f"flash kernels: {kernels} ({kernels_why})")
+  norms, norms_why = runtime.norm_kernels(cfg, rt.mesh)
+  if norms:
+    lines.append(f"norm kernels: {norms} ({norms_why})")
   gemm, gemm_why = rt.moe_gemm
   if cfg.model.moe is not None:
     lines.append(f"moe experts: {gemm or 'slot buffers'} ({gemm_why})")

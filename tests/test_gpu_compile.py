@@ -129,6 +129,9 @@ def test_pallas_attention_runs_the_hopper_kernels_on_h100s(mode):
 def test_pallas_norm_runs_the_hopper_kernels_on_h100s():
   """`norm_impl: pallas` picks the Mosaic GPU RMSNorm kernels for the mesh's H100: per layer
   two norms forward and two backward (their forward is not rerun), plus the final norm's."""
+  cfg = load_config("configs/tiny.yaml", [*TINY_BF16, "model.norm_impl=pallas"])
+  assert runtime.norm_kernels(cfg, runtime.build(cfg, gpu_target.devices("h100x1")).mesh)[
+      0] == "hopper"
   text = _compiled_text("model.norm_impl=pallas", "model.d_model=256")
   calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))
   assert calls["mosaic_gpu_v2"] == 4 * UNROLL + 2, calls

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from close import assert_close
+from conftest import small_config
+from jscale import mesh as mesh_lib, runtime
 from jscale.model.layers import norm_backend
 from pallas_kernels.rms_norm import hopper, hopper_pipeline as hp, reference, rms_norm
 from pallas_kernels.rms_norm.hopper import HopperNormBlocks
@@ -156,3 +158,15 @@ def test_norm_impl_pallas_picks_hopper_kernels_on_hopper_only():
     assert backend == "portable" and "not Hopper" in why
   backend, why = norm_backend((8, 96), jnp.bfloat16, "9.0")
   assert backend == "portable" and "multiple of 128" in why
+
+
+@pytest.mark.parametrize("overrides, kernels, why", [
+    (("model.norm_impl=pallas", "model.kernel_interpret=true"), "portable", "interpreter"),
+    (("model.norm_impl=pallas",), "portable", "not Hopper"),
+    (("model.norm_impl=xla",), "", ""),
+])
+def test_runtime_reports_which_norm_kernels_run(overrides, kernels, why):
+  cfg = small_config(None, *overrides)
+  mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1])
+  got, got_why = runtime.norm_kernels(cfg, mesh)
+  assert got == kernels and why in got_why
