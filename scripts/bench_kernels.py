@@ -2,7 +2,8 @@
 
   python scripts/bench_kernels.py [--seq 1024,2048,4096,8192,16384] [--head-dim 64,128]
       [--tokens 16384] [--hidden 2048] [--norm-dims 2048,4096,8192] [--iters 30]
-      [--repeats 3] [--warmup 3] [--profile-calls 10] [--norm-sweep] [--out results/bench_kernels]
+      [--repeats 3] [--warmup 3] [--profile-calls 10] [--attention-sweep] [--norm-sweep]
+      [--out results/bench_kernels]
   python scripts/bench_kernels.py --interpret --quick   # CPU smoke run: tiny shapes, interpreter
 
 Timing (scripts/kernel_timing.py), each function jitted and compiled first, two figures per call:
@@ -47,6 +48,7 @@ interpreter timings mean nothing, and there is no kernel time).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -66,6 +68,14 @@ from pallas_kernels.flash_attention import flash_attention  # noqa: E402
 from pallas_kernels.rms_norm import reference as xla_rms_norm, rms_norm  # noqa: E402
 
 EPS = 1e-6
+# --attention-sweep: Hopper attention tiles changed from its tuned table (hopper_config.TUNED),
+# one change per row; a setting that does not fit gets a note.
+HOPPER_ATTENTION_SWEEP = {
+    "kv64": dict(block_kv=64), "slots3": dict(max_concurrent_steps=3),
+    "kv64 slots3": dict(block_kv=64, max_concurrent_steps=3),
+    "dkv kv128": dict(block_kv_dkv=128), "dkv q128": dict(block_q_dkv=128),
+    "dq kv128": dict(block_kv_dq=128), "dq q128": dict(block_q_dq=128),
+}
 # --norm-sweep: (slabs in flight, CUDA blocks per SM) of the Hopper RMSNorm, beside its
 # default (2, 2); rows per slab follow from the shared-memory budget (hopper_pipeline.rows_for).
 HOPPER_NORM_SWEEP = [(1, 4), (2, 1), (3, 1), (4, 1), (2, 3), (3, 2), (2, 4)]
@@ -126,6 +136,10 @@ def attention_impls(opts, on_gpu: bool):
   try:  # in progress elsewhere, Hopper only: a failed import (here) or call (_run) is a note
     hopper = importlib.import_module("pallas_kernels.flash_attention.hopper")
     impls["hopper"] = functools.partial(hopper.flash_attention, causal=True)
+    for name, changes in HOPPER_ATTENTION_SWEEP.items() if opts.attention_sweep else ():
+      blocks_fn = lambda l, k, c=changes: dataclasses.replace(hopper.blocks_for(l, k), **c)
+      impls[f"hopper {name}"] = lambda q, k, v, f=blocks_fn: hopper.flash_attention(
+          q, k, v, causal=True, block_sizes=f(q.shape[1], q.shape[-1]))
   except Exception as e:  # pylint: disable=broad-except
     skipped.append(("hopper", _reason(e)))
   fn, why = _tokamax_attention()
@@ -285,6 +299,8 @@ def main(argv=None) -> int:
   ap.add_argument("--repeats", type=int, default=3, help="timed loops (the median is kept)")
   ap.add_argument("--profile-calls", type=int, default=10,
                   help="calls traced for the kernel time (GPU; 0: no profiler)")
+  ap.add_argument("--attention-sweep", action="store_true",
+                  help="also time the Hopper attention at each of HOPPER_ATTENTION_SWEEP's tiles")
   ap.add_argument("--norm-sweep", action="store_true",
                   help="also time the Hopper RMSNorm at each of HOPPER_NORM_SWEEP's settings")
   ap.add_argument("--interpret", action="store_true", help="Pallas interpreter (CPU smoke)")
