@@ -10,22 +10,17 @@ H100 the same checks run compiled (`test_compiled_on_hopper`, skipped elsewhere)
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from close import assert_close
+import norm_check
 from conftest import small_config
 from jscale import mesh as mesh_lib, runtime
 from jscale.model.layers import norm_backend
-from pallas_kernels.rms_norm import hopper, hopper_pipeline as hp, reference, rms_norm
+from pallas_kernels.rms_norm import hopper, hopper_pipeline as hp, rms_norm
 from pallas_kernels.rms_norm.hopper import HopperNormBlocks
 
 ON_HOPPER = (jax.default_backend() == "gpu"
              and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
-
-
-def _normal(rng, shape, dtype, mean=0.0, std=1.0):
-  return jnp.asarray(mean + std * rng.standard_normal(shape, np.float32)).astype(dtype)
 
 
 # (shape, dtype, weight dtype, residual, blocks). Interpret mode runs 2 CUDA blocks, so 6 slabs
@@ -65,43 +60,12 @@ def test_compiled_on_hopper(case):
 
 
 def _check(case, shape, dtype, w_dtype, with_residual, blocks, interpret):
-  rng = np.random.default_rng(0)
-  x = _normal(rng, shape, dtype)
-  w = _normal(rng, shape[-1:], w_dtype, mean=1.0, std=0.2)
-  res = _normal(rng, shape, dtype) if with_residual else None
-  d_out, d_h = _normal(rng, shape, dtype), _normal(rng, shape, dtype)
-
-  def loss(fn):
-    def f(x, w, res):
-      out = fn(x, w, res)
-      if with_residual:  # both outputs get a cotangent: the normed one and the stream's
-        out, h = out
-        return jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(h.astype(jnp.float32) * d_h)
-      return jnp.sum(out.astype(jnp.float32) * d_out)
-    return f
-
+  """Against the reference, and against the portable kernel, which rounds as this one does."""
   kernel_fn = lambda x, w, res: hopper.rms_norm(x, w, eps=1e-5, residual_ND=res,
                                                 block_sizes=blocks, interpret=interpret)
   portable_fn = lambda x, w, res: rms_norm(x, w, eps=1e-5, residual_ND=res, interpret=interpret)
-  ref_fn = lambda x, w, res: reference(x, w, eps=1e-5, residual_ND=res)
-  f32 = lambda a: None if a is None else a.astype(jnp.float32)
-  ref32_fn = lambda x, w, res: ref_fn(f32(x), f32(w), f32(res))
-  argnums = (0, 1, 2) if with_residual else (0, 1)
-  both = lambda fn: jax.jit(lambda *a: (fn(*a), jax.grad(loss(fn), argnums)(*a)))(x, w, res)
-  out, grads = both(kernel_fn)
-  _, portable_grads = both(portable_fn)
-  outs, ref_outs = (out, ref_fn(x, w, res)) if with_residual else ((out,), (ref_fn(x, w, res),))
-  for name, got, want in zip(("normed", "h"), outs, ref_outs):
-    assert got.dtype == dtype and got.shape == shape
-    assert_close(f"{case} {name}", got, want, 1e-5 if dtype == jnp.float32 else 1e-2)
-  # fp32 math for the gradients (jnp's own bf16 backward rounds dweight's sum in bf16), and the
-  # portable kernel, which rounds as this one does, tighter.
-  ref_grads = jax.grad(loss(ref32_fn), argnums)(x, w, res)
-  for name, got, want, port in zip(("dx", "dweight", "dresidual"), grads, ref_grads,
-                                   portable_grads):
-    assert_close(f"{case} {name}", got, want, 1e-5 if dtype == jnp.float32 else 2e-2)
-    assert_close(f"{case} {name} vs portable", got, port, 1e-5 if dtype == jnp.float32 else 1e-2)
-  assert grads[1].dtype == w_dtype
+  norm_check.check(case, kernel_fn, shape, dtype, w_dtype, with_residual,
+                   others={"portable": portable_fn})
 
 
 # (N, D, residual): the model's widths at a step's rows, and the fused residual variant.

@@ -3,17 +3,14 @@ RMSNorm. fp32 must match to 1e-5 of the reference's largest value; bf16 outputs 
 rounding of the same formula, bf16 gradients to 2e-2 of fp32 math on the same inputs.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.rms_norm import BlockSizes, reference, rms_norm
+import norm_check
 from close import assert_close
-
-
-def _normal(rng, shape, dtype, mean=0.0, std=1.0):
-  return jnp.asarray(mean + std * rng.standard_normal(shape, np.float32)).astype(dtype)
+from norm_check import normal as _normal
+from pallas_kernels.rms_norm import BlockSizes, reference, rms_norm
 
 
 # (shape, dtype, weight dtype, residual, block sizes): 21 and 132 rows are not multiples of
@@ -33,40 +30,9 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_and_gradients(case):
   shape, dtype, w_dtype, with_residual, blocks = CASES[case]
-  rng = np.random.default_rng(0)
-  x = _normal(rng, shape, dtype)
-  w = _normal(rng, shape[-1:], w_dtype, mean=1.0, std=0.2)
-  res = _normal(rng, shape, dtype) if with_residual else None
-  d_out, d_h = _normal(rng, shape, dtype), _normal(rng, shape, dtype)
-
-  def loss(fn):
-    def f(x, w, res):
-      out = fn(x, w, res)
-      if with_residual:  # both outputs get a cotangent: the normed one and the stream's
-        out, h = out
-        return jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(h.astype(jnp.float32) * d_h)
-      return jnp.sum(out.astype(jnp.float32) * d_out)
-    return f
-
   kernel_fn = lambda x, w, res: rms_norm(x, w, eps=1e-5, residual_ND=res, block_sizes=blocks,
                                          interpret=True)
-  ref_fn = lambda x, w, res: reference(x, w, eps=1e-5, residual_ND=res)
-  f32 = lambda a: None if a is None else a.astype(jnp.float32)
-  ref32_fn = lambda x, w, res: ref_fn(f32(x), f32(w), f32(res))
-  argnums = (0, 1, 2) if with_residual else (0, 1)
-  out, grads = jax.jit(lambda *a: (kernel_fn(*a), jax.grad(loss(kernel_fn), argnums)(*a)))(
-      x, w, res)
-  # Same-dtype reference for the forward (same roundings); fp32 math for the gradients (jnp's
-  # own bf16 backward rounds dweight's row sum in bf16, the kernel sums in fp32).
-  ref_out = ref_fn(x, w, res)
-  ref_grads = jax.grad(loss(ref32_fn), argnums)(x, w, res)
-  outs, ref_outs = (out, ref_out) if with_residual else ((out,), (ref_out,))
-  for name, got, want in zip(("normed", "h"), outs, ref_outs):
-    assert got.dtype == dtype and got.shape == shape
-    assert_close(f"{case} {name}", got, want, 1e-5 if dtype == jnp.float32 else 1e-2)
-  for name, got, want in zip(("dx", "dweight", "dresidual"), grads, ref_grads):
-    assert_close(f"{case} {name}", got, want, 1e-5 if dtype == jnp.float32 else 2e-2)
-  assert grads[1].dtype == w_dtype
+  norm_check.check(case, kernel_fn, shape, dtype, w_dtype, with_residual)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.rms_norm import hopper_pipeline as hp
+from pallas_kernels.rms_norm.kernel import check_args
 from pallas_kernels.rms_norm.hopper_pipeline import HopperNormBlocks, supports
 
 __all__ = ["HopperNormBlocks", "rms_norm", "supports"]
@@ -161,13 +162,8 @@ def rms_norm(x_ND, weight_D, *, eps: float = 1e-6, residual_ND=None,
   Returns:
     normed [..., D], or (normed, h) with residual_ND.
   """
+  check_args(x_ND, weight_D, residual_ND)
   d = x_ND.shape[-1]
-  if weight_D.shape != (d,):
-    raise ValueError(f"weight {weight_D.shape} must be [D] = ({d},) for x {x_ND.shape}")
-  if residual_ND is not None and (residual_ND.shape != x_ND.shape or
-                                  residual_ND.dtype != x_ND.dtype):
-    raise ValueError(f"residual {residual_ND.shape} {residual_ND.dtype} must match x "
-                     f"{x_ND.shape} {x_ND.dtype}")
   if (why := supports(x_ND.shape, x_ND.dtype)) is not None:
     raise ValueError(f"the Hopper RMSNorm kernels cannot take {why}: use the portable kernel "
                      f"(pallas_kernels.rms_norm.rms_norm)")

@@ -176,6 +176,17 @@ def _rows_for(d_pad: int, block_rows: int | None, name: str) -> int:
   return block_rows
 
 
+def check_args(x_ND, weight_D, residual_ND) -> None:
+  """The RMSNorm kernels' contract on shapes: ValueError naming what disagrees."""
+  d = x_ND.shape[-1]
+  if weight_D.shape != (d,):
+    raise ValueError(f"weight {weight_D.shape} must be [D] = ({d},) for x {x_ND.shape}")
+  if residual_ND is not None and (residual_ND.shape != x_ND.shape or
+                                  residual_ND.dtype != x_ND.dtype):
+    raise ValueError(f"residual {residual_ND.shape} {residual_ND.dtype} must match x "
+                     f"{x_ND.shape} {x_ND.dtype}")
+
+
 def rms_norm(x_ND, weight_D, *, eps: float = 1e-6, residual_ND=None,
              block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
   """Fused RMSNorm over the last axis, differentiable in x, weight and residual.
@@ -192,13 +203,8 @@ def rms_norm(x_ND, weight_D, *, eps: float = 1e-6, residual_ND=None,
     normed [..., D], or (normed, h) with residual_ND, h = x + residual being the pre-norm
     residual stream for the next block.
   """
+  check_args(x_ND, weight_D, residual_ND)
   d = x_ND.shape[-1]
-  if weight_D.shape != (d,):
-    raise ValueError(f"weight {weight_D.shape} must be [D] = ({d},) for x {x_ND.shape}")
-  if residual_ND is not None and (residual_ND.shape != x_ND.shape or
-                                  residual_ND.dtype != x_ND.dtype):
-    raise ValueError(f"residual {residual_ND.shape} {residual_ND.dtype} must match x "
-                     f"{x_ND.shape} {x_ND.dtype}")
   d_pad = pl.next_power_of_2(d)
   block_rows = _rows_for(d_pad, block_sizes.block_rows, "block_rows")
   cfg = _Config(eps=float(eps), block_rows=block_rows,
