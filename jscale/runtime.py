@@ -90,8 +90,8 @@ def pallas_kernels(cfg: Config, mesh: Mesh) -> tuple[str, str]:
   if m.kernel_interpret or mesh.shape["sequence"] > 1:
     return "portable", ("the Pallas interpreter" if m.kernel_interpret
                         else "ring-attention blocks (mesh.sequence > 1)")
-  device, seq, hd = mesh.devices.flat[0], cfg.train.seq_len, m.resolved_head_dim
-  cc = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
+  seq, hd = cfg.train.seq_len, m.resolved_head_dim
+  cc = attn_lib.compute_capability(mesh.devices.flat[0])
   return attn_lib.pallas_backend((1, seq, m.n_heads, hd), (1, seq, m.n_kv_heads, hd),
                                  (1, seq, m.n_kv_heads, hd), m.dtype, True, cc)
 
@@ -104,9 +104,8 @@ def norm_kernels(cfg: Config, mesh: Mesh) -> tuple[str, str]:
     return "", ""
   if m.kernel_interpret:
     return "portable", "the Pallas interpreter"
-  device = mesh.devices.flat[0]
-  cc = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
-  return norm_backend((cfg.train.seq_len, m.d_model), m.dtype, cc)
+  return norm_backend((cfg.train.seq_len, m.d_model), m.dtype,
+                      attn_lib.compute_capability(mesh.devices.flat[0]))
 
 
 def moe_gemm(cfg: Config, mesh: Mesh) -> tuple[str, str]:

@@ -10,7 +10,7 @@ import pytest
 import norm_check
 from close import assert_close
 from norm_check import normal as _normal
-from pallas_kernels.rms_norm import BlockSizes, reference, rms_norm
+from pallas_kernels.rms_norm import BlockSizes, rms_norm
 
 
 # (shape, dtype, weight dtype, residual, block sizes): 21 and 132 rows are not multiples of

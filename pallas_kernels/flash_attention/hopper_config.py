@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.flash_attention.hopper_ops import Ops
+from pallas_kernels.mosaic_gpu_env import interpret_params
 
 # Finite, so a row whose keys are all masked in one block gives exp2(0), not NaN; such rows are
 # wiped by the rescale of the next visible block, or zeroed at the end if none is (as in the
@@ -35,7 +36,6 @@ def kernel_args(interpret: bool) -> dict:
   args = dict(num_threads=COMPUTE_WGS + 1, thread_name="wg",
               compiler_params=plgpu.CompilerParams(approx_math=True))
   if interpret:
-    from pallas_kernels.grouped_matmul.config import interpret_params  # pylint: disable=import-outside-toplevel
     args["interpret"] = interpret_params()
   return args
 
@@ -155,7 +155,6 @@ def kv_range(q_base, block_q: int, block_kv: int, n_kv: int, causal: bool):
 def slot_of(step, slots: int):
   """The shared-memory slot that holds stream step `step`."""
   return lax.rem(step, jnp.array(slots, step.dtype))
-
 
 
 def observe_loaded(barriers, slot) -> None:

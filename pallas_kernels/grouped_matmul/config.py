@@ -22,9 +22,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mosaic_gpu_env
+
 COMPUTE_WGS = 2  # compute warpgroups per CUDA block; the memory warpgroup is the third
 MEMORY_REGISTERS = 40  # per thread for the memory warpgroup; compute gets (512 - 40) / 2
-H100_SMS = 132  # persistent grid size when lowering without a GPU (AOT, tests)
 INTERPRET_SMS = 2  # CUDA blocks in interpret mode: enough to exercise the persistent loop
 
 
@@ -109,22 +110,10 @@ def transforms(dtype):
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def interpret_params():
-  """The Mosaic GPU interpreter's parameters (public from jax 0.11; jax 0.10 has them private)."""
-  params = getattr(plgpu, "InterpretParams", None)
-  if params is None:
-    from jax._src.pallas.mosaic_gpu.interpret import params as p  # pylint: disable=import-outside-toplevel
-    params = p.InterpretGPUParams
-  return params()
-
-
 def num_sms(interpret: bool) -> int:
   """CUDA blocks of the persistent grid: one per SM of the GPU in use (H100's when lowering
   without one)."""
-  if interpret:
-    return INTERPRET_SMS
-  dev = jax.devices()[0]
-  return int(getattr(dev, "core_count", 0) or H100_SMS) if dev.platform == "gpu" else H100_SMS
+  return INTERPRET_SMS if interpret else mosaic_gpu_env.num_sms()
 
 
 def kernel_args(interpret: bool) -> dict:
@@ -134,7 +123,7 @@ def kernel_args(interpret: bool) -> dict:
               thread_name="wg", compiler_params=plgpu.CompilerParams(
                   lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   if interpret:
-    args["interpret"] = interpret_params()
+    args["interpret"] = mosaic_gpu_env.interpret_params()
   return args
 
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mosaic_gpu_env
+
 WARPGROUP = 128  # threads per CUDA block: one warpgroup
-H100_SMS = 132  # grid size when lowering without a GPU (AOT, tests)
 INTERPRET_BLOCKS = 2  # CUDA blocks in interpret mode: enough to exercise the persistent walk
 SMEM_LIMIT = 227 * 1024
 SLAB_BYTES = 16 * 1024  # per array per slot, before the shared-memory budget trims it
@@ -114,15 +114,10 @@ def config(n: int, d: int, itemsize: int, eps: float, blocks: HopperNormBlocks,
   if smem_bytes(rows, d, itemsize, row_arrays, blocks.max_concurrent_steps) > SMEM_LIMIT:
     raise ValueError(f"{blocks} with {rows} rows of D={d} needs more than the H100's "
                      f"{SMEM_LIMIT // 1024} KiB of shared memory: fewer rows or slots")
-  sms = INTERPRET_BLOCKS if interpret else _num_sms() * blocks.blocks_per_sm
+  sms = INTERPRET_BLOCKS if interpret else mosaic_gpu_env.num_sms() * blocks.blocks_per_sm
   return Config(d=d, eps=float(eps), block_rows=rows,
                 max_concurrent_steps=blocks.max_concurrent_steps,
                 num_blocks=max(1, min(sms, n // rows)), interpret=interpret)
-
-
-def _num_sms() -> int:
-  dev = jax.devices()[0]
-  return int(getattr(dev, "core_count", 0) or H100_SMS) if dev.platform == "gpu" else H100_SMS
 
 
 def copy_in(gmem, smem, barrier):
@@ -186,8 +181,7 @@ def kernel(name: str, fn, cfg: Config, ins, out_type, n_slab_outs: int, extra_sc
   slab = lambda dtype: plgpu.SMEM((cfg.max_concurrent_steps, cfg.block_rows, d), dtype)
   args = dict(grid=(cfg.num_blocks,), grid_names=("block",))
   if cfg.interpret:
-    from pallas_kernels.grouped_matmul.config import interpret_params  # pylint: disable=import-outside-toplevel
-    args["interpret"] = interpret_params()
+    args["interpret"] = mosaic_gpu_env.interpret_params()
   return plgpu.kernel(
       body, out_type=out_type,
       scratch_types=[*[slab(ins[0].dtype)] * n_in, *[slab(out_type[0].dtype)] * n_slab_outs,
