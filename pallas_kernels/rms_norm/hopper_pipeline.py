@@ -30,7 +30,8 @@ SLAB_BYTES = 16 * 1024  # per array per slot, before the shared-memory budget tr
 @dataclasses.dataclass(frozen=True)
 class HopperNormBlocks:
   """Rows per slab (None: up to SLAB_BYTES per array, within the shared-memory budget of
-  `blocks_per_sm` blocks), slabs in flight per block, and CUDA blocks per SM."""
+  `blocks_per_sm` blocks), slabs in flight per block, and CUDA blocks per SM (at most as many
+  as fit its shared memory)."""
   block_rows: int | None = None
   max_concurrent_steps: int = 2
   blocks_per_sm: int = 2
@@ -111,10 +112,13 @@ def config(n: int, d: int, itemsize: int, eps: float, blocks: HopperNormBlocks,
   if blocks.max_concurrent_steps < 1 or blocks.blocks_per_sm < 1:
     raise ValueError(f"{blocks}: max_concurrent_steps and blocks_per_sm must be >= 1")
   rows = rows_for(n, d, itemsize, blocks, row_arrays)
-  if smem_bytes(rows, d, itemsize, row_arrays, blocks.max_concurrent_steps) > SMEM_LIMIT:
+  used = smem_bytes(rows, d, itemsize, row_arrays, blocks.max_concurrent_steps)
+  if used > SMEM_LIMIT:
     raise ValueError(f"{blocks} with {rows} rows of D={d} needs more than the H100's "
                      f"{SMEM_LIMIT // 1024} KiB of shared memory: fewer rows or slots")
-  sms = INTERPRET_BLOCKS if interpret else mosaic_gpu_env.num_sms() * blocks.blocks_per_sm
+  # Only as many blocks per SM as fit its shared memory: more would run as a second wave.
+  resident = min(blocks.blocks_per_sm, SMEM_LIMIT // used)
+  sms = INTERPRET_BLOCKS if interpret else mosaic_gpu_env.num_sms() * resident
   return Config(d=d, eps=float(eps), block_rows=rows,
                 max_concurrent_steps=blocks.max_concurrent_steps,
                 num_blocks=max(1, min(sms, n // rows)), interpret=interpret)
