@@ -140,11 +140,14 @@ def main() -> None:
   if args.part in ("all", "train"):
     chosen = {n: o for n, o in (QUICK_ROWS if args.quick else ROWS).items()
               if any(k in n for k in args.only.split(","))}
+    rows = []
     with tempfile.TemporaryDirectory(prefix="bench_moe_gpu_") as work:
-      rows = [bench_train.run_row(n, o, 4 if args.quick else args.steps, 2 if args.quick else 5,
-                                  work, ()) for n, o in chosen.items()]
-    rows = [{k: v for k, v in r.items() if k != "profile"} for r in rows]
-    out.append(write_table(rows, bench_train.COLUMNS, args.out))
+      for n, o in chosen.items():  # the table after every row: a run cut short keeps its rows
+        row = bench_train.run_row(n, o, 4 if args.quick else args.steps,
+                                  2 if args.quick else 5, work, ())
+        rows.append({k: v for k, v in row.items() if k != "profile"})
+        table = write_table(rows, bench_train.COLUMNS, args.out)
+    out.append(table)
   print("\n\n".join(out))
 
 

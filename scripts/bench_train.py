@@ -131,6 +131,7 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--only", default="",
                   help="comma-separated: run the rows whose name contains one of these")
+  p.add_argument("--exact", action="store_true", help="--only names whole rows")
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--every", type=int, default=5, help="logging interval (timed blocks)")
   p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny rows")
@@ -147,20 +148,29 @@ def main() -> None:
   rows_in = QUICK if args.quick else ROWS
   extra = tuple(args.extra) + (("train.seq_len=64",) if args.quick else ())
   keys = args.only.split(",")
-  chosen = {n: o for n, o in rows_in.items() if any(k in n for k in keys)}
+  match = (lambda n: n in keys) if args.exact else (lambda n: any(k in n for k in keys))
+  chosen = {n: o for n, o in rows_in.items() if match(n)}
   if not chosen:
     raise SystemExit(f"--only {args.only!r} matches none of {list(rows_in)}")
+  rows = []
   with tempfile.TemporaryDirectory(prefix="bench_train_") as work:
-    rows = [run_row(n, o, args.steps, args.every, work, extra) for n, o in chosen.items()]
+    for n, o in chosen.items():  # the tables after every row: a run cut short keeps its rows
+      rows.append(run_row(n, o, args.steps, args.every, work, extra))
+      table = write_tables(rows, args.out)
+  print(table)
+
+
+def write_tables(rows: list[dict], out: str) -> str:
+  """<out> (.md: the table, then each row's profile summary) and its .csv; the table."""
   table = write_table([{k: v for k, v in r.items() if k != "profile"} for r in rows], COLUMNS,
-                      args.out)
-  with open(args.out, "a", encoding="utf-8") as f:
+                      out)
+  with open(out, "a", encoding="utf-8") as f:
     f.write("\nShares are % of the traced span (2 steps); kernel time on overlapping streams "
             "counts once per stream.\n")
     for r in rows:
       if r["status"] == "ok":
         f.write(f"\n### {r['name']}\n\n```\n{r['profile']}\n```\n")
-  print(table)
+  return table
 
 
 if __name__ == "__main__":

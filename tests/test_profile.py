@@ -51,7 +51,8 @@ def test_bench_train_quick(tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = tmp_path / "bench_train.md"
   subprocess.run([sys.executable, "scripts/bench_train.py", "--quick", "--steps", "6",
-                  "--every", "2", "--out", str(out)], cwd=root, check=True,
+                  "--every", "2", "--exact", "--only", "tiny b8", "--out", str(out)], cwd=root,
+                 check=True,
                  env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
   (row,) = csv.DictReader(open(tmp_path / "bench_train.csv"))
   assert row["status"] == "ok" and float(row["tokens_per_sec"]) > 0

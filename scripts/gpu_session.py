@@ -1,0 +1,163 @@
+"""A lent GPU's half hour, planned: the measurements the open issues wait for, as parts that
+each fit one call of the device tool (10 minutes), with what the GPU image lacks carried in.
+
+Here, on a machine with the package registries (once per checkout):
+  python scripts/gpu_session.py wheels       # cp312 wheels the image lacks -> .whl/ (git-ignored)
+There, one device-tool call per part, `carry: [".whl"]`:
+  python3 scripts/gpu_session.py run train   # issue 16: llama3_1b / 8B-shaped rows of bench_train
+  python3 scripts/gpu_session.py run kernels # issue 19: compiled Hopper kernel tests, bench_kernels
+  python3 scripts/gpu_session.py run moe     # issue 20: grouped matmul kernels, MoE training rows
+  python3 scripts/gpu_session.py run fp8     # issue 18: FP8 gemms and llama3_1b rows
+  python3 scripts/gpu_session.py plan        # every part's commands, runnable by hand
+A part installs the wheels into /tmp/site (no network there), runs its commands in order, each
+with what is left of --budget-s (default 540 s, under the tool's 600), logs to $OUT/<part>.log
+and copies the result files it wrote into $OUT (the tool brings back at most 8). A command cut
+off by the budget is reported and the part goes on. The benchmarks write their tables as rows
+finish, so a cut-off run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What jscale needs beyond the GPU image's packages (/work/.library/device/KINDS.md lists them):
+# grain and its two missing requirements, and tensorboardX.
+WHEELS = ("grain==0.2.18", "array_record==0.8.6", "portpicker==1.6.0", "tensorboardX==2.6.5")
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux1_x86_64", "any")
+PY = "python3"
+MIN_LEFT_S = 30  # a command is not started with less of the budget left
+HOPPER_TESTS = ["tests/test_hopper_attention.py", "tests/test_hopper_rms_norm.py",
+                "tests/test_grouped_matmul.py"]
+# part -> [(label, argv, extra environment, result files it writes)]
+PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
+    "train": [
+        ("bench_train: llama3_1b (cuDNN, Pallas) and 8B-shaped rows",
+         [PY, "scripts/bench_train.py", "--exact", "--only",
+          "1b selective b4,1b selective b8,1b selective b4 pallas,8b-8L selective b2"], {},
+         ["results/bench_train.md", "results/bench_train.csv"]),
+    ],
+    "kernels": [
+        ("Hopper kernels compiled: values and gradients against the references",
+         [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", *HOPPER_TESTS, "-k", "on_hopper"],
+         {"JAX_PLATFORMS": "cuda"}, []),
+        ("bench_kernels: attention TFLOP/s and RMSNorm GB/s",
+         [PY, "scripts/bench_kernels.py", "--seq", "2048,4096,8192"], {},
+         ["results/bench_kernels.md", "results/bench_kernels.csv"]),
+    ],
+    "moe": [
+        ("bench_moe_gpu: grouped matmul kernels",
+         [PY, "scripts/bench_moe_gpu.py", "--part", "kernels", "--no-sweep"], {},
+         ["results/bench_moe_gpu_kernels.md", "results/bench_moe_gpu_kernels.csv"]),
+        ("bench_moe_gpu: dropless (kernel, tiled) against capacity 1.25",
+         [PY, "scripts/bench_moe_gpu.py", "--part", "train", "--only",
+          "dropless pallas,dropless tiled,capacity 1.25"], {},
+         ["results/bench_moe_gpu.md", "results/bench_moe_gpu.csv"]),
+    ],
+    "fp8": [
+        ("bench_fp8: FP8 gemms and llama3_1b rows", [PY, "scripts/bench_fp8.py", "--only",
+                                                     "gemm,1b"], {},
+         ["results/bench_fp8.md", "results/bench_fp8.csv"]),
+    ],
+}
+
+
+def wheels(dest: str) -> None:
+  """Downloads WHEELS for the GPU image's Python (3.12, x86-64) into `dest`, and makes git
+  ignore it (they travel with `carry`, not in a commit)."""
+  cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+         "--python-version", "3.12", "--implementation", "cp", "-d", dest]
+  for p in PLATFORMS:
+    cmd += ["--platform", p]
+  subprocess.run(cmd + list(WHEELS), check=True)
+  exclude = os.path.join(ROOT, ".git", "info", "exclude")
+  if os.path.isdir(os.path.dirname(exclude)):
+    lines = open(exclude, encoding="utf-8").read().split() if os.path.exists(exclude) else []
+    if "/.whl/" not in lines:
+      with open(exclude, "a", encoding="utf-8") as f:
+        f.write("/.whl/\n")
+  print(f"{len(glob.glob(os.path.join(dest, '*.whl')))} wheels in {dest}: carry it")
+
+
+def _install(whl_dir: str, site: str) -> dict:
+  """The wheels into `site` (offline); the environment that imports them and jscale."""
+  found = glob.glob(os.path.join(whl_dir, "*.whl"))
+  if found:
+    subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--upgrade", "--target", site, *found], check=True)
+  else:
+    print(f"no wheels in {whl_dir}: run `python scripts/gpu_session.py wheels` here first and "
+          "carry .whl, or grain / tensorboardX imports fail", flush=True)
+  path = os.pathsep.join(p for p in (ROOT, site, os.environ.get("PYTHONPATH", "")) if p)
+  return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
+
+
+def run(part: str, budget_s: float, out: str, whl_dir: str, site: str) -> int:
+  """Runs one part's commands within `budget_s`; the number that failed or were cut off."""
+  deadline = time.monotonic() + budget_s
+  env = _install(whl_dir, site)
+  os.makedirs(out, exist_ok=True)
+  failed = 0
+  with open(os.path.join(out, f"{part}.log"), "a", encoding="utf-8") as log:
+    for label, argv, extra, results in PARTS[part]:
+      left = deadline - time.monotonic()
+      if left < MIN_LEFT_S:
+        print(f"[{part}] skipped, budget spent: {label}", file=log, flush=True)
+        failed += 1
+        continue
+      print(f"[{part}] {label} ({left:.0f} s left): {' '.join(argv)}", file=log, flush=True)
+      start = time.monotonic()
+      try:
+        proc = subprocess.run(argv, cwd=ROOT, env={**env, **extra}, stdout=log,
+                              stderr=subprocess.STDOUT, timeout=left, check=False)
+        status = f"rc {proc.returncode}"
+        failed += proc.returncode != 0
+      except subprocess.TimeoutExpired:
+        status, failed = "cut off by the budget", failed + 1
+      print(f"[{part}] {label}: {status} after {time.monotonic() - start:.0f} s", file=log,
+            flush=True)
+      for path in results:
+        if os.path.exists(os.path.join(ROOT, path)):
+          shutil.copy(os.path.join(ROOT, path), out)
+  print(open(os.path.join(out, f"{part}.log"), encoding="utf-8").read()[-6000:])
+  return failed
+
+
+def plan() -> None:
+  for part, commands in PARTS.items():
+    print(f"# {part}")
+    for label, argv, extra, _ in commands:
+      env = " ".join(f"{k}={v}" for k, v in extra.items())
+      print(f"#   {label}\n{env + ' ' if env else ''}{shlex.join(argv)}")
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("verb", choices=("wheels", "run", "plan"))
+  p.add_argument("part", nargs="?", choices=tuple(PARTS))
+  p.add_argument("--budget-s", type=float, default=540)
+  p.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "results", "gpu")))
+  p.add_argument("--wheels-dir", default=os.path.join(ROOT, ".whl"))
+  p.add_argument("--site", default="/tmp/site")
+  args = p.parse_args(argv)
+  if args.verb == "wheels":
+    wheels(args.wheels_dir)
+  elif args.verb == "plan":
+    plan()
+  else:
+    if args.part is None:
+      p.error(f"run needs a part: one of {', '.join(PARTS)}")
+    return 1 if run(args.part, args.budget_s, args.out, args.wheels_dir, args.site) else 0
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
