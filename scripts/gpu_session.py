@@ -39,6 +39,37 @@ HOPPER_TESTS = ["tests/test_hopper_attention.py", "tests/test_hopper_rms_norm.py
                 "tests/test_grouped_matmul.py"]
 # part -> [(label, argv, extra environment, result files it writes)]
 PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
+    # Issue 38: the rows jscale.predict needs most, in one call of <= 8 minutes (start-up
+    # included): llama3_1b as configured, the 8B-shaped row, the Hopper kernels compiled and
+    # timed at the model's shapes, MoE dropless. `second` holds the rest.
+    "first": [
+        ("bench_train: llama3_1b default (b8 selective) and 8B-shaped rows",
+         [PY, "scripts/bench_train.py", "--exact", "--steps", "15", "--only",
+          "1b selective b8,8b-8L selective b2"], {},
+         ["results/bench_train.md", "results/bench_train.csv"]),
+        ("Hopper kernels compiled: values and gradients against the references",
+         [PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *HOPPER_TESTS[:2], "-k",
+          "on_hopper"], {"JAX_PLATFORMS": "cuda"}, []),
+        ("bench_kernels: attention TFLOP/s and RMSNorm GB/s at llama3_1b's shapes",
+         [PY, "scripts/bench_kernels.py", "--seq", "4096", "--head-dim", "64", "--norm-dims",
+          "2048,4096", "--repeats", "2"], {},
+         ["results/bench_kernels.md", "results/bench_kernels.csv"]),
+        ("bench_moe_gpu: dropless with the grouped matmul kernel",
+         [PY, "scripts/bench_moe_gpu.py", "--part", "train", "--steps", "15", "--only",
+          "dropless pallas"], {}, ["results/bench_moe_gpu.md", "results/bench_moe_gpu.csv"]),
+    ],
+    "second": [
+        ("bench_train: llama3_1b pallas and b4 rows",
+         [PY, "scripts/bench_train.py", "--exact", "--steps", "15", "--only",
+          "1b selective b4,1b selective b4 pallas", "--out", "results/bench_train_second.md"],
+         {}, ["results/bench_train_second.md", "results/bench_train_second.csv"]),
+        ("bench_moe_gpu: capacity 1.25 against dropless", [PY, "scripts/bench_moe_gpu.py",
+         "--part", "train", "--steps", "15", "--only", "capacity 1.25", "--out",
+         "results/bench_moe_gpu_second.md"], {},
+         ["results/bench_moe_gpu_second.md", "results/bench_moe_gpu_second.csv"]),
+        ("bench_fp8: FP8 gemms", [PY, "scripts/bench_fp8.py", "--only", "gemm"], {},
+         ["results/bench_fp8.md", "results/bench_fp8.csv"]),
+    ],
     "train": [
         ("bench_train: llama3_1b (cuDNN, Pallas) and 8B-shaped rows",
          [PY, "scripts/bench_train.py", "--exact", "--only",
