@@ -46,6 +46,7 @@ def test_topology_of_h100s_without_a_gpu():
   assert len(devs) == 16 and {d.device_kind for d in devs} == {"NVIDIA H100 80GB HBM3"}
   assert {d.process_index for d in devs} == {0, 1}  # two nodes of 8
   assert gpu_target.topology_name(64, 8) == "1x8x8" and gpu_target.topology_name(4, 8) == "1x1x4"
+  assert gpu_target.devices("h200x1")[0].device_kind == "NVIDIA H200"  # the card measured on
   for bad in ("h100", "a100x8", "h100x0"):
     with pytest.raises(ValueError, match="expected <gpu>x<count>"):
       gpu_target.parse(bad)

@@ -21,7 +21,7 @@ import re
 import jax
 
 # name -> (spec file in gpu_specs/, GPUs per node: NVLink domain of the topology's hosts)
-TARGETS = {"h100": ("h100_sxm.txtpb", 8)}
+TARGETS = {"h100": ("h100_sxm.txtpb", 8), "h200": ("h200_sxm.txtpb", 8)}
 INSTALL = ("pip install 'jax[cuda13-local]=={v}' nvidia-cudnn-cu13  (the CUDA plugin and cuDNN; "
            "no GPU needed)")
 
