@@ -18,12 +18,13 @@ import jax
 
 from jscale.config import ModelConfig
 
-# Dense per-device peak FLOP/s (no sparsity), by substring of `device.device_kind`.
+# Dense per-device peak FLOP/s (no sparsity; datasheets), by substring of `device.device_kind`:
+# bf16 / fp8 tensor cores, TF32 (what an f32 gemm runs in at default precision) and plain f32.
 PEAK_FLOPS: dict[str, dict[str, float | None]] = {
-    "H200": {"bf16": 989.5e12, "fp8": 1979e12},
-    "H100 PCIe": {"bf16": 756e12, "fp8": 1513e12},
-    "H100": {"bf16": 989.5e12, "fp8": 1979e12},  # SXM
-    "A100": {"bf16": 312e12, "fp8": None},  # no fp8 tensor cores
+    "H200": {"bf16": 989.5e12, "fp8": 1979e12, "tf32": 494.7e12, "f32": 66.9e12},
+    "H100 PCIe": {"bf16": 756e12, "fp8": 1513e12, "tf32": 378e12, "f32": 51.2e12},
+    "H100": {"bf16": 989.5e12, "fp8": 1979e12, "tf32": 494.7e12, "f32": 66.9e12},  # SXM
+    "A100": {"bf16": 312e12, "fp8": None, "tf32": 156e12, "f32": 19.5e12},  # no fp8 cores
 }
 
 

@@ -87,10 +87,10 @@ def compiled_dots(compiled: Any) -> list[Dot]:
   operands there (so an operand converted to fp32 inside a fusion shows as f32), and cuBLAS
   custom calls (`__cublas$...`: FP8 gemms among them). `location` is the op_name."""
   text = compiled if isinstance(compiled, str) else compiled.as_text()
-  comps, _, _ = hlo._parse(text)  # pylint: disable=protected-access
+  comps, _, _ = hlo.parse(text)
   out = []
   for insts in comps.values():
-    types = {name: hlo._leaves(shape) for name, shape, _, _ in insts}  # pylint: disable=protected-access
+    types = {name: hlo.leaves(shape) for name, shape, _, _ in insts}
     for _, shape, opcode, attrs in insts:
       cublas = opcode == "custom-call" and '"__cublas$' in attrs
       if opcode != "dot" and not cublas:
@@ -100,7 +100,7 @@ def compiled_dots(compiled: Any) -> list[Dot]:
         continue
       (lt, ls), (rt, rs) = types[ops[0]][0], types[ops[1]][0]
       op_name = re.search(r'op_name="([^"]*)"', attrs)
-      ot, os_ = hlo._leaves(shape)[0]  # pylint: disable=protected-access
+      ot, os_ = hlo.leaves(shape)[0]
       contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attrs)
       k = math.prod(ls[int(i)] for i in contract.group(1).split(",") if i) if contract else 0
       out.append(Dot(lt, rt, ot, "x".join(map(str, ls)), "x".join(map(str, rs)),

@@ -59,7 +59,7 @@ class Collective:
     return self.bytes * self.executions
 
 
-def _split_shape(s: str, i: int = 0) -> tuple[Any, int]:
+def split_shape(s: str, i: int = 0) -> tuple[Any, int]:
   """Parses one shape at s[i:]: a (dtype, dims) leaf, or a list of shapes for a tuple."""
   i = _SEP.match(s, i).end()
   if s[i] != "(":
@@ -69,17 +69,17 @@ def _split_shape(s: str, i: int = 0) -> tuple[Any, int]:
     return (m.group(1), dims), m.end()
   items, i = [], i + 1
   while s[i] != ")":
-    item, i = _split_shape(s, i)
+    item, i = split_shape(s, i)
     items.append(item)
     i = _SEP.match(s, i).end()
   return items, i + 1
 
 
-def _leaves(shape: Any) -> list[tuple[str, tuple[int, ...]]]:
-  return [shape] if isinstance(shape, tuple) else [x for s in shape for x in _leaves(s)]
+def leaves(shape: Any) -> list[tuple[str, tuple[int, ...]]]:
+  return [shape] if isinstance(shape, tuple) else [x for s in shape for x in leaves(s)]
 
 
-def _nbytes(dtype: str, dims: tuple[int, ...]) -> int:
+def nbytes(dtype: str, dims: tuple[int, ...]) -> int:
   bits = 8 if dtype == "pred" else int((re.match(r"[a-z]+(\d+)", dtype) or [0, 0])[1])
   return (math.prod(dims) * bits + 7) // 8
 
@@ -141,18 +141,18 @@ def _groups(attrs: str, n_devices: int, key: str) -> tuple[str, Any, int | None]
   return raw, out, len(out[0])
 
 
-def _instruction(line: str) -> list | None:
+def instruction(line: str) -> list | None:
   """[name, result shape, opcode, text after "opcode("] of an instruction line, else None."""
   m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
   try:
-    shape, i = _split_shape(m.group(2))
+    shape, i = split_shape(m.group(2))
     op = re.compile(r"\s*([\w\-]+)\(").match(m.group(2), i)
     return [m.group(1), shape, op.group(1), m.group(2)[op.end():]]
   except (AttributeError, IndexError):
     return None  # not an instruction: e.g. `  source_target_pairs={...}` continuing the last one
 
 
-def _parse(text: str) -> tuple[dict[str, list[list]], str | None, int]:
+def parse(text: str) -> tuple[dict[str, list[list]], str | None, int]:
   """{computation: [[name, shape, opcode, attrs]]}, the entry name, and the device count."""
   comps, entry, cur = {}, None, None
   n_devices = math.prod(int(m.group(1)) for key in ("replica_count", "num_partitions")
@@ -164,14 +164,14 @@ def _parse(text: str) -> tuple[dict[str, list[list]], str | None, int]:
       comps[cur] = []
     elif line.strip() == "}":
       cur = None
-    elif cur is not None and (inst := _instruction(line)):
+    elif cur is not None and (inst := instruction(line)):
       comps[cur].append(inst)
     elif cur is not None and comps[cur] and line.strip():
       comps[cur][-1][3] += " " + line.strip()   # an instruction continued on the next line
   return comps, entry, n_devices
 
 
-def _executions(comps: dict[str, list], entry: str | None) -> dict[str, tuple[int, bool, bool]]:
+def executions(comps: dict[str, list], entry: str | None) -> dict[str, tuple[int, bool, bool]]:
   """{computation: (executions per program run, all trip counts known, inside a while body)}."""
   callers: dict[str, list[tuple]] = {c: [] for c in comps}
   for comp, insts in comps.items():
@@ -202,8 +202,8 @@ def collectives(hlo_text: str) -> list[Collective]:
   """Every collective in optimized HLO text (or a `Compiled`), in program text order."""
   if not isinstance(hlo_text, str):
     hlo_text = hlo_text.as_text()
-  comps, entry, n_devices = _parse(hlo_text)
-  runs = _executions(comps, entry)
+  comps, entry, n_devices = parse(hlo_text)
+  runs = executions(comps, entry)
   done_shape = {m.group(1): shape for insts in comps.values() for _, shape, opcode, attrs in insts
                 if opcode.endswith("-done") and (m := re.search(r"%?([\w.\-]+)\)", attrs))}
   out = []
@@ -215,15 +215,15 @@ def collectives(hlo_text: str) -> list[Collective]:
       if opcode.endswith("-start"):  # the real result: the -done's shape, else the start's [1]
         shape = done_shape.get(name, shape if kind == "all-reduce" or
                                isinstance(shape, tuple) else shape[1])
-      leaves = _leaves(shape)
+      parts = leaves(shape)
       permute = kind == "collective-permute"
       raw, groups, size = _groups(attrs, n_devices, "source_target_pairs" if permute
                                   else "replica_groups")
       op_name = re.search(r'op_name="((?:[^"\\]|\\.)*)"', attrs)
       n, known, in_while = runs[comp]
       out.append(Collective(
-          kind, name, comp, tuple(f"{d}[{','.join(map(str, s))}]" for d, s in leaves),
-          tuple(d for d, _ in leaves), sum(_nbytes(d, s) for d, s in leaves), raw, groups,
+          kind, name, comp, tuple(f"{d}[{','.join(map(str, s))}]" for d, s in parts),
+          tuple(d for d, _ in parts), sum(nbytes(d, s) for d, s in parts), raw, groups,
           None if permute else size,
           op_name and op_name.group(1), in_while, n, known))
   return out

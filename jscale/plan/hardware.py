@@ -46,6 +46,11 @@ GPUS = {
     # set 0.9 unless given; JAX's default is 0.75).
     "h100": Gpu("h100", 989.5e12, float(MEM_FRACTION) * 79.6 * 2**30, 3.0e12, 0.49, 8,
                 "datasheet peak; efficiency and HBM measured by jscale on one H100 (issue 16)"),
+    # An H100's chip (same peak) with 141 GB of HBM3e: 4.19 TB/s is the best copy measured on
+    # the H200 lent on 2026-11-26 (results/h200_measured/bench_kernels.md), 0.527 its llama3_1b
+    # MFU there (configs/llama3_1b.yaml).
+    "h200": Gpu("h200", 989.5e12, float(MEM_FRACTION) * 140.4 * 2**30, 4.19e12, 0.527, 8,
+                "datasheet peak; efficiency and HBM measured by jscale on one H200"),
 }
 
 

@@ -1,0 +1,57 @@
+"""`python -m jscale.predict`: a train step's time on GPUs that are not here.
+
+    python -m jscale.predict --config configs/llama3_1b.yaml --target h100x1
+    python -m jscale.predict --config configs/tiny.yaml mesh.data=2 mesh.tensor=4 --target h100x8
+    python -m jscale.predict --config configs/llama3_1b.yaml --hlo step.txt --target h200x1
+
+Compiles the config's train step as `python -m jscale.train` launches it, with the real XLA:GPU
+compiler for the target (`jscale.analysis.gpu_target`: JAX's CUDA plugin and cuDNN, no GPU),
+or reads an optimised HLO text given with --hlo, and prints the predicted step time, tokens/s
+and MFU, time by the categories of `python -m jscale.profile`, the top kernels and what stands
+between the step and 55% MFU. Compiled without a GPU, XLA keeps its default gemm choices (no
+autotuning); every gemm is timed as a tuned one, so the prediction does not see a gemm the
+autotuner would get wrong, nor one it would make faster than cuBLAS's usual tiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from jscale.analysis import gpu_target
+from jscale.config import ConfigError
+from jscale.config_load import load_config
+from jscale.predict import predict_config, report
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m jscale.predict", description=__doc__.split("\n")[0])
+  p.add_argument("--config", default=None, help="a config YAML (default: the embedded tiny)")
+  p.add_argument("--target", default="h100x1", metavar="GPUxN",
+                 help="the GPUs to compile and predict for (h100x1, h100x8, h200x1, ...)")
+  p.add_argument("--hlo", default=None, help="predict this optimised HLO text instead of "
+                 "compiling (the config still gives the model FLOPs and tokens)")
+  p.add_argument("--top", type=int, default=20, help="kernels to list")
+  p.add_argument("--json", action="store_true", help="the figures as JSON")
+  p.add_argument("overrides", nargs="*", help="dotted config overrides: train.batch_size=8 ...")
+  args = p.parse_args(argv)
+  try:
+    cfg = load_config(args.config, args.overrides)
+    gpu_target.parse(args.target)
+  except (ConfigError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  hlo_text = open(args.hlo, encoding="utf-8").read() if args.hlo else None
+  r = predict_config(cfg, args.target, hlo_text, args.top)
+  if args.json:
+    print(json.dumps(dataclasses.asdict(r), indent=1))
+  else:
+    print(report.format_summary(r, f"{args.config or 'tiny'} {' '.join(args.overrides)} on "
+                                   f"{args.target}"))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

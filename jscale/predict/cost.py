@@ -1,0 +1,190 @@
+"""Time every launch of a compiled step, then run the schedule: compute on one stream,
+collectives on another, loops by their trip counts.
+
+Cost rules, per launch (`rates.Chip` holds the constants and their sources):
+- gemm: FLOPs at the peak of its operand type (bf16 989, fp8 1979, TF32 495 — an f32 gemm at
+  default precision —, f32 67 TFLOP/s on an H100 SXM) times an efficiency from its shape:
+  `Fit.gemm_ceiling` for a large gemm, times the wave quantisation of the best of cuBLAS's
+  usual Hopper tiles (128x256, 256x128, 128x128) over the 132 SMs, times k / (k + k_half) for
+  short dot products; never faster than its operands and result move through HBM.
+- attention (cuDNN's fused kernels, jscale's Pallas flash kernels): FLOPs over the rate
+  measured for that kernel, sequence length and head dim (`rates.ATTENTION`).
+- other Pallas kernels: RMSNorm at its measured share of copy bandwidth; the grouped matmul
+  (no rate measured yet) as a roofline, flagged.
+- everything else (XLA's loop / input / Triton fusions, copies, dynamic-update-slices): bytes
+  read + written over the copy bandwidth times `Fit.memory`.
+- every kernel adds `Fit.launch_s` (what a profile shows as idle between kernels).
+- collectives: playbook volume (`jscale.analysis.volume`) over the bus bandwidth of the link
+  their groups span (`jscale.plan.hardware.busbw`), plus `Fit.collective_s`.
+The schedule: a collective's -start queues it on the communication stream, its -done makes the
+compute stream wait for it, so only the part that outlasts the compute between them is exposed
+(the playbook's overlap arithmetic, A3). A loop runs its body twice (the second pass is the
+steady state, with collectives started in the previous iteration) and the rest as the second.
+A conditional's longest branch is taken and named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jscale.analysis import volume
+from jscale.plan import hardware
+from jscale.predict import rates
+from jscale.predict.program import Branches, Item, Launch, Loop
+
+_TILES = ((128, 256), (256, 128), (128, 128))
+
+
+@dataclasses.dataclass
+class Timed:
+  """A launch with its predicted time (per run) and how often a step runs it."""
+  launch: Launch
+  seconds: float        # device time of one run, kernel only
+  gap: float            # launch overhead that follows it
+  bound: str            # compute | memory | launch | measured | roofline | link
+  runs: int = 0
+  note: str = ""
+
+
+def gemm_efficiency(batch: int, m: int, n: int, k: int, chip: rates.Chip) -> float:
+  """Fraction of peak a tuned gemm reaches: the ceiling, wave quantisation, short k."""
+  best = 0.0
+  for tm, tn in _TILES:
+    tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+    waves = math.ceil(tiles / chip.sms)
+    used = batch * m * n / (waves * chip.sms * tm * tn)
+    best = max(best, used)
+  return chip.fit.gemm_ceiling * best * k / (k + chip.fit.gemm_k_half)
+
+
+def time_launch(x: Launch, chip: rates.Chip) -> Timed:
+  """The predicted device time of one run of `x`."""
+  fit, mem = chip.fit, lambda b: b / chip.hbm_bytes_s
+  if x.kind == "gemm":
+    peak = chip.peak["f32" if x.highest else "tf32"] if x.dtype == "f32" else chip.peak[x.dtype]
+    compute = x.flops / (peak * gemm_efficiency(*x.mnk, chip)) if x.flops else 0.0
+    memory = mem(x.bytes)
+    return Timed(x, max(compute, memory), fit.launch_s,
+                 "compute" if compute >= memory else "memory")
+  if x.kind == "attention":
+    a = x.attention
+    rate, note = rates.attention_rate(a["impl"], a["causal"], a["head_dim"], a["seq"],
+                                      a["pass"] == "bwd")
+    if rate is None:
+      return Timed(x, x.flops / chip.peak["bf16"], fit.launch_s, "roofline", note=note)
+    return Timed(x, x.flops / rate, fit.launch_s, "measured", note=note)
+  if x.kind == "kernel":
+    return _pallas_kernel(x, chip)
+  if x.kind == "collective":
+    return _collective(x, chip)
+  if x.kind == "done":
+    return Timed(x, 0.0, 0.0, "link")
+  t = mem(x.bytes) / fit.memory
+  return Timed(x, t, fit.launch_s, "memory" if t > fit.launch_s else "launch")
+
+
+def _pallas_kernel(x: Launch, chip: rates.Chip) -> Timed:
+  name = x.label
+  impl = "hopper" if "hopper" in name else "pallas"
+  if "rms_norm" in name:
+    share = rates.NORM[(impl, "bwd" if "bwd" in name else "fwd")]
+    return Timed(x, x.bytes / (chip.hbm_bytes_s * share), chip.fit.launch_s, "measured")
+  flops = _grouped_flops(x) if "grouped_matmul" in name else 0.0
+  x.flops = flops
+  t = max(flops / chip.peak["bf16"], x.bytes / chip.hbm_bytes_s)
+  return Timed(x, t, chip.fit.launch_s, "roofline", note=f"{name}: no measured rate")
+
+
+def _grouped_flops(x: Launch) -> float:
+  """2·M·K·N of a grouped matmul (each row times its own expert's [K, N]); set by
+  `program` from the operands as (batch=1, M, N, K)."""
+  return 2.0 * x.mnk[1] * x.mnk[2] * x.mnk[3] if x.mnk[1] else 0.0
+
+
+def _collective(x: Launch, chip: rates.Chip) -> Timed:
+  c = x.collective
+  if c is None or c.group_size == 1 or (c.groups is not None and len(c.groups[0]) <= 1
+                                         and c.kind != "collective-permute"):
+    return Timed(x, 0.0, 0.0, "link", note="group of one device")
+  bytes_ = volume.collective_volume(dataclasses.replace(c, executions=1))
+  # Nodes one group spans (devices are numbered node by node, `gpu_target.topology_name`).
+  nodes = len({d // chip.per_node for d in c.groups[0]}) if c.groups else 1
+  kind = {"collective-permute": "permute"}.get(c.kind, c.kind)
+  t = bytes_ / hardware.busbw(kind, nodes) + chip.fit.collective_s
+  return Timed(x, t, 0.0, "link", note=f"{nodes} node(s)" if nodes > 1 else "")
+
+
+# ------------------------------------------------------------------------------- the schedule
+@dataclasses.dataclass
+class _Clock:
+  t: float = 0.0             # compute stream
+  comm_free: float = 0.0     # communication stream
+  pending: dict = dataclasses.field(default_factory=dict)  # start name -> finish time
+  comm_busy: float = 0.0     # collective time queued (for the exposed share)
+
+  def shift(self, dt: float) -> None:
+    self.t += dt
+    self.comm_free += dt
+    self.pending = {k: v + dt for k, v in self.pending.items()}
+
+
+@dataclasses.dataclass
+class Schedule:
+  """A step as predicted: wall time and every timed launch with its runs per step."""
+  seconds: float
+  timed: list[Timed]
+  branches: list[str]       # which branch each conditional was timed by
+  unknown_trips: list[str]  # loops XLA gave no trip count (timed once)
+
+
+def schedule(items: list[Item], chip: rates.Chip) -> Schedule:
+  """Runs `items` (a `program.Program`'s entry) on the two streams."""
+  timed: dict[str, Timed] = {}
+  notes = {"branches": [], "unknown": []}
+  clock = _Clock()
+  _run(items, clock, 1, timed, notes, chip)
+  return Schedule(clock.t, list(timed.values()), notes["branches"], notes["unknown"])
+
+
+def _run(items, clock: _Clock, runs: int, timed, notes, chip, count: bool = True) -> None:
+  for it in items:
+    if isinstance(it, Loop):
+      trips = it.trips if it.trips is not None else 1
+      if it.trips is None:
+        notes["unknown"].append(it.name)
+      _run(it.body, clock, runs * trips, timed, notes, chip, count)
+      if trips > 1:
+        t1 = clock.t
+        _run(it.body, clock, 0, timed, notes, chip, False)  # steady state
+        clock.shift((trips - 2) * (clock.t - t1))
+    elif isinstance(it, Branches):
+      best, best_clock = -1.0, None
+      for i, branch in enumerate(it.branches):
+        trial = dataclasses.replace(clock, pending=dict(clock.pending))
+        _run(branch, trial, 0, timed, notes, chip, False)
+        if trial.t > best:
+          best, best_clock, pick = trial.t, trial, i
+      if best_clock is not None:
+        _run(it.branches[pick], dataclasses.replace(clock, pending=dict(clock.pending)),
+             runs, timed, notes, chip, count)
+        clock.t, clock.comm_free, clock.pending = (best_clock.t, best_clock.comm_free,
+                                                   best_clock.pending)
+        if count:
+          notes["branches"].append(f"{it.name}: branch {pick} of {len(it.branches)}")
+    else:
+      x = timed.get(it.name) or time_launch(it, chip)
+      if count:
+        x.runs += runs
+        timed[it.name] = x
+      if it.kind == "collective" and it.op.endswith("-start") or it.op == "async-start":
+        begin = max(clock.t, clock.comm_free)
+        clock.comm_free = begin + x.seconds
+        clock.pending[it.name] = clock.comm_free
+      elif it.kind == "collective":  # synchronous: the compute stream waits
+        clock.t = max(clock.t, clock.comm_free) + x.seconds
+        clock.comm_free = clock.t
+      elif it.kind == "done":
+        clock.t = max(clock.t, clock.pending.pop(it.done_of, clock.t))
+      else:
+        clock.t += x.seconds + x.gap

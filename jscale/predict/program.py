@@ -1,0 +1,338 @@
+"""The kernels an optimised XLA:GPU program launches, in the order it runs them.
+
+Reads `compiled.as_text()` (a scheduled module: each computation's instructions are printed in
+the order the GPU stream runs them) and turns every instruction that launches work into a
+`Launch`: what it is (gemm, attention, kernel, memory, collective start / done), its FLOPs and
+operand types where it multiplies, and the HBM bytes it reads and writes. Control flow stays
+structure: a `while` is a `Loop` over its body's launches with XLA's known trip count, a
+`conditional` a `Branches` of its branches, a `call` is inlined. `jscale.predict.cost` times
+the launches and walks the structure.
+
+Bytes are what a fused kernel must move: each operand once (a parameter read only through a
+dynamic-slice counts the slice; the buffer a dynamic-update-slice updates in place counts
+nothing, and the write is the update alone) plus the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from typing import Union
+
+from jscale.analysis import hlo
+
+# Instructions that launch nothing: views, tuples, scalars, control markers.
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
+         "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain", "iota",
+         "broadcast", "reshape"}
+_F8 = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e5m2fnuz", "f8e4m3fnuz")
+_CALLS = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation|"
+                    r"branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+
+
+@dataclasses.dataclass
+class Launch:
+  """One kernel (or a collective's start / done) of the executed sequence."""
+  name: str                 # instruction name: XLA names the GPU kernel after it
+  op: str                   # HLO opcode
+  kind: str                 # gemm | attention | kernel | memory | collective | done
+  label: str                # what runs: fusion kind, custom-call target, Pallas kernel name
+  op_name: str              # JAX source op (metadata), e.g. ".../layers/while/body/..."
+  bytes: float = 0.0        # HBM bytes read + written
+  flops: float = 0.0        # gemm / attention FLOPs
+  dtype: str = ""           # gemm operand type: bf16, f32, f8 (the slower operand)
+  highest: bool = False     # an f32 gemm at HIGHEST precision (no TF32)
+  mnk: tuple[int, int, int, int] = (0, 0, 0, 0)  # gemm (batch, m, n, k)
+  attention: dict | None = None  # cuDNN / flash: {"pass", "seq", "head_dim", "causal"}
+  collective: hlo.Collective | None = None
+  done_of: str = ""         # for kind "done": the start it waits for
+
+  @property
+  def kernel_name(self) -> str:
+    """The name a GPU profile shows for XLA's own kernels (fusion names, dots -> _)."""
+    return self.name.replace(".", "_")
+
+
+@dataclasses.dataclass
+class Loop:
+  """A while loop: `body` runs `trips` times (None: XLA did not know the count)."""
+  name: str
+  trips: int | None
+  body: list["Item"]
+  op_name: str = ""
+
+
+@dataclasses.dataclass
+class Branches:
+  """A conditional: one of `branches` runs (which one is data-dependent)."""
+  name: str
+  branches: list[list["Item"]]
+  op_name: str = ""
+
+
+Item = Union[Launch, Loop, Branches]
+
+
+def _attr(attrs: str, key: str) -> str:
+  m = re.search(key + r'="((?:[^"\\]|\\.)*)"', attrs)
+  return m.group(1) if m else ""
+
+
+def _operands(attrs: str) -> list[str]:
+  """Operand names of an instruction (the text up to its closing parenthesis)."""
+  depth, end = 1, 0
+  for end, ch in enumerate(attrs):
+    depth += {"(": 1, ")": -1}.get(ch, 0)
+    if depth == 0:
+      break
+  return re.findall(r"%([\w.\-]+)", attrs[:end])
+
+
+def _size(shape) -> int:
+  return sum(hlo.nbytes(d, s) for d, s in hlo.leaves(shape))
+
+
+def _callees(attrs: str, comps: dict) -> list[str]:
+  return [c for _, val in _CALLS.findall(attrs) for c in re.findall(r"%?([\w.\-]+)", val)
+          if c in comps]
+
+
+class Program:
+  """A parsed optimised module: `items()` is its entry computation as `Item`s."""
+
+  def __init__(self, text: str):
+    self.comps, self.entry, self.n_devices = hlo.parse(text)
+    self.colls = {(c.computation, c.name): c for c in hlo.collectives(text)}
+    self._shapes = {c: {n: s for n, s, _, _ in insts} for c, insts in self.comps.items()}
+
+  def items(self, comp: str | None = None) -> list[Item]:
+    """The launches and control flow of `comp` (default: the entry) in schedule order."""
+    comp = comp or self.entry
+    out: list[Item] = []
+    for name, shape, op, attrs in self.comps[comp]:
+      if op in _FREE:
+        continue
+      callees = _callees(attrs, self.comps)
+      op_name = _attr(attrs, "op_name")
+      if op == "while":
+        trips = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', attrs)
+        body = re.search(r"\bbody=%?([\w.\-]+)", attrs).group(1)
+        out.append(Loop(name, int(trips.group(1)) if trips else None, self.items(body),
+                        op_name))
+      elif op == "conditional":
+        out.append(Branches(name, [self.items(c) for c in callees], op_name))
+      elif op == "call":
+        out += [x for c in callees for x in self.items(c)]
+      else:
+        launch = self._launch(comp, name, shape, op, attrs, callees, op_name)
+        if launch is not None:
+          out.append(launch)
+    return out
+
+  # ---------------------------------------------------------------------------- one launch
+  def _launch(self, comp, name, shape, op, attrs, callees, op_name) -> Launch | None:
+    base = op.removesuffix("-start").removesuffix("-done")
+    if op.endswith("-done"):
+      ops = _operands(attrs)
+      return Launch(name, op, "done", base, op_name, done_of=ops[0] if ops else "")
+    if op.endswith("-start") and base in hlo.KINDS or op == "async-start":
+      coll = self.colls.get((comp, name)) or next(
+          (self.colls[(c, n)] for c in callees for n, *_ in self.comps[c]
+           if (c, n) in self.colls), None)
+      if coll is not None:
+        return Launch(name, op, "collective", coll.kind, op_name, collective=coll)
+    if op in hlo.KINDS:  # a synchronous collective
+      return Launch(name, op, "collective", op, op_name, collective=self.colls.get((comp, name)))
+    if op.endswith("-start") or op in ("async-update", "async-done"):
+      return None  # copy-start / send / recv: not on a train step's path
+    launch = Launch(name, op, "memory", op, op_name, bytes=self._bytes(comp, shape, attrs))
+    if op == "fusion":
+      kind = re.search(r"kind=(\w+)", attrs).group(1)
+      backend = re.search(r'"fusion_backend_config"\s*:\s*\{\s*"kind"\s*:\s*"([^"]+)"', attrs)
+      launch.label = backend.group(1) if backend else kind
+      if backend and "gemm" in backend.group(1) or self._root_dot(callees):
+        self._gemm(launch, callees, attrs)
+      elif callees:
+        launch.bytes = self._fusion_bytes(comp, shape, attrs, callees[0])
+    elif op == "custom-call":
+      self._custom_call(launch, comp, shape, attrs)
+    elif op == "dot":
+      self._gemm(launch, [], attrs, comp)
+    return launch
+
+  def _bytes(self, comp: str, shape, attrs: str) -> float:
+    shapes = self._shapes[comp]
+    return _size(shape) + sum(_size(shapes[o]) for o in _operands(attrs) if o in shapes)
+
+  def _fusion_bytes(self, comp: str, shape, attrs: str, fused: str) -> float:
+    """Operands and result of a fusion, with slices and in-place updates counted as moved."""
+    insts = self.comps[fused]
+    params = {n: int(re.match(r"\s*(\d+)", a).group(1)) for n, _, o, a in insts
+              if o == "parameter"}
+    users: dict[str, list[tuple[str, object, int]]] = {}
+    for n, s, o, a in insts:
+      for pos, src in enumerate(_operands(a)):
+        users.setdefault(src, []).append((o, s, pos))
+    root = insts[-1]  # a fused computation's ROOT is printed last
+    views = {n: _operands(a)[0] for n, _, o, a in insts if o == "bitcast"}
+    in_place = {}
+    for n, s, o, a in insts:
+      if o == "dynamic-update-slice":
+        ops = _operands(a)
+        buffer = ops[0]
+        while buffer in views:  # the buffer may be a bitcast view of the parameter
+          buffer = views[buffer]
+        in_place[buffer] = _size(self._shapes[fused].get(ops[1], s))
+    outer = self._shapes[comp]
+    operands = _operands(attrs)
+    total = 0.0
+    for pname, index in params.items():
+      full = _size(outer[operands[index]]) if index < len(operands) and \
+          operands[index] in outer else 0
+      uses = users.get(pname, [])
+      if pname in in_place:
+        continue  # updated in place: only the update is written (counted below)
+      if uses and all(o in ("dynamic-slice", "slice", "gather") and pos == 0
+                      for o, _, pos in uses):
+        total += min(full, sum(_size(s) for _, s, _ in uses))
+      else:
+        total += full
+    written = _size(shape)
+    if in_place and root[2] in ("dynamic-update-slice", "tuple", "bitcast"):
+      written = min(written, sum(in_place.values()))  # only the updated slices are written
+    return total + written
+
+  def _root_dot(self, callees: list[str]) -> bool:
+    return bool(callees) and any(o in ("dot", "convolution") for _, _, o, _ in
+                                 self.comps[callees[0]])
+
+  def _find_dot(self, comp: str, seen: set[str]):
+    """The dot inside a (nested) gemm fusion: (instruction, its computation)."""
+    seen.add(comp)
+    for inst in self.comps[comp]:
+      if inst[2] == "dot":
+        return inst, comp
+    for *_, attrs in self.comps[comp]:
+      for c in _callees(attrs, self.comps):
+        if c not in seen and (found := self._find_dot(c, seen)):
+          return found
+    return None
+
+  def _gemm(self, launch: Launch, callees: list[str], attrs: str, comp: str = "") -> None:
+    found = (([i for i in self.comps[comp] if i[0] == launch.name][0], comp) if not callees
+             else self._find_dot(callees[0], set()))
+    if found is None:
+      return
+    (_, out_shape, _, dot_attrs), dot_comp = found
+    ops = _operands(dot_attrs)
+    shapes = self._shapes[dot_comp]
+    (lt, ls), (rt, rs) = hlo.leaves(shapes[ops[0]])[0], hlo.leaves(shapes[ops[1]])[0]
+    dims = lambda key: [int(x) for x in re.findall(r"\d+", re.search(
+        key + r"=\{([\d,]*)\}", dot_attrs).group(1))] if re.search(key, dot_attrs) else []
+    lc, lb, rc = dims("lhs_contracting_dims"), dims("lhs_batch_dims"), dims("rhs_contracting_dims")
+    rb = dims("rhs_batch_dims")
+    batch = math.prod(ls[i] for i in lb)
+    k = math.prod(ls[i] for i in lc)
+    m = math.prod(d for i, d in enumerate(ls) if i not in lc and i not in lb)
+    n = math.prod(d for i, d in enumerate(rs) if i not in rc and i not in rb)
+    launch.kind, launch.mnk, launch.flops = "gemm", (batch, m, n, k), 2.0 * batch * m * n * k
+    launch.dtype = _gemm_type(lt, rt)
+    launch.highest = "highest" in (re.search(r"operand_precision=\{([^}]*)\}", dot_attrs)
+                                   or [None, ""])[1]
+
+  # -------------------------------------------------------------------------- custom calls
+  def _custom_call(self, launch: Launch, comp: str, shape, attrs: str) -> None:
+    target = _attr(attrs, "custom_call_target")
+    launch.label = target
+    shapes = self._shapes[comp]
+    operands = [hlo.leaves(shapes[o])[0] for o in _operands(attrs) if o in shapes]
+    if target.startswith("__cublas"):
+      self._cublas(launch, attrs, operands)
+    elif target.startswith("__cudnn$fmha"):
+      fmha = _json_after(attrs, "cudnn_fmha_backend_config") or {}
+      b, h, l, s = (int(x) for x in fmha["intermediate_tensor_shape"]["dimensions"])
+      k = operands[0][1][-1]
+      causal = fmha.get("mask_type", "") == "CAUSAL"
+      backward = "Backward" in target
+      launch.kind = "attention"
+      launch.attention = {"pass": "bwd" if backward else "fwd", "seq": s, "head_dim": k,
+                          "causal": causal, "impl": "cudnn"}
+      launch.flops = _attention_flops(b, h, l, s, k, causal, backward)
+    elif target in ("mosaic_gpu", "mosaic_gpu_v2", "__gpu$xla.gpu.triton"):
+      kernel = _pallas_name(launch.op_name) or _attr(attrs, "name")
+      launch.kind, launch.label = "kernel", kernel
+      if "flash_attention" in kernel:
+        self._flash(launch, kernel, operands)
+      elif "grouped_matmul" in kernel:  # lhs [M, K] (after the group sizes); out [..., N]
+        (_, lhs), = [o for o in operands if len(o[1]) == 2][:1]
+        launch.mnk = (1, lhs[0], hlo.leaves(shape)[0][1][-1], lhs[1])
+
+  def _cublas(self, launch: Launch, attrs: str, operands) -> None:
+    gemm = _json_after(attrs, "gemm_backend_config") or {}
+    dn = gemm.get("dot_dimension_numbers", {})
+    (lt, ls), (rt, rs) = operands[0], operands[1]
+    ints = lambda key: [int(x) for x in dn.get(key, [])]
+    lc, lb, rc, rb = (ints(k) for k in ("lhs_contracting_dimensions", "lhs_batch_dimensions",
+                                         "rhs_contracting_dimensions", "rhs_batch_dimensions"))
+    batch = math.prod(ls[i] for i in lb)
+    k = math.prod(ls[i] for i in lc)
+    m = math.prod(d for i, d in enumerate(ls) if i not in lc and i not in lb)
+    n = math.prod(d for i, d in enumerate(rs) if i not in rc and i not in rb)
+    launch.kind, launch.mnk, launch.flops = "gemm", (batch, m, n, k), 2.0 * batch * m * n * k
+    launch.dtype = _gemm_type(lt, rt)
+    precision = gemm.get("precision_config", {}).get("operand_precision", [])
+    launch.highest = "HIGHEST" in precision
+
+  def _flash(self, launch: Launch, kernel: str, operands) -> None:
+    """A Pallas flash kernel: q [B, L, H, K], k [B, S, G, K]; jscale trains causally."""
+    (_, q), (_, kv) = operands[0], operands[1]
+    if len(q) != 4 or len(kv) != 4:
+      return
+    b, l, h, k = q
+    s = kv[1]
+    backward = "dq" in kernel or "dkv" in kernel or "bwd" in kernel
+    launch.kind = "attention"
+    part = 0.4 if "dq" in kernel else 0.6 if "dkv" in kernel else 1.0  # of the backward
+    launch.attention = {"pass": "bwd" if backward else "fwd", "seq": s, "head_dim": k,
+                        "causal": True, "impl": "hopper" if "hopper" in kernel else "pallas",
+                        "part": part}
+    launch.flops = _attention_flops(b, h, l, s, k, True, backward) * (part if backward else 1)
+
+
+def _gemm_type(lt: str, rt: str) -> str:
+  """The type a gemm runs in: f8 when both operands are, bf16 / f16 likewise, else f32."""
+  types = {lt, rt}
+  if types <= set(_F8):
+    return "f8"
+  if types <= {"bf16", "f16"}:
+    return "bf16"
+  return "f32"
+
+
+def _attention_flops(b, h, l, s, k, causal: bool, backward: bool) -> float:
+  """QKᵀ and PV: 4·B·H·L·S·K, halved by a causal mask; the backward 2.5x (FlashAttention-2's
+  count: QKᵀ recomputed, dV, dP, dQ, dK)."""
+  f = 4.0 * b * h * l * s * k * (0.5 if causal else 1.0)
+  return 2.5 * f if backward else f
+
+
+def _pallas_name(op_name: str) -> str:
+  """The Pallas kernel's name from its op_name (".../flash_attention_fwd_hopper/mpmd_map")."""
+  parts = [p for p in op_name.split("/") if p not in ("mpmd_map", "pallas_call")]
+  return parts[-1] if parts else ""
+
+
+def _json_after(attrs: str, key: str) -> dict | None:
+  """The JSON object that follows `"key":` in a backend_config."""
+  i = attrs.find(f'"{key}"')
+  if i < 0:
+    return None
+  start = attrs.index("{", i)
+  depth = 0
+  for j in range(start, len(attrs)):
+    depth += {"{": 1, "}": -1}.get(attrs[j], 0)
+    if depth == 0:
+      return json.loads(attrs[start:j + 1])
+  return None

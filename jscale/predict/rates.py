@@ -1,0 +1,104 @@
+"""What each kind of kernel achieves on a Hopper GPU: the constants `jscale.predict.cost` times
+a launch with, each with where it comes from.
+
+Peaks are datasheet figures (`jscale.metrics.PEAK_FLOPS`), HBM bandwidth the best copy
+measured on the card (`jscale.plan.hardware`). Kernels whose speed the compiled program cannot
+tell (cuDNN's fused attention, jscale's Pallas kernels) run at rates measured on our GPUs,
+looked up by shape; where none was measured the launch is timed as a roofline and flagged.
+The efficiencies (`Fit`) were fitted on at most half of the measured training rows
+(`scripts/predict_vs_measured.py`, results/predict_vs_measured.md lists which).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+
+from jscale.metrics import PEAK_FLOPS
+from jscale.plan import hardware
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+  """The fitted constants (see the module docstring for how)."""
+  gemm_ceiling: float = 0.80   # of peak, a large well-shaped gemm (cuBLAS bf16 ~0.75-0.80)
+  gemm_k_half: float = 64.0    # k at which a gemm reaches half its ceiling (short dot products)
+  memory: float = 0.85         # of the measured copy bandwidth, an XLA loop / input fusion
+  launch_s: float = 3e-6       # per kernel: launch, ramp-up and tail, the gaps between kernels
+  collective_s: float = 15e-6  # per collective: NCCL's latency
+
+
+FIT = Fit()
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One GPU as the predictor sees it."""
+  name: str
+  peak: dict[str, float]      # FLOP/s by gemm type: bf16, f8, tf32, f32
+  hbm_bytes_s: float          # measured copy bandwidth
+  sms: int
+  per_node: int
+  fit: Fit = FIT
+
+
+def chip(gpu: str, fit: Fit = FIT) -> Chip:
+  """The predictor's view of `gpu` ("h100", "h200": `jscale.analysis.gpu_target.TARGETS`)."""
+  g = hardware.GPUS[gpu]
+  peaks = PEAK_FLOPS[gpu.upper()]
+  return Chip(gpu, {"bf16": peaks["bf16"], "f8": peaks["fp8"], "tf32": peaks["tf32"],
+                    "f32": peaks["f32"]}, g.hbm_bytes_s, 132, g.gpus_per_node, fit)
+
+
+# Flash attention, bf16, TFLOP/s at B·L = 16384 tokens, H·K = 2048 (scripts/bench_kernels.py;
+# the FLOPs of `program._attention_flops`): impl, causal, head_dim -> [(seq, fwd, fwd + bwd)].
+# The chip's SMs and clocks bound these kernels, so H100 and H200 figures stand for each other.
+ATTENTION: dict[tuple[str, bool, int], list[tuple[int, float, float]]] = {
+    # cuDNN, H100 (results/h100_measured/h100_2026-11-23.md, "cuDNN timed properly": 30 calls
+    # per sync; 4096/64 also 415/371 beside tokamax, 421/369 on the H200). At K 64 only 4096
+    # was timed properly: 2048 and 8192 follow the host-timed table's trend from 4096.
+    ("cudnn", True, 64): [(2048, 318, 290), (4096, 415, 369), (8192, 460, 434)],
+    ("cudnn", True, 128): [(4096, 552, 457), (8192, 608, 507)],
+    ("cudnn", False, 128): [(4096, 653, 537)],
+    # jscale's Hopper (Mosaic GPU) kernel and the portable Pallas (Triton) one, on the H200
+    # (results/h200_measured/bench_kernels.md, profiler kernel time).
+    ("hopper", True, 64): [(4096, 419, 354)],
+    ("pallas", True, 64): [(4096, 232, 135)],
+}
+# RMSNorm kernels, fraction of the copy bandwidth (results/h200_measured/bench_kernels.md, N
+# 16384, D 2048 / 4096 averaged; the backward's share derived from fwd+bwd minus fwd).
+NORM = {("hopper", "fwd"): 0.87, ("hopper", "bwd"): 0.75,
+        ("pallas", "fwd"): 0.89, ("pallas", "bwd"): 0.46}
+
+
+def attention_rate(impl: str, causal: bool, head_dim: int, seq: int, backward: bool
+                   ) -> tuple[float | None, str]:
+  """(FLOP/s, note) of one attention pass; None where nothing was measured. Backward rates
+  follow from fwd and fwd + bwd: the backward does 2.5x the forward's FLOPs."""
+  keys = [k for k in ATTENTION if k[0] == impl and k[1] == causal]
+  if not keys:
+    return None, f"no measured {impl} rate"
+  key = min(keys, key=lambda k: abs(math.log2(k[2] / head_dim)))
+  points = ATTENTION[key]
+  note = "" if key[2] == head_dim else f"head dim {key[2]}'s rate"
+  seqs = [p[0] for p in points]
+  if seq < seqs[0] or seq > seqs[-1]:
+    note = ", ".join(x for x in (note, f"seq {seq} outside the measured {seqs[0]}-{seqs[-1]}")
+                     if x)
+  fwd, both = _interp(points, seq)
+  rate = 2.5 / (3.5 / both - 1.0 / fwd) if backward else fwd
+  return rate * 1e12, note
+
+
+def _interp(points, seq) -> tuple[float, float]:
+  """Linear in log(seq) between measured lengths, clamped outside them."""
+  seqs = [p[0] for p in points]
+  if seq <= seqs[0] or len(points) == 1:
+    return points[0][1:] if seq <= seqs[0] else points[-1][1:]
+  if seq >= seqs[-1]:
+    return points[-1][1:]
+  i = bisect.bisect_left(seqs, seq)
+  (s0, f0, b0), (s1, f1, b1) = points[i - 1], points[i]
+  w = (math.log(seq) - math.log(s0)) / (math.log(s1) - math.log(s0))
+  return f0 + w * (f1 - f0), b0 + w * (b1 - b0)

@@ -1,0 +1,120 @@
+"""A predicted step as a user reads it: time, tokens/s and MFU; time by the categories and
+kernel names of `python -m jscale.profile` (so a prediction and a GPU trace compare line by
+line); the top kernels and what bounds each; and what stands between the step and 55% MFU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jscale.predict.cost import Schedule, Timed
+from jscale.predict.rates import Chip
+from jscale.profile import CATEGORIES, categorize
+
+TARGET_MFU = 0.55
+
+
+def category(x: Timed) -> str:
+  """The profile's category of a predicted launch (gemm / attention / collectives by what it
+  is, the rest by its kernel name, as `jscale.profile.categorize` reads a trace)."""
+  kind = x.launch.kind
+  if kind in ("gemm", "attention"):
+    return kind
+  if kind in ("collective", "done"):
+    return "collectives"
+  if "grouped_matmul" in x.launch.label:
+    return "gemm"
+  return categorize(x.launch.kernel_name, x.launch.label)
+
+
+@dataclasses.dataclass
+class Summary:
+  """The figures of a prediction (what `--json` prints)."""
+  step_s: float
+  tokens_per_s: float
+  mfu: float
+  model_flops: float                  # per device per step
+  peak_flops: float                   # the MFU denominator (dense bf16)
+  by_category: dict[str, float]       # seconds per step, "idle" the launch gaps
+  exposed_collectives_s: float
+  top: list[dict]
+  gap_to_target: list[tuple[str, float]]  # (what, seconds it costs)
+  notes: list[str]
+
+
+def summarize(s: Schedule, chip: Chip, model_flops: float, tokens: int, top: int = 20
+              ) -> Summary:
+  """`s` with the step's model FLOPs (per device) and trained tokens (all devices)."""
+  by = {c: 0.0 for c in CATEGORIES}
+  gaps = busy = 0.0
+  for x in s.timed:
+    by[category(x)] += x.seconds * x.runs
+    gaps += x.gap * x.runs
+    busy += 0.0 if x.launch.kind in ("collective", "done") else (x.seconds + x.gap) * x.runs
+  by["idle"] = gaps
+  exposed = max(0.0, s.seconds - busy)
+  peak = chip.peak["bf16"]
+  rows = sorted(s.timed, key=lambda x: -x.seconds * x.runs)[:top]
+  top_rows = [{"kernel": x.launch.kernel_name, "runs": x.runs, "ms": x.seconds * x.runs * 1e3,
+               "category": category(x), "bound": x.bound, "what": _what(x), "note": x.note}
+              for x in rows if x.runs]
+  notes = ([f"conditional timed by its longest branch: {b}" for b in s.branches]
+           + [f"loop {n}: trip count unknown to XLA, timed once" for n in s.unknown_trips]
+           + sorted({x.note for x in s.timed if x.runs and x.bound == "roofline" and x.note}))
+  return Summary(s.seconds, tokens / s.seconds, model_flops / (s.seconds * peak), model_flops,
+                 peak, by, exposed, top_rows, _gap(s, chip, model_flops, exposed, gaps), notes)
+
+
+def _what(x: Timed) -> str:
+  l = x.launch
+  if l.kind == "gemm":
+    b, m, n, k = l.mnk
+    return f"{l.dtype}{' HIGHEST' if l.highest else ''} {'%dx' % b if b > 1 else ''}{m}x{n}x{k}"
+  if l.kind == "attention":
+    a = l.attention
+    return f"{a['impl']} {a['pass']} seq {a['seq']} head {a['head_dim']}"
+  if l.kind == "collective" and l.collective is not None:
+    return f"{l.collective.kind} {l.collective.bytes / 2**20:.1f} MiB"
+  return f"{l.label} {l.bytes / 2**20:.1f} MiB"
+
+
+def _gap(s: Schedule, chip: Chip, model_flops: float, exposed: float, gaps: float
+         ) -> list[tuple[str, float]]:
+  """What the step spends beyond the 55%-MFU step, largest first: f32 gemms (over their bf16
+  time), recomputed kernels, exposed communication, launch gaps, and the non-gemm categories."""
+  f32 = recomputed = 0.0
+  by: dict[str, float] = {}
+  for x in s.timed:
+    t = x.seconds * x.runs
+    if x.launch.kind == "gemm" and x.launch.dtype == "f32":
+      f32 += t * (1 - chip.peak["tf32"] / chip.peak["bf16"])
+    if "rematted_computation" in x.launch.op_name:
+      recomputed += t
+    if category(x) in ("elementwise/fusion", "copies"):
+      by[category(x)] = by.get(category(x), 0.0) + t
+  items = [("f32 / TF32 gemms (their time over bf16's)", f32),
+           ("recomputed kernels (remat)", recomputed), ("exposed collectives", exposed),
+           ("launch gaps", gaps), *((f"{c} kernels", t) for c, t in by.items())]
+  return sorted([(w, t) for w, t in items if t > 1e-6], key=lambda wt: -wt[1])
+
+
+def format_summary(r: Summary, header: str) -> str:
+  """The report as text."""
+  ms = lambda sec: sec * 1e3
+  target_s = r.model_flops / (TARGET_MFU * r.peak_flops)
+  lines = [header,
+           f"predicted step {ms(r.step_s):.1f} ms, {r.tokens_per_s:,.0f} tokens/s, MFU "
+           f"{r.mfu:.1%} (exposed collectives {ms(r.exposed_collectives_s):.1f} ms)", "",
+           f"{'category':<22}{'ms':>10}{'% of step':>11}"]
+  for c, t in r.by_category.items():
+    lines.append(f"{c:<22}{ms(t):>10.2f}{t / r.step_s:>11.1%}")
+  lines += ["", f"top {len(r.top)} kernels by predicted time:",
+            f"{'ms':>9}{'runs':>6}  {'category':<19}{'bound':<9}{'kernel':<44}what"]
+  for k in r.top:
+    lines.append(f"{k['ms']:>9.2f}{k['runs']:>6}  {k['category']:<19}{k['bound']:<9}"
+                 f"{k['kernel'][:43]:<44}{k['what']}{'  (' + k['note'] + ')' if k['note'] else ''}")
+  lines += ["", f"to {TARGET_MFU:.0%} MFU the step must take {ms(target_s):.1f} ms "
+            f"({ms(r.step_s - target_s):+.1f} ms from here); where the time goes beyond the "
+            "gemms and attention:"]
+  lines += [f"  {ms(t):>8.1f} ms  {w}" for w, t in r.gap_to_target]
+  lines += [f"note: {n}" for n in r.notes]
+  return "\n".join(lines)

@@ -1,0 +1,200 @@
+"""`jscale.predict`: each cost rule on a small program compiled by the real XLA:GPU compiler for
+H100s (no GPU: `jscale.analysis.gpu_target`), the two-stream schedule's overlap arithmetic, and
+the guard on llama3_1b's predicted MFU that a slower step must fail.
+
+How well the predictions match the GPUs: scripts/predict_vs_measured.py ->
+results/predict_vs_measured.md (every measured row; needs old commits' worktrees, not CI).
+"""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jscale.analysis import gpu_target
+
+if not gpu_target.available():
+  pytest.skip("needs JAX's CUDA plugin and cuDNN to compile for GPUs: pip install -e "
+              "'.[gpu-compile]' (.ci/run does)", allow_module_level=True)
+
+# pylint: disable=wrong-import-position
+from jscale import predict  # noqa: E402
+from jscale.analysis import hlo, introspect  # noqa: E402
+from jscale.config_load import load_config  # noqa: E402
+from jscale.plan import hardware  # noqa: E402
+from jscale.predict import cost, program, rates, report  # noqa: E402
+from jscale.predict.__main__ import main  # noqa: E402
+
+CHIP = rates.chip("h100")
+FIT = CHIP.fit
+
+
+def _compile(f, *shapes, n=1, spec=P()):
+  mesh = Mesh(np.array(gpu_target.devices(f"h100x{n}")), ("x",))
+  s = NamedSharding(mesh, spec)
+  return jax.jit(f, in_shardings=(s,) * len(shapes), out_shardings=NamedSharding(mesh, P())
+                 ).lower(*shapes).compile().as_text()
+
+
+def _only(text, kind):
+  (x,) = [i for i in program.Program(text).items() if getattr(i, "kind", "") == kind]
+  return x
+
+
+SQUARE = 4096
+GEMM_FLOPS = 2.0 * SQUARE**3
+
+
+@pytest.mark.parametrize("dtype, precision, peak", [
+    (jnp.bfloat16, None, "bf16"), (jnp.float32, None, "tf32"), (jnp.float32, "highest", "f32")])
+def test_gemm_runs_at_its_operand_types_peak(dtype, precision, peak):
+  """A square gemm: FLOPs from its dimensions, the peak of what it multiplies in (f32 at
+  default precision is TF32 on Hopper, HIGHEST plain f32), the shape's efficiency."""
+  a = jax.ShapeDtypeStruct((SQUARE, SQUARE), dtype)
+  x = _only(_compile(lambda p, q: jnp.matmul(p, q, precision=precision), a, a), "gemm")
+  assert x.flops == GEMM_FLOPS and x.mnk == (1, SQUARE, SQUARE, SQUARE)
+  t = cost.time_launch(x, CHIP)
+  eff = cost.gemm_efficiency(1, SQUARE, SQUARE, SQUARE, CHIP)
+  waves = 512 / (4 * 132)  # 32 x 16 tiles of 128x256 on 132 SMs: 4 waves, the last short
+  assert eff == pytest.approx(FIT.gemm_ceiling * waves * SQUARE / (SQUARE + FIT.gemm_k_half))
+  assert t.seconds == pytest.approx(GEMM_FLOPS / (CHIP.peak[peak] * eff))
+  assert t.bound == "compute"
+
+
+def test_gemm_efficiency_sees_waves_and_short_k():
+  # 132 SMs: 133 tiles of 128x256 take two waves; a k of 64 reaches half the ceiling.
+  full = cost.gemm_efficiency(1, 128 * 12, 256 * 11, 4096, CHIP)
+  spill = cost.gemm_efficiency(1, 128 * 12 + 1, 256 * 11, 4096, CHIP)
+  assert spill < 0.8 * full
+  short = cost.gemm_efficiency(1, 128 * 12, 256 * 11, FIT.gemm_k_half, CHIP)
+  assert short == pytest.approx(FIT.gemm_ceiling / 2)  # one full wave, half the ceiling
+
+
+def test_memory_bound_fusion_moves_its_bytes():
+  x = jax.ShapeDtypeStruct((8192, 8192), jnp.float32)
+  f = _only(_compile(lambda v: v * 2 + 1, x), "memory")
+  assert f.bytes == 2 * 8192 * 8192 * 4  # read once, written once
+  t = cost.time_launch(f, CHIP)
+  assert t.seconds == pytest.approx(f.bytes / (CHIP.hbm_bytes_s * FIT.memory))
+  assert t.gap == FIT.launch_s and t.bound == "memory"
+
+
+def test_in_place_update_moves_the_slice_not_the_buffer():
+  buf = jax.ShapeDtypeStruct((64, 1024, 1024), jnp.float32)
+  row = jax.ShapeDtypeStruct((1, 1024, 1024), jnp.float32)
+  mesh = Mesh(np.array(gpu_target.devices("h100x1")), ("x",))
+  s = NamedSharding(mesh, P())
+  text = jax.jit(lambda b, r, i: jax.lax.dynamic_update_slice(b, r * 2, (i, 0, 0)),
+                 in_shardings=(s, s, s), out_shardings=s, donate_argnums=0).lower(
+      buf, row, jax.ShapeDtypeStruct((), jnp.int32)).compile().as_text()
+  moved = sum(x.bytes for x in program.Program(text).items() if x.kind == "memory")
+  assert moved <= 2 * 1024 * 1024 * 4 + 64  # the row read and written, not 64 rows
+
+
+def test_collective_over_the_link_its_group_spans():
+  """A psum of 64 MiB over 8 H100s of one node: all-reduce volume 2 x 64 MiB over NVLink's
+  measured all-reduce bus bandwidth (`plan.hardware.busbw`)."""
+  x = jax.ShapeDtypeStruct((8 * 2048, 1024), jnp.float32)
+  text = _compile(lambda v: jnp.sum(v, axis=0), x, n=8, spec=P("x"))
+  (c,) = [i for i in program.Program(text).items() if getattr(i, "kind", "") == "collective"]
+  t = cost.time_launch(c, CHIP)
+  assert c.collective.kind == "all-reduce" and c.collective.group_size == 8
+  want = 2 * c.collective.bytes / hardware.busbw("all-reduce", 1) + FIT.collective_s
+  assert t.seconds == pytest.approx(want)
+
+
+def test_loop_runs_its_body_trip_count_times():
+  a = jax.ShapeDtypeStruct((SQUARE, SQUARE), jnp.bfloat16)
+  text = _compile(lambda p, q: jax.lax.fori_loop(0, 10, lambda i, v: jnp.tanh(v @ q), p), a, a)
+  (loop,) = [i for i in program.Program(text).items() if isinstance(i, program.Loop)]
+  assert loop.trips == 10
+  sched = predict.predict(text, "h100")
+  (gemm,) = [t for t in sched.timed if t.launch.kind == "gemm"]
+  assert gemm.runs == 10 and not sched.unknown_trips
+  assert sched.seconds == pytest.approx(sum((t.seconds + t.gap) * t.runs for t in sched.timed))
+
+
+def _collective(ms: float) -> program.Launch:
+  """A start whose transfer takes `ms` (all-gather volume over one node's busbw)."""
+  bytes_ = int((ms * 1e-3 - FIT.collective_s) * hardware.busbw("all-gather", 1))
+  c = hlo.Collective("all-gather", "ag", "main", ("u8",), ("u8",), bytes_, "", ((0, 1),), 2,
+                     None)
+  return program.Launch("ag", "all-gather-start", "collective", "all-gather", "", collective=c)
+
+
+def _work(name: str, ms: float) -> program.Launch:
+  return program.Launch(name, "fusion", "memory", "kLoop", "",
+                        bytes=ms * 1e-3 * CHIP.hbm_bytes_s * FIT.memory)
+
+
+@pytest.mark.parametrize("between_ms", [0.0, 0.6, 1.5])
+def test_async_collective_hides_behind_the_compute_between_start_and_done(between_ms):
+  """The playbook's overlap: a 1 ms transfer with `between_ms` of compute between its start
+  and done exposes only what outlasts that compute (all of it with none, nothing past 1 ms)."""
+  done = program.Launch("agd", "all-gather-done", "done", "all-gather", "", done_of="ag")
+  items = [_collective(1.0)] + ([_work("w", between_ms)] if between_ms else []) + [done]
+  busy = between_ms * 1e-3 + (FIT.launch_s if between_ms else 0.0)
+  assert cost.schedule(items, CHIP).seconds == pytest.approx(max(busy, 1e-3))
+
+
+def test_loop_carried_collective_overlaps_the_next_iteration():
+  """XLA's pipelined collectives: the next iteration's transfer starts in this one and is
+  waited for at the top of the next; the steady state hides it behind this body's compute, and
+  exposes it when nothing runs between the start and the loop's back edge."""
+  done = program.Launch("agd", "all-gather-done", "done", "all-gather", "", done_of="ag")
+  hidden = [done, _collective(1.0), _work("w", 2.0)]
+  assert cost.schedule([program.Loop("l", 5, hidden)], CHIP).seconds == pytest.approx(
+      5 * (2e-3 + FIT.launch_s))
+  late = [done, _work("w", 2.0), _collective(1.0)]
+  assert cost.schedule([program.Loop("l", 5, late)], CHIP).seconds == pytest.approx(
+      5 * (2e-3 + FIT.launch_s) + 4 * 1e-3)
+
+
+# The guard: llama3_1b as configured, compiled for one H100 as launched, one compile per config.
+CONFIG = "configs/llama3_1b.yaml"
+
+
+@pytest.fixture(scope="module")
+def llama3_1b():
+  texts = {}
+
+  def run(*overrides):
+    """(prediction, optimised HLO text) of llama3_1b.yaml with `overrides`."""
+    cfg = load_config(CONFIG, ["checkpoint.every=0", *overrides])
+    if overrides not in texts:
+      compiled, _ = introspect.compile_train_step(cfg, gpu_target.devices("h100x1"))
+      texts[overrides] = compiled.as_text()
+    return predict.predict_config(cfg, "h100x1", texts[overrides]), texts[overrides]
+  return run
+
+
+def test_llama3_1b_as_configured_predicts_at_least_45_percent_mfu(llama3_1b):
+  r, _ = llama3_1b()
+  assert r.mfu >= 0.45, r
+  assert r.by_category["gemm"] > 0.5 * r.step_s and r.exposed_collectives_s == 0.0
+
+
+@pytest.mark.parametrize("slower", [("model.dtype=float32",), ("train.remat=full",)],
+                         ids=["f32-matmuls", "recompute-everything"])
+def test_guard_fails_a_slower_step(llama3_1b, slower):
+  """f32 matmuls (TF32 gemms) or recomputing every kernel in the backward fall under 45%."""
+  assert llama3_1b(*slower)[0].mfu < 0.45
+
+
+def test_cli_prints_the_prediction_and_its_json(llama3_1b, tmp_path, capsys):
+  path = tmp_path / "step.hlo"
+  path.write_text(llama3_1b()[1])
+  args = ["--config", CONFIG, "checkpoint.every=0", "--target", "h100x1", "--hlo", str(path)]
+  assert main([*args, "--top", "5"]) == 0
+  out = capsys.readouterr().out
+  assert "predicted step" in out and "top 5 kernels" in out and "55% MFU" in out
+  assert main([*args, "--json"]) == 0
+  r = json.loads(capsys.readouterr().out)
+  assert set(r) == {f.name for f in dataclasses.fields(report.Summary)}
+  assert r["mfu"] == pytest.approx(llama3_1b()[0].mfu)
+  assert main(["--target", "h100x0"]) == 2 and "expected <gpu>x<count>" in \
+      capsys.readouterr().err
