@@ -128,6 +128,28 @@ def test_cross_attention_shapes_interpreted():
   _check_against_reference(False, 1, 64, False, b=2, l=128, h=2, s=384, interpret=True)
 
 
+def test_rows_whose_first_keys_are_all_masked_interpreted():
+  # The H200's NaN (non-causal, segments, d=128): a row whose first K block holds no key of
+  # its segment got exp2(fma(mask, scale, -round(mask * scale))) = exp2(+5.7e29) = inf from a
+  # finite mask value, then inf * 0 = NaN at the next block. XLA:CPU contracts that FMA too.
+  # Rows 100..127 see nothing in K block 0; kv has no segment 0, so rows 0..36 see no key.
+  l, d = 128, 128
+  rng = np.random.default_rng(1)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, l, 1, d), np.float32)).astype(jnp.bfloat16)
+             for _ in range(3))
+  q_seg = jnp.asarray(np.searchsorted([37, 100], np.arange(l), side="right")[None], jnp.int32)
+  seg = (q_seg, q_seg.at[:, :37].set(1))
+  out, lse = jax.jit(lambda q, k, v: hopper.flash_attention(
+      q, k, v, causal=False, segment_ids=seg, return_lse=True, interpret=True,
+      block_sizes=HopperBlocks(block_q=64, block_kv=64)))(q, k, v)
+  f32 = lambda x: x.astype(jnp.float32)
+  ref_out, ref_lse = reference(f32(q), f32(k), f32(v), causal=False, segment_ids=seg)
+  assert_close("out", out, ref_out, 2e-2)
+  lse, seen = np.asarray(lse), np.isfinite(np.asarray(ref_lse))
+  assert seen.sum() == 91 and np.all(lse[~seen] == -np.inf)  # rows 0..36 see no key
+  assert_close("lse", lse[seen], np.asarray(ref_lse)[seen], 2e-2)
+
+
 def _check_against_reference(causal, g, d, segments, *, b, l, h, s=None, interpret=False,
                              blocks=None):
   rng = np.random.default_rng(0)

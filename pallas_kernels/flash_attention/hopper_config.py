@@ -14,7 +14,6 @@ import functools
 import math
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -22,10 +21,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.flash_attention.hopper_ops import Ops
 from pallas_kernels.mosaic_gpu_env import interpret_params
 
-# Finite, so a row whose keys are all masked in one block gives exp2(0), not NaN; such rows are
-# wiped by the rescale of the next visible block, or zeroed at the end if none is (as in the
-# portable kernel).
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2E = math.log2(math.e)
 COMPUTE_WGS = 2  # compute warpgroups per CUDA block; the memory warpgroup is the third
 

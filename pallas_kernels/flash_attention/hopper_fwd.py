@@ -32,9 +32,6 @@ def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: hc.Config):
   n_kv, n_tiles = s // bkv, l // (hc.COMPUTE_WGS * bq)
   slots = min(cfg.blocks.max_concurrent_steps, n_kv)
   scale = cfg.sm_scale * hc.LOG2E
-  # Masked scores are set before scaling: a value whose scaled form stays finite.
-  masked_qk = hc.MASK_VALUE / max(scale, 1.0)
-  seen_threshold = 0.5 * masked_qk * scale
 
   # The kernel's name is its pallas_call's: GPU profiles show it, and `remat: selective`
   # saves this forward's outputs by it (the backward then never reruns it).
@@ -78,11 +75,18 @@ def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: hc.Config):
         kv_seg = ops.col_vector(kv_seg_ref.at[batch], step * bkv, bkv) if cfg.segments else None
         visible = ops.mask((bq, bkv), q_base, step * bkv, causal, q_seg, kv_seg)
         if visible is not None:
-          qk = jnp.where(visible, qk, masked_qk)
+          qk = jnp.where(visible, qk, -jnp.inf)
         # Online softmax in base 2; the scale folds into one FMA per score.
         m_new = jnp.maximum(m, qk.max(axis=1) * scale)
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(qk * scale - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+        m_sub = m_new
+        if cfg.segments:
+          # A row that has seen no key yet (segments only: causal rows see key 0 first) has
+          # m_new = -inf: subtract 0 so its p are exp2(-inf) = 0, not NaN (FA3's Check_inf).
+          # A finite mask is not safe here: fma(mask, scale, -round(mask * scale)) is the
+          # product's rounding error, ~1e30, and exp2 of it inf (NaN after the next rescale).
+          m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_sub)
+        p = jnp.exp2(qk * scale - lax.broadcast_in_dim(m_sub, qk.shape, [0]))
         acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
         l_sum *= alpha
         p16 = p.astype(dtype)
@@ -128,8 +132,8 @@ def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: hc.Config):
 
       out = acc / lax.broadcast_in_dim(l_sum, acc.shape, [0])
       lse = m + jnp.log2(l_sum)
-      if cfg.segments:  # a row that saw no key outputs 0, lse -inf (no gradient)
-        seen = m > seen_threshold
+      if cfg.segments:  # a row that saw no key (m, l_sum: -inf, 0) outputs 0, lse -inf
+        seen = m > -jnp.inf
         out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]), out, 0.0)
         lse = jnp.where(seen, lse, -jnp.inf)
       qo_smem[...] = out.astype(dtype)
