@@ -104,7 +104,8 @@ def test_runtime_reports_which_flash_kernels_run(overrides, kernels, why):
 
 @pytest.mark.skipif(not ON_HOPPER, reason="compiles only for Hopper GPUs (sm_90)")
 @pytest.mark.parametrize("causal, g, d, segments", [
-    (True, 2, 128, False), (False, 4, 64, False), (True, 1, 64, True), (False, 2, 128, True)])
+    (True, 2, 128, False), (False, 4, 64, False), (True, 1, 64, True), (False, 2, 128, True),
+    (True, 2, 128, True)])  # d 128 with segments: the H200's NaN case, and its causal twin
 def test_values_and_gradients_match_reference_on_hopper(causal, g, d, segments):
   _check_against_reference(causal, g, d, segments, b=2, l=512, h=4)
 
