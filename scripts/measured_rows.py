@@ -14,6 +14,17 @@ but jscale/analysis/ except introspect.py, pallas_kernels/, configs/) compile wi
 checkout. Each compile runs `scripts/dump_step_hlo.py` in its own process (how the flags and
 memory limit are set: its docstring). The measured figures and where they come from:
 `measured_data.py`.
+
+Without a GPU XLA cannot autotune gemms: every dot stays a Triton gemm fusion, where the GPU
+ran cuBLAS for most (nvjet_* / sm90_xmma_* in the profiles). `xla_flags=CUBLAS_GEMMS` compiles
+the all-cuBLAS program instead (its own cache entry). Compiled memory (arguments + temps +
+outputs - aliased) against the measured peak, jax 0.10.2: all-cuBLAS within 0.6 GiB on 19 of
+the 21 rows with a peak (llama3_3b full b2 +3.1; the xla-attention row +12.3, where the Triton
+default is -0.3); the Triton default is 1.6-11.9 GiB low on six rows (at 29f9f33 the fp32
+(TF32) cuBLAS gemms need materialised fp32 operands; Triton fusions convert inside).
+
+Cache (`--cache`, default .cache/predict_hlo/): hlo/<row>__<key>.hlo.txt.gz and .json (the
+record `compile_info` returns), worktrees/<commit>[+<patch sha>]/, gpu_target/ (the copy).
 """
 
 from __future__ import annotations
@@ -33,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from measured_data import ROWS, Row, by_name  # noqa: E402  pylint: disable=wrong-import-position
 
-__all__ = ["ROWS", "Row", "by_name", "hlo_text", "compile_info", "DEFAULT_CACHE"]
+__all__ = ["ROWS", "Row", "by_name", "hlo_text", "compile_info", "DEFAULT_CACHE", "CUBLAS_GEMMS"]
+CUBLAS_GEMMS = "--xla_gpu_enable_triton_gemm=false"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CACHE = os.path.join(REPO, ".cache", "predict_hlo")
