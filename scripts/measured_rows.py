@@ -118,7 +118,7 @@ def _worktree(cache: str, commit: str, patch_path: str | None, patch: bytes) -> 
   os.makedirs(os.path.dirname(path), exist_ok=True)
   _git("worktree", "add", "--detach", path, commit)
   if patch_path:
-    _git("apply", os.path.abspath(patch_path), cwd=path)
+    _git("apply", os.path.join(REPO, patch_path), cwd=path)
   with open(done, "w", encoding="utf-8") as f:
     f.write(f"{commit} {patch_path or ''}\n")
   return path
