@@ -13,7 +13,8 @@ with bf16 compute, no checkpoints, no eval. Steps 2..N are timed by the trainer'
 (the first step holds the compile); the figure is the mean over the logged intervals after the
 first, excluding the profiled steps. Then `train.profile_steps` traces two steps and
 `jscale.profile` splits their device time into gemm / attention / collectives /
-elementwise / copies / idle, with the top kernels. MFU is the trainer's: 6·N + causal attention
+elementwise / copies / idle, with the top kernels; beside them `jscale.predict`'s figures for
+the step program the run compiled (XLA dumps it: the autotuned program). MFU is the trainer's: 6·N + causal attention
 FLOPs per token over the device's dense bf16 peak (989 TFLOP/s for an H100 SXM).
 
 Writes results/bench_train.md (table, then each row's profile summary) and .csv. The whole sweep
@@ -24,15 +25,18 @@ run for less, split it with --only and --out.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jscale import profile  # noqa: E402
+from jscale import predict, profile  # noqa: E402
+from jscale.predict import rates, report  # noqa: E402
 from jscale.analysis.report import write_table  # noqa: E402
 
 L1B, L3B, L8B = ("model.preset=llama3_1b",), ("model.preset=llama3_3b",), (
@@ -64,6 +68,8 @@ QUICK: dict[str, tuple[str, ...]] = {  # CPU: the script's plumbing, not a measu
     "tiny b8": ("model.n_layers=2", "train.batch_size=8", "train.seq_len=64",
                 "model.dtype=float32"),
 }
+STEP_MODULE = "jit_step"  # the train step's jitted function is `step`
+PREDICTED = ("gemm", "attention", "collectives", "elementwise", "copies", "idle")
 COMMON = ("model.dtype=bfloat16", "train.seq_len=4096", "checkpoint.every=0", "train.eval_every=0",
           "data.val_fraction=0", "logging.progress=false", "logging.tensorboard=false",
           "train.warmup_steps=5")
@@ -79,8 +85,11 @@ def run_row(name: str, overrides: tuple[str, ...], steps: int, every: int, workd
          f"train.profile_steps=[{first},{first + 1}]", f"train.output_dir={out}"]
   print(f"== {name}: {' '.join(cmd[3:])}", flush=True)
   env = dict(os.environ)
-  if name in ROW_XLA_FLAGS:
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {ROW_XLA_FLAGS[name]}".strip()
+  # The train step's optimised program as the GPU compiled it (autotuned), for jscale.predict.
+  dump = (f"--xla_dump_to={os.path.join(out, 'hlo')} --xla_dump_hlo_as_text "
+          f"--xla_dump_hlo_module_re={STEP_MODULE}")
+  flags = " ".join(f for f in (env.get("XLA_FLAGS", ""), ROW_XLA_FLAGS.get(name, ""), dump) if f)
+  env["XLA_FLAGS"] = flags
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   row = {"name": name, "overrides": " ".join(overrides + extra) + (
@@ -100,14 +109,36 @@ def run_row(name: str, overrides: tuple[str, ...], steps: int, every: int, workd
   s = profile.summarize(out)
   shares = s.shares()
   peak = max((r.get("peak_memory_bytes") or 0) for r in rows) or None
-  return {**row, "status": "ok", "device": info["device_kind"],
-          "attention": info["attention_impl"], "tokens_per_sec": mean("tokens_per_sec"),
-          "mfu": mean("mfu"), "step_time_s": mean("step_time_s"),
-          "peak_memory_gib": peak / 2**30 if peak else None,
-          **{f"share_{k.split('/')[0]}": v for k, v in shares.items()},
-          "top_kernels": "; ".join(f"{k.name[:48]} ({k.total_ns / s.span_ns:.0%})"
-                                   for k in s.kernels[:3]),
-          "profile": profile.format_summary(s, top=12)}
+  measured = {**row, "status": "ok", "device": info["device_kind"],
+              "attention": info["attention_impl"], "tokens_per_sec": mean("tokens_per_sec"),
+              "mfu": mean("mfu"), "step_time_s": mean("step_time_s"),
+              "peak_memory_gib": peak / 2**30 if peak else None,
+              **{f"share_{k.split('/')[0]}": v for k, v in shares.items()},
+              "top_kernels": "; ".join(f"{k.name[:48]} ({k.total_ns / s.span_ns:.0%})"
+                                       for k in s.kernels[:3]),
+              "profile": profile.format_summary(s, top=12)}
+  dump = os.path.join(out, "hlo")
+  pred = predicted(dump, measured)
+  shutil.rmtree(dump, ignore_errors=True)  # a GPU host's /tmp is small
+  return {**measured, **pred}
+
+
+def predicted(dump_dir: str, row: dict) -> dict:
+  """`jscale.predict` of the step program the run compiled (XLA's dump), beside what it
+  measured: predicted step time and MFU (the measured MFU scaled by measured / predicted step:
+  same model FLOPs) and the predicted time by category. Empty where there is no GPU program
+  or no prediction for the device."""
+  found = sorted(glob.glob(os.path.join(dump_dir, f"*{STEP_MODULE}*after_optimizations.txt")),
+                 key=os.path.getsize)
+  gpu = rates.gpu_of(row.get("device") or "")
+  if not found or gpu is None or not row.get("step_time_s"):
+    return {}
+  with open(found[-1], encoding="utf-8") as f:
+    sched = predict.predict(f.read(), gpu)
+  r = report.summarize(sched, rates.chip(gpu), 0.0, 0)
+  return {"predicted_step_s": r.step_s,
+          "predicted_mfu": row["mfu"] * row["step_time_s"] / r.step_s if row["mfu"] else None,
+          **{f"predicted_ms_{k.split('/')[0]}": 1e3 * v for k, v in r.by_category.items()}}
 
 
 def _fmt(v, spec):
@@ -120,6 +151,8 @@ COLUMNS = [
     ("MFU", lambda r: _fmt(r.get("mfu"), ".1%")),
     ("step (ms)", lambda r: _fmt(r.get("step_time_s") and 1e3 * r["step_time_s"], ".0f")),
     ("peak (GiB)", lambda r: _fmt(r.get("peak_memory_gib"), ".1f")),
+    ("predicted MFU (step ms)", lambda r: "—" if r.get("predicted_mfu") is None else
+     f"{r['predicted_mfu']:.1%} ({1e3 * r['predicted_step_s']:.0f})"),
     ("gemm / attn / coll / elem / copy / idle", lambda r: " / ".join(
         f"{100 * r[k]:.0f}" for k in ("share_gemm", "share_attention", "share_collectives",
                                       "share_elementwise", "share_copies", "share_idle"))
@@ -169,7 +202,10 @@ def write_tables(rows: list[dict], out: str) -> str:
             "counts once per stream.\n")
     for r in rows:
       if r["status"] == "ok":
-        f.write(f"\n### {r['name']}\n\n```\n{r['profile']}\n```\n")
+        pred = ", ".join(f"{k} {r[f'predicted_ms_{k}']:.1f}" for k in PREDICTED if
+                         f"predicted_ms_{k}" in r)
+        pred = f"\njscale.predict, the same program, ms per step: {pred}\n" if pred else ""
+        f.write(f"\n### {r['name']}\n\n```\n{r['profile']}\n```\n{pred}")
   return table
 
 

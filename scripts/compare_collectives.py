@@ -9,7 +9,8 @@ compiled memory per device.
 Writes a markdown table, a CSV beside it and a PNG chart. On CPU it simulates 8 devices; on a
 GPU host it uses the GPUs present (the strategies below need 8). `--target h100x8` compiles
 every strategy for 8 H100s with the real XLA:GPU compiler instead (`jscale.analysis.gpu_target`:
-JAX's CUDA plugin, no GPU needed) and runs nothing: collectives and memory only. Volume is per device per step,
+JAX's CUDA plugin, no GPU needed) and runs nothing: collectives, memory, and the step time
+`jscale.predict` gives each compiled program (with the exposed part of its collectives). Volume is per device per step,
 counted as the playbook does (`jscale.analysis.volume`): all-reduce 2x its size, all-gather and
 reduce-scatter the full size. Step times on simulated CPU devices measure compute on 2 shared
 cores, not communication: read them on GPUs.
@@ -125,6 +126,7 @@ def main():
   from jscale.analysis import hlo, introspect, report  # pylint: disable=import-outside-toplevel
   from jscale.config_load import load_config  # pylint: disable=import-outside-toplevel
   from jscale.analysis import volume  # pylint: disable=import-outside-toplevel
+  from jscale import predict  # pylint: disable=import-outside-toplevel
 
   names = [n for n in args.only.split(",") if n] or list(STRATEGIES)
   unknown = set(names) - set(STRATEGIES)
@@ -159,6 +161,9 @@ def main():
         ours = [c for c in colls if c.kind == kind and c.group_size != 1]
         row[f"{kind}_runs"] = sum(c.executions for c in ours)
         row[f"{kind}_bytes"] = sum(c.bytes_per_step for c in ours)
+      if args.target:  # the compiled program's step on the target, kernel by kernel
+        p = predict.predict_config(cfg, args.target, compiled.as_text())
+        row.update(predicted_ms=1e3 * p.step_s, exposed_ms=1e3 * p.exposed_collectives_s)
       rows.append(row)
       print(name, mode, {k: v for k, v in row.items() if not k.endswith(("_runs", "_bytes"))},
             flush=True)
@@ -173,6 +178,9 @@ def main():
       ("loss vs 1 device (max rel.)",
        lambda r: "—" if r["loss_rel_diff"] is None else f"{r['loss_rel_diff']:.1e}"),
       ("step (ms)", lambda r: "—" if r["step_ms"] is None else f"{r['step_ms']:.0f}"),
+      *([("predicted step (ms)", lambda r: f"{r['predicted_ms']:.3f}"),
+         ("exposed collectives (ms)", lambda r: f"{r['exposed_ms']:.3f}")] if args.target
+        else []),
       ("collectives per step (runs, result bytes)", kinds),
       ("volume (kB)", lambda r: f"{r['volume_bytes'] / 1e3:.0f}"),
       ("playbook (kB)", lambda r: f"{r['playbook_bytes'] / 1e3:.0f}"),

@@ -17,8 +17,8 @@ or jscale.introspect). How the launcher's XLA flags reach the compiler follows t
 On a GPU, JAX compiles with `device_memory_size` = its allocator's limit (total memory x
 XLA_PYTHON_CLIENT_MEM_FRACTION), which XLA:GPU's scheduler and rematerialisation budget
 against; a compile for a topology has no allocator and would use 0.8 x total instead. The
-same limit is set here (JAX exposes no option for it, so the serialised CompileOptions get the
-field appended: protobuf merges a repeated nested message).
+same limit is set here (`gpu_target.launched_memory`; today's `compile_as_launched` sets the
+launcher's own, the same figure at 0.9).
 
 Extra XLA flags (e.g. --xla_gpu_enable_triton_gemm=false) come in through XLA_FLAGS; the old
 launcher's apply() keeps them, and compiler_options only add the overlap flags.
@@ -36,31 +36,6 @@ import os
 import re
 import sys
 import time
-
-
-def _varint(n: int) -> bytes:
-  out = bytearray()
-  while True:
-    b, n = n & 0x7F, n >> 7
-    out.append(b | (0x80 if n else 0))
-    if not n:
-      return bytes(out)
-
-
-def _set_device_memory_size(size: int) -> None:
-  """Every compile in this process gets ExecutableBuildOptions.device_memory_size = size
-  (CompileOptionsProto field 3 -> ExecutableBuildOptionsProto field 15, an int64)."""
-  from jax._src.interpreters import pxla  # pylint: disable=import-outside-toplevel
-  from jax._src.lib import xla_client as xc  # pylint: disable=import-outside-toplevel
-  inner = b"\x78" + _varint(size)
-  extra = b"\x1a" + _varint(len(inner)) + inner
-  original = pxla.create_compile_options
-
-  def create_compile_options(*args, **kwargs):
-    opts = original(*args, **kwargs)
-    return xc.CompileOptions.ParseFromString(opts.SerializeAsString() + extra)
-
-  pxla.create_compile_options = create_compile_options
 
 
 def main() -> int:
@@ -93,7 +68,6 @@ def main() -> int:
   gpu, _ = gpu_target.parse(a.target)
   total = int(re.search(r"device_memory_size:\s*(\d+)", gpu_target.spec(gpu)).group(1))
   device_memory_size = int(total * a.mem_fraction)
-  _set_device_memory_size(device_memory_size)
 
   try:
     from jscale.config_load import load_config  # pylint: disable=import-outside-toplevel
@@ -106,7 +80,8 @@ def main() -> int:
 
   cfg = load_config(a.config, json.loads(a.overrides))
   t0 = time.perf_counter()
-  compiled, times = introspect.compile_train_step(cfg, gpu_target.devices(a.target))
+  with gpu_target.launched_memory(device_memory_size):
+    compiled, times = introspect.compile_train_step(cfg, gpu_target.devices(a.target))
   total_s = time.perf_counter() - t0
   text = compiled.as_text()
   m = compiled.memory_analysis()

@@ -10,15 +10,25 @@ memory, HBM size, compute capability, cuDNN version; `gpu_specs/*.txtpb`). Found
 compiles; jscale's train step also needs `nvidia-cudnn-cu13`, because cuDNN attention asks
 cuDNN's version while tracing and builds its graph while compiling. Nothing runs: there is no
 autotuning (XLA picks its default gemm algorithms), which changes no buffer or collective.
+
+The memory XLA plans for: on a GPU, JAX compiles with `device_memory_size` = its allocator's
+limit (total x XLA_PYTHON_CLIENT_MEM_FRACTION, 0.9 under `python -m jscale.train`), which
+XLA:GPU's scheduler and rematerialisation budget against; a compile for a topology has no
+allocator and would plan for 0.8 x total (llama3_1b batch 8 on an H100: 86 instructions
+rematerialised that a launched run keeps). `launched_memory` sets a figure
+(`introspect.compile_as_launched`: the launcher's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.resources
 import re
 
 import jax
+from jax._src.interpreters import pxla
+from jax._src.lib import xla_client
 
 # name -> (spec file in gpu_specs/, GPUs per node: NVLink domain of the topology's hosts)
 TARGETS = {"h100": ("h100_sxm.txtpb", 8), "h200": ("h200_sxm.txtpb", 8)}
@@ -78,3 +88,40 @@ def available() -> bool:
   except RuntimeError:
     return False
   return True
+
+
+def memory_bytes(device: jax.Device) -> int | None:
+  """Device memory of a GPU of TARGETS (its spec's figure); None for another device."""
+  gpu = next((g for g in TARGETS if f'name: "{device.device_kind}"' in spec(g)), None)
+  return int(re.search(r"device_memory_size:\s*(\d+)", spec(gpu)).group(1)) if gpu else None
+
+
+@contextlib.contextmanager
+def launched_memory(size: int | None):
+  """Compiles inside plan for `size` bytes of device memory, as on a GPU (None: XLA's own
+  choice). JAX has no option for it: the serialised CompileOptions get
+  ExecutableBuildOptionsProto.device_memory_size (field 15 of field 3) appended, which
+  protobuf merges into the message."""
+  if size is None:
+    yield
+    return
+  def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+      b, n = n & 0x7F, n >> 7
+      out.append(b | (0x80 if n else 0))
+      if not n:
+        return bytes(out)
+  inner = b"\x78" + varint(size)
+  extra = b"\x1a" + varint(len(inner)) + inner
+  original = pxla.create_compile_options
+
+  def with_memory(*args, **kwargs):
+    opts = original(*args, **kwargs)
+    return xla_client.CompileOptions.ParseFromString(opts.SerializeAsString() + extra)
+
+  pxla.create_compile_options = with_memory
+  try:
+    yield
+  finally:
+    pxla.create_compile_options = original

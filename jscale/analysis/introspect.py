@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jscale import runtime, xla_flags
+from jscale.analysis import gpu_target
 from jscale.config import Config
 from jscale.config_load import load_config
 from jscale.metrics import param_counts
@@ -43,9 +44,14 @@ def compile_train_step(cfg: Config, devices: Sequence[jax.Device] | None = None
 def compile_as_launched(lowered: jax.stages.Lowered, rt: runtime.Runtime) -> jax.stages.Compiled:
   """Compiles `rt`'s lowered step as `python -m jscale.train` would: for GPUs with the overlap
   flags it runs with (they change the program's schedule and buffers), whatever this process's
-  XLA_FLAGS."""
-  gpu = rt.mesh.devices.flat[0].platform == "gpu"
-  return lowered.compile(compiler_options=xla_flags.compiler_options(rt.cfg) if gpu else None)
+  XLA_FLAGS, and the device memory its allocator gives XLA to plan for (which decides what
+  XLA rematerialises)."""
+  device = rt.mesh.devices.flat[0]
+  if device.platform != "gpu":
+    return lowered.compile()
+  total = gpu_target.memory_bytes(device)
+  with gpu_target.launched_memory(total and int(total * float(xla_flags.MEM_FRACTION))):
+    return lowered.compile(compiler_options=xla_flags.compiler_options(rt.cfg))
 
 
 def time_steps(step: Callable, state: Any, batch: Any, steps: int) -> tuple[float, float]:

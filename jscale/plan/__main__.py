@@ -5,6 +5,7 @@
         --verify 3                       # AOT-compile the top 3 on 8 simulated CPU devices
     python -m jscale.plan --model llama3_8b --gpus 8 --seq 4096 --global-batch-tokens 1M \\
         --verify 3 --target h100x8       # ... with XLA:GPU for 8 H100s (CUDA plugin, no GPU)
+        [--rank compiled]                # ... ordered by their programs' predicted step time
 
 Enumerates every layout jscale can run (`jscale.plan.layout`), estimates per-device memory
 (`jscale.plan.memory`) and step time (`jscale.plan.cost`), and prints the fastest that fit,
@@ -51,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--verify", type=int, default=0, metavar="N",
                  help="AOT-compile the top N on simulated CPU devices and print the compiled "
                  "memory and collectives beside the estimate")
+  p.add_argument("--rank", choices=("estimate", "compiled"), default="estimate",
+                 help="order --verify's layouts by the planner's estimate, or by the step time "
+                 "`jscale.predict` gives their compiled programs (needs --target)")
   p.add_argument("--collectives", choices=("xla", "manual"), default="xla",
                  help="parallel.collectives of the --verify compiles")
   p.add_argument("--target", default=None, metavar="GPUxN",
@@ -103,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"{', '.join(hardware.GPUS)}")
     model = _model(args.model, args.overrides)
     gpu = hardware.GPUS[args.gpu]
+    if args.rank == "compiled" and not (args.verify and args.target):
+      raise ValueError("--rank compiled orders --verify's compiled programs by their predicted "
+                       "step time on GPUs: give --verify N and --target (e.g. h100x8)")
     devices = _target_devices(args) if args.verify else None
     rows = rank(model, args.gpus, args.seq, args.global_batch_tokens, gpu,
                 include_unfit=True, max_tensor=args.max_tensor)
@@ -121,9 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {plot.plot(shown, gpu.memory_bytes, args.plot)}", file=sys.stderr)
   if args.verify:
     from jscale.plan import verify  # pylint: disable=import-outside-toplevel
-    for row in shown[:args.verify]:
-      print(verify.describe(verify.compare(args.model, args.overrides, row, args.seq, gpu,
-                                           devices, collectives=args.collectives)))
+    checked = [verify.compare(args.model, args.overrides, row, args.seq, gpu, devices,
+                              collectives=args.collectives) for row in shown[:args.verify]]
+    if args.rank == "compiled":
+      checked.sort(key=lambda r: r["step_compiled"])
+      print(f"--verify's {len(checked)} layouts, fastest compiled program first:")
+    for r in checked:
+      print(verify.describe(r))
   return 0 if fitting else 1
 
 

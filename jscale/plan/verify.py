@@ -10,7 +10,8 @@ Two compilers (`python -m jscale.plan --verify N [--target h100xN]`):
   collectives as written, but bf16 collectives run in fp32, there is no reduce-scatter or
   ragged all-to-all, and its temporaries are unfused (attention scores materialised).
 Collectives inside a `conditional` count every branch (an upper bound): the pipeline's tick
-branches under tensor parallelism overcount (`jscale.analysis.hlo`).
+branches under tensor parallelism overcount (`jscale.analysis.hlo`). For a GPU target the
+compiled program's step time and MFU (`jscale.predict`) stand beside the planner's estimate.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Sequence
 
 import jax
 
+from jscale import predict
 from jscale.analysis import hlo, introspect, volume
 from jscale.config_load import load_config
 from jscale.plan import hardware
@@ -55,9 +57,15 @@ def compare(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
   batch //= row.layout.batch_ways  # each device holds its share of the batch
   state = mem["argument"] - batch
   est = row.memory
-  measured_volume = volume.hlo_volume(hlo.collectives(compiled.as_text()))
+  text = compiled.as_text()
+  measured_volume = volume.hlo_volume(hlo.collectives(text))
   predicted_volume = sum(t.bytes for t in row.cost.transfers)
-  return {"layout": row.layout.describe() + f" ({collectives})",
+  timing = {"step_estimate": row.cost.step_s, "mfu_estimate": row.cost.mfu}
+  if devices[0].platform == "gpu":  # XLA:GPU's program: its time, kernel by kernel
+    p = predict.predict_config(cfg, f"{gpu.name}x{len(devices)}", text)
+    timing.update(step_compiled=p.step_s, mfu_compiled=p.mfu,
+                  exposed_compiled=p.exposed_collectives_s)
+  return {"layout": row.layout.describe() + f" ({collectives})", **timing,
           "state_estimate": est.params + est.optimizer, "state_compiled": state,
           "rest_estimate": est.grads + est.activations + est.workspace,
           "rest_compiled": mem["temp"] + mem["output"] - mem["alias"],
@@ -70,10 +78,15 @@ def describe(r: dict) -> str:
   """One verification as lines: estimate, compiled, ratio."""
   line = lambda name, e, c: (f"  {name:<44} estimate {e / 2**20:10.2f} MiB   compiled "
                              f"{c / 2**20:10.2f} MiB   ratio {c / e if e else float('nan'):.3f}")
+  step = (f"  {'step time':<44} estimate {r['step_estimate'] * 1e3:10.1f} ms    MFU "
+          f"{r['mfu_estimate']:.1%}")
+  if "step_compiled" in r:  # `jscale.predict` on the compiled program
+    step += (f"   compiled {r['step_compiled'] * 1e3:.1f} ms, MFU {r['mfu_compiled']:.1%} "
+             f"(exposed collectives {r['exposed_compiled'] * 1e3:.1f} ms)")
   return "\n".join([
       f"verify {r['layout']} (compiled for {r['platform']}):",
       line("model state (params + optimizer)", r["state_estimate"], r["state_compiled"]),
       line("grads + activations + workspace vs temps", r["rest_estimate"], r["rest_compiled"]),
       line("communication volume per step", r["volume_estimate"], r["volume_compiled"]),
       "  compiled collectives: " + ", ".join(f"{k} {v / 2**20:.2f} MiB"
-                                             for k, v in r["volume_by_kind"].items())])
+                                             for k, v in r["volume_by_kind"].items()), step])

@@ -43,6 +43,11 @@ class Chip:
   fit: Fit = FIT
 
 
+def gpu_of(device_kind: str) -> str | None:
+  """The predictor's name for a device kind ("NVIDIA H200" -> "h200"); None if it has none."""
+  return next((g for g in hardware.GPUS if g.upper() in device_kind.upper()), None)
+
+
 def chip(gpu: str, fit: Fit = FIT) -> Chip:
   """The predictor's view of `gpu` ("h100", "h200": `jscale.analysis.gpu_target.TARGETS`)."""
   g = hardware.GPUS[gpu]
