@@ -36,7 +36,7 @@ from flax import nnx
 
 from jscale import params_io
 from jscale.config import Config, ConfigError, ModelConfig
-from jscale.config_load import from_dict
+from jscale.config_dict import from_dict
 from jscale.convert import hf_weights
 from jscale.convert.hf_config import config_from_hf, read_hf_config
 from jscale.data.tokenizer import tokenizer_vocab_size

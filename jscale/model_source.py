@@ -33,7 +33,7 @@ from jscale import params_io
 from jscale import sharding as sharding_lib
 from jscale.checkpoint import complete_steps
 from jscale.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
-from jscale.config_load import from_dict
+from jscale.config_dict import from_dict
 from jscale.parallel.pipeline import layout
 
 KINDS = ("run", "step", "params", "hf")

@@ -15,7 +15,7 @@ import yaml
 from flax import nnx
 
 from jscale.config import ConfigError, ModelConfig
-from jscale.config_load import from_dict
+from jscale.config_dict import from_dict
 
 
 def save_params(path: str, model: nnx.Module, cfg: ModelConfig) -> None:

@@ -20,7 +20,9 @@ import jax
 from jax.sharding import Mesh
 
 from jscale import distributed
+from jscale import init_from
 from jscale.config import Config, ConfigError, ModelConfig, MoeConfig, choices
+from jscale.data import tokenizer_vocab_size
 from jscale.fp8 import linears as fp8_linears
 from jscale.model import attention as attn_lib
 from jscale.parallel.context.order import chunks_per_device as parts, token_order
@@ -316,10 +318,6 @@ def _check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
 
 def check_runtime(cfg: Config) -> None:
   """Checks that need this machine (backend, files); raises ConfigError before any compile."""
-  # Imported here: they load configs (init_from imports config_load, which imports this
-  # module) and pull in orbax and the data stack, which checking a config alone does not need.
-  from jscale import init_from  # pylint: disable=import-outside-toplevel
-  from jscale.data import tokenizer_vocab_size  # pylint: disable=import-outside-toplevel
   check_backend(cfg, jax.default_backend())
   if cfg.checkpoint.init_from:  # first: its tokenizer rule names the right fix there
     init_from.check(cfg)  # shape keys, stored parameter shapes, the tokenizer rule
