@@ -1,8 +1,8 @@
 """Typed run configuration: the dataclasses of one `Config`, and `ConfigError`.
 
 A field's type is the list of values it allows (`Literal[...]` for choices; `choices` reads
-it). Loading (YAML, overrides) is `jscale.config_load`, dicts -> Config `jscale.config_dict`; every check of a config is
-`jscale.validate`. This module imports no other jscale module: everything else imports it.
+it). Loading (YAML, overrides) is `jscale.config_load`, nested dicts -> `Config` is
+`jscale.config_dict`; every check of a config is `jscale.validate`. This module imports no other jscale module: everything else imports it.
 """
 
 from __future__ import annotations
