@@ -2,7 +2,7 @@
 
 `load_config(path, overrides)` reads a YAML file, applies overrides such as
 `train.steps=100 model.n_layers=4`, fills a model preset (`model.preset: llama3_8b`) or, with
-`checkpoint.init_from`, takes the model from that checkpoint (`jscale.init_from`), and runs
+`checkpoint.init_from`, takes the model from that checkpoint (`jscale.ckpt.init_from`), and runs
 the device-independent checks (`validate.check_config`), so that a bad value fails here, naming
 the key and the fix, before anything is traced or compiled.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from jscale import init_from
+from jscale.ckpt import init_from
 from jscale import validate
 from jscale.config import Config, ConfigError
 from jscale.config_dict import from_dict
@@ -26,7 +26,7 @@ def load_config(path: str | os.PathLike | None = None,
   """Reads `path` (YAML), applies dotted `key=value` overrides, validates.
 
   With `checkpoint.init_from`, the model config is the checkpoint's with only the `model.*`
-  keys written here applied on top (`jscale.init_from.merge_model`).
+  keys written here applied on top (`jscale.ckpt.init_from.merge_model`).
   """
   raw: dict[str, Any] = {}
   if path is not None:

@@ -13,9 +13,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
+import jax
+from flax import nnx
+
+from jscale import runtime, validate
+from jscale.ckpt import model_source
 from jscale.config import ConfigError
+from jscale.config_load import from_overrides
+from jscale.data import make_eval_batches
+from jscale.infer import evaluate, setup
+from jscale.infer.setup import run_cli
+from jscale.parallel.pipeline import layout
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,11 +49,6 @@ def config_for(path: str, model_cfg, overrides: list[str]):
   """The Config evaluating the model: the run's data and train.seq_len / batch_size if `path`
   is a run (else defaults, with the tokenizer.json beside the weights), the loaded model's
   shape, one device layout for all devices, then `overrides`."""
-  # pylint: disable=import-outside-toplevel
-  import os
-
-  from jscale import model_source
-  from jscale.config_load import from_overrides
   raw = {"model": dataclasses.asdict(model_cfg), "fp8": {"enabled": False},
          "logging": {"progress": False}}
   data = model_source.data_config(path)
@@ -60,12 +66,6 @@ def load_params(path: str, step: int | None, rt) -> dict:
   """The parameters of the model at `path`, laid out as `rt` (a `runtime.build`) trains them:
   each read straight onto its shards of that layout (never whole on one device), then in the
   layer order `rt`'s pipeline stores (a reorder on the shards)."""
-  # pylint: disable=import-outside-toplevel
-  import jax
-  from flax import nnx
-
-  from jscale import model_source
-  from jscale.parallel.pipeline import layout
   cfg = rt.cfg
   # The storage order permutes stacked layers only: each leaf's sharding is the same in both.
   shardings = rt.state_shardings["params"]
@@ -79,12 +79,6 @@ def load_params(path: str, step: int | None, rt) -> dict:
 
 def run(args) -> dict:
   """Evaluates per `args`; prints and returns {loss, perplexity, tokens, ...}."""
-  # pylint: disable=import-outside-toplevel
-  import jax
-
-  from jscale import model_source, runtime, validate
-  from jscale.data import make_eval_batches
-  from jscale.infer import evaluate, setup
   if args.batches < 0:
     raise ConfigError(f"--batches {args.batches}: must be >= 0 (0: the whole split)")
   cfg = config_for(args.model, model_source.model_config(args.model, args.step), args.overrides)
@@ -113,7 +107,6 @@ def run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
   """CLI entry point; returns the exit status (2 for user errors, without a traceback)."""
-  from jscale.infer.setup import run_cli  # pylint: disable=import-outside-toplevel
   return run_cli(_parser(), run, argv)
 
 

@@ -14,7 +14,12 @@ import argparse
 import dataclasses
 import sys
 
+from jscale.ckpt import model_source
 from jscale.config import ConfigError
+from jscale.infer import setup
+from jscale.infer.generator import Generator
+from jscale.infer.sampling import Sampling
+from jscale.infer.setup import run_cli
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,11 +62,6 @@ def _prompts(args) -> list[str]:
 def run(args) -> list[str]:
   """Generates per `args` (parsed by `_parser`), prints prompts, completions and speed;
   returns the completions."""
-  # pylint: disable=import-outside-toplevel
-  from jscale import model_source
-  from jscale.infer import setup
-  from jscale.infer.generator import Generator
-  from jscale.infer.sampling import Sampling
   prompts = _prompts(args)
   sampling = Sampling(args.temperature, args.top_k, args.top_p)
   try:
@@ -99,7 +99,6 @@ def run(args) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
   """CLI entry point; returns the exit status (2 for user errors, without a traceback)."""
-  from jscale.infer.setup import run_cli  # pylint: disable=import-outside-toplevel
   return run_cli(_parser(), run, argv)
 
 

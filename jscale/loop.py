@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from jscale import checkpoint as ckpt_lib
+from jscale.ckpt import checkpoint as ckpt_lib
 from jscale import metrics as metrics_lib
 from jscale import preemption
 from jscale import runtime

@@ -25,7 +25,7 @@ import time
 from importlib import metadata as importlib_metadata
 from typing import Any
 
-from jscale import checkpoint as ckpt_lib
+from jscale.ckpt import checkpoint as ckpt_lib
 from jscale import config as config_lib
 from jscale.config import Config, ConfigError
 

@@ -10,7 +10,8 @@ import os
 
 import jax
 
-from jscale import init_from, metrics, runtime
+from jscale import metrics, runtime
+from jscale.ckpt import init_from
 from jscale.config import Config, ModelConfig
 
 

@@ -20,10 +20,10 @@ import jax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jscale import checkpoint as ckpt_lib
+from jscale.ckpt import checkpoint as ckpt_lib
 from jscale.parallel.pipeline import layout
 from jscale import distributed
-from jscale import init_from
+from jscale.ckpt import init_from
 from jscale import loop
 from jscale import metrics as metrics_lib
 from jscale import preemption

@@ -20,7 +20,7 @@ import jax
 from jax.sharding import Mesh
 
 from jscale import distributed
-from jscale import init_from
+from jscale.ckpt import init_from
 from jscale.config import Config, ConfigError, ModelConfig, MoeConfig, choices
 from jscale.data import tokenizer_vocab_size
 from jscale.fp8 import linears as fp8_linears

@@ -49,7 +49,7 @@ def _under(*prefixes: str):
     # Parallel layouts implement the seams; they never reach into data or the train loop.
     ("jscale/parallel/**/*.py",
      lambda n: not _under("jscale.data", "jscale.train", "jscale.train_step", "jscale.runtime",
-                          "jscale.distributed", "jscale.checkpoint")(n)),
+                          "jscale.distributed", "jscale.ckpt.checkpoint")(n)),
 ])
 def test_no_import_from_a_lower_layer_up(pattern, allowed):
   assert _offenders(pattern, allowed) == {}

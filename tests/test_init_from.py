@@ -22,8 +22,8 @@ import transformers
 import yaml
 from flax import nnx
 
-from jscale import init_from
-from jscale import params_io
+from jscale.ckpt import init_from
+from jscale.ckpt import params_io
 from jscale import train as train_lib
 from jscale import validate
 from jscale.config import ConfigError

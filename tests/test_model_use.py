@@ -1,4 +1,4 @@
-"""A trained run in the user's hands: `jscale.model_source` reads runs, step dirs, params
+"""A trained run in the user's hands: `jscale.ckpt.model_source` reads runs, step dirs, params
 checkpoints and HF dirs; `jscale.convert jscale-to-hf` exports a run (transformers' logits =
 jscale's, dense and MoE); `jscale.eval` = the training loop's val loss; `jscale.generate` from a
 run = from its export. Each run trains 2 steps of a small model once for the module."""
@@ -21,7 +21,8 @@ from flax import nnx
 from conftest import small_config
 from jscale import eval as eval_cli
 from jscale import generate as generate_cli
-from jscale import model_source, runtime
+from jscale import runtime
+from jscale.ckpt import model_source
 from jscale import sharding
 from jscale import train as train_lib
 from jscale.convert.__main__ import main as convert_main

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from conftest import small_config
-from jscale import params_io
+from jscale.ckpt import params_io
 from jscale import train as train_lib
 from jscale import train_step as ts
 

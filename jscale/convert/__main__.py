@@ -10,8 +10,11 @@ import argparse
 import os
 import shutil
 import sys
+import tempfile
 
+from jscale.ckpt import model_source, params_io
 from jscale.config import ConfigError
+from jscale.convert import load_hf, save_hf
 
 _DTYPES = ("float32", "bfloat16")
 # Copied beside model.yaml: init_from checks a run's data.tokenizer against tokenizer.json, and
@@ -62,8 +65,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _hf_to_jscale(args) -> None:
-  from jscale import params_io  # pylint: disable=import-outside-toplevel
-  from jscale.convert import load_hf  # pylint: disable=import-outside-toplevel
   if not os.path.isdir(args.hf):
     raise FileNotFoundError(f"--hf {args.hf}: no such directory")
   if os.path.exists(os.path.join(args.out, "params")):  # fail before the (slow) load
@@ -82,11 +83,6 @@ def _hf_to_jscale(args) -> None:
 
 
 def _jscale_to_hf(args) -> None:
-  # pylint: disable=import-outside-toplevel
-  import tempfile
-
-  from jscale import model_source
-  from jscale.convert import save_hf
   src = model_source.describe(args.ckpt, args.step)
   if src.kind == "hf":
     raise ConfigError(f"--ckpt {args.ckpt} is already a Hugging Face dir")

@@ -11,7 +11,7 @@ import jax
 from flax import nnx
 
 from jscale import mesh as mesh_lib
-from jscale.config import ConfigError, MeshConfig, ModelConfig
+from jscale.config import ConfigError, DataConfig, MeshConfig, ModelConfig
 from jscale.data import load_tokenizer
 from jscale.data.tokenizer import Tokenizer
 from jscale.model import attention, llama
@@ -63,7 +63,6 @@ def check_vocab(tokenizer: Tokenizer, cfg: ModelConfig, where: str) -> None:
 
 def load_tokenizer_at(path: str) -> Tokenizer:
   """"byte" or a tokenizer.json path -> the tokenizer."""
-  from jscale.config import DataConfig  # pylint: disable=import-outside-toplevel
   return load_tokenizer(DataConfig(tokenizer=path))
 
 

@@ -29,11 +29,14 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jscale import params_io
 from jscale import sharding as sharding_lib
-from jscale.checkpoint import complete_steps
+from jscale.ckpt import params_io
+from jscale.ckpt.checkpoint import complete_steps
+from jscale.ckpt.init_from import checkpoint_model, is_hf_dir
 from jscale.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
 from jscale.config_dict import from_dict
+from jscale.convert import load_hf
+from jscale.model import llama
 from jscale.parallel.pipeline import layout
 
 KINDS = ("run", "step", "params", "hf")
@@ -61,8 +64,6 @@ class Source:
 
 def describe(path: str, step: int | None = None) -> Source:
   """Classifies `path` (see the module doc); ConfigError naming the fix if it is none of them."""
-  # pylint: disable=import-outside-toplevel
-  from jscale.init_from import is_hf_dir
   if not os.path.isdir(path):
     raise FileNotFoundError(f"--model {path}: no such directory; {_HINT}")
   if step is not None and not os.path.isfile(os.path.join(path, "run.json")):
@@ -121,8 +122,6 @@ def _checkpoints_dir(run_dir: str, cfg: Config) -> str:
 
 def model_config(path: str, step: int | None = None) -> ModelConfig:
   """The ModelConfig of the model at `path`."""
-  # pylint: disable=import-outside-toplevel
-  from jscale.init_from import checkpoint_model
   src = describe(path, step)
   if src.config is not None:
     return src.config.model
@@ -153,9 +152,6 @@ def load(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
   layers stacked), any other way. Neither: one device."""
   if mesh is not None and shardings is not None:
     raise ValueError("model_source.load: give mesh or shardings, not both")
-  # pylint: disable=import-outside-toplevel
-  from jscale.convert import load_hf
-  from jscale.model import llama
   src = describe(path, step)
   place = None
   if mesh is not None:

@@ -34,7 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jscale import params_io
+from jscale.ckpt import params_io
 from jscale.config import Config, ConfigError, ModelConfig
 from jscale.config_dict import from_dict
 from jscale.convert import hf_weights
