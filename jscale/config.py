@@ -2,7 +2,8 @@
 
 A field's type is the list of values it allows (`Literal[...]` for choices; `choices` reads
 it). Loading (YAML, overrides) is `jscale.config_load`, nested dicts -> `Config` is
-`jscale.config_dict`; every check of a config is `jscale.validate`. This module imports no other jscale module: everything else imports it.
+`jscale.config_dict`; every check of a config is `jscale.validate`. This module imports no
+other jscale module: everything else imports it.
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ class CheckpointConfig:
   async_save: bool = True
   every_minutes: float = 0.0  # also save when this long has passed since the last save; 0: off
   # restore the latest checkpoint in dir if there is one; a config that changes the model or
-  # the optimizer state's shapes is refused (jscale.run_dir)
+  # the optimizer state's shapes is refused (jscale.run.directory)
   resume: bool = True
   # with resume=false over an earlier run: move it aside to <output_dir>/replaced-<time>/ and
   # start anew (nothing is deleted)

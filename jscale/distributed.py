@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from jscale.config import ConfigError, DistributedConfig
-from jscale.preemption import EXIT_PEERS_MISSING
+from jscale.run.preemption import EXIT_PEERS_MISSING
 
 _EXPLICIT_KEYS = ("coordinator", "num_processes", "process_id")
 # What jax's SLURM cluster detection needs (jax/_src/clusters/slurm_cluster.py); the step

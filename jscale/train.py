@@ -1,9 +1,9 @@
 """`python -m jscale.train --config configs/tiny.yaml [section.key=value ...]`
 
 Thin CLI over `run(cfg)`: validates the config against this machine and decides new run /
-resume / refusal (`jscale.run_dir`) before compiling, builds the data iterator, initialises or
-restores the train state, and runs `jscale.loop` under SIGTERM / SIGINT handling
-(`jscale.preemption`). Exit status: 0 done, 2 config error, 3 non-finite loss
+resume / refusal (`jscale.run.directory`) before compiling, builds the data iterator, initialises or
+restores the train state, and runs `jscale.run.loop` under SIGTERM / SIGINT handling
+(`jscale.run.preemption`). Exit status: 0 done, 2 config error, 3 non-finite loss
 (train.on_nan=stop), 75 stopped by a signal after saving (rerun to resume), 130 a second Ctrl-C.
 """
 
@@ -24,12 +24,12 @@ from jscale.ckpt import checkpoint as ckpt_lib
 from jscale.parallel.pipeline import layout
 from jscale import distributed
 from jscale.ckpt import init_from
-from jscale import loop
+from jscale.run import loop
 from jscale import metrics as metrics_lib
-from jscale import preemption
-from jscale import run_dir
+from jscale.run import preemption
+from jscale.run import directory as run_dir
 from jscale import runtime
-from jscale import startup
+from jscale.run import startup
 from jscale import train_step as ts
 from jscale import validate
 from jscale import xla_flags

@@ -1,5 +1,5 @@
-"""jscale.run_dir: new run / resume / refusal, decided from the files before anything compiles;
-and metrics.jsonl and TensorBoard kept one series across resumes."""
+"""jscale.run.directory: new run / resume / refusal, decided from the files before anything
+compiles; and metrics.jsonl and TensorBoard kept one series across resumes."""
 
 import glob
 import json
@@ -11,7 +11,7 @@ import pytest
 from conftest import small_config
 from jscale import config as config_lib
 from jscale import metrics
-from jscale import run_dir
+from jscale.run import directory as run_dir
 from jscale.config import ConfigError
 
 

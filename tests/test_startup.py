@@ -8,7 +8,8 @@ import numpy as np
 from flax import nnx
 
 from conftest import small_config
-from jscale import metrics, mesh as mesh_lib, startup
+from jscale import metrics, mesh as mesh_lib
+from jscale.run import startup
 from jscale.model import llama
 
 

@@ -6,7 +6,7 @@ reported:
 
 - a non-finite loss or gradient norm (the step already dropped that update): `train.on_nan=stop`
   ends the run without saving, naming the step; `skip` counts it (`nonfinite_steps`);
-- a stop request (SIGTERM / SIGINT, `jscale.preemption`) or a due timed save, agreed on by every
+- a stop request (SIGTERM / SIGINT, `jscale.run.preemption`) or a due timed save, agreed on by every
   process: save, and for a stop, end the run.
 """
 
@@ -22,7 +22,7 @@ import jax
 
 from jscale.ckpt import checkpoint as ckpt_lib
 from jscale import metrics as metrics_lib
-from jscale import preemption
+from jscale.run import preemption
 from jscale import runtime
 from jscale.config import Config
 from jscale.infer import evaluate
