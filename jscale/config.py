@@ -170,7 +170,7 @@ class TrainConfig:
   clip_norm: float = 1.0
   remat: Literal["none", "selective", "full"] = "none"
   # The loss holds at most this many MiB of fp32 logits per device: above it, the head and the
-  # cross-entropy run in chunks of the sequence, gradients made chunk by chunk (jscale.loss);
+  # cross-entropy run in chunks of the sequence, gradients made chunk by chunk (jscale.step.loss);
   # 0: never chunk (one pass through autodiff, [tokens, vocab] fp32 logits in memory).
   logits_chunk_mb: float = 1024.0
   seed: int = 0

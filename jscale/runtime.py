@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jscale import mesh as mesh_lib
-from jscale import train_step as ts
+from jscale.step import train_step as ts
 from jscale import validate
 from jscale.config import Config, ConfigError
 from jscale.parallel.context.order import Reorder

@@ -30,7 +30,7 @@ from jscale.run import preemption
 from jscale.run import directory as run_dir
 from jscale import runtime
 from jscale.run import startup
-from jscale import train_step as ts
+from jscale.step import train_step as ts
 from jscale import validate
 from jscale import xla_flags
 from jscale.config import Config, ConfigError

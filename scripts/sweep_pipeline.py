@@ -78,7 +78,7 @@ def check(case):
   import numpy as np  # pylint: disable=import-outside-toplevel
   import pipeline_harness as ph  # pylint: disable=import-outside-toplevel
   from jscale.config import ConfigError  # pylint: disable=import-outside-toplevel
-  from jscale.parallel.pipeline import step as pipeline_step  # pylint: disable=import-outside-toplevel
+  from jscale.step import pipeline as pipeline_step  # pylint: disable=import-outside-toplevel
   if devices_needed(case) > len(jax.devices()):
     return f"skip: needs {devices_needed(case)} devices", None, None, None
   try:

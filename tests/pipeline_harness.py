@@ -11,8 +11,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import small_config
 from jscale import runtime
-from jscale import train_step as ts
-from jscale.parallel.pipeline import layout, step as pipeline_step
+from jscale.step import train_step as ts
+from jscale.parallel.pipeline import layout
+from jscale.step import pipeline as pipeline_step
 
 # 8 layers: p x v = 4 x 2 chunks of one layer. kv_heads 4: tensor=2 divides everything.
 BASE = ("model.n_layers=8", "model.n_kv_heads=4", "train.batch_size=16", "train.seq_len=16")

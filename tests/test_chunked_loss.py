@@ -1,4 +1,4 @@
-"""The chunked head + cross-entropy (`jscale.loss`) against the unchunked loss: values,
+"""The chunked head + cross-entropy (`jscale.step.loss`) against the unchunked loss: values,
 gradients, layouts, and the memory it saves at Llama-3's vocabulary."""
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import small_config
-from jscale import loss as loss_lib
+from jscale.step import loss as loss_lib
 from jscale import runtime
 from jscale.analysis import hlo
 from jscale.analysis.introspect import abstract_batch, compile_train_step, memory

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import small_config
 from jscale import runtime
 from jscale.analysis import hlo
-from jscale.loss import cross_entropy_sums
+from jscale.step.loss import cross_entropy_sums
 from jscale.parallel import buckets
 from jscale.parallel.comms import LOCAL
 from jscale.parallel.manual import ManualComms

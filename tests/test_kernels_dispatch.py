@@ -156,7 +156,7 @@ def test_the_attention_output_is_saved_once_through_the_seam(mode, remat, sequen
   what the bare model does (`tests/test_plan.py` equates that with the planner's estimate)."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=import-outside-toplevel
-  from jscale import train_step as ts  # pylint: disable=import-outside-toplevel
+  from jscale.step import train_step as ts  # pylint: disable=import-outside-toplevel
   from jscale.analysis.introspect import abstract_batch  # pylint: disable=import-outside-toplevel
   cfg = small_config(None, *BASE, impl, KERNELS[2], f"train.remat={remat}",
                      "model.dtype=bfloat16", "train.seq_len=64", "mesh.data=1",

@@ -12,7 +12,7 @@ import parity
 from conftest import small_config
 from jscale import runtime
 from jscale.analysis import hlo, introspect
-from jscale import train_step as ts
+from jscale.step import train_step as ts
 from jscale.convert import hf_config
 from jscale.config import ConfigError, MoeConfig
 from jscale.model import moe as moe_lib

@@ -12,9 +12,9 @@ import pytest
 from conftest import small_config
 from jscale import runtime
 from jscale.analysis import introspect
-from jscale import train_step as ts
+from jscale.step import train_step as ts
 from jscale.config import ConfigError
-from jscale.parallel.pipeline import step as pipeline_step
+from jscale.step import pipeline as pipeline_step
 from pipeline_harness import case_id, max_rel_err, overrides, pipeline_grads, reference
 
 # (mode, schedule, p, m, extra): in each mode every schedule, p=2 and p=4, m=4 and m=8, and

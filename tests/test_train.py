@@ -12,7 +12,7 @@ from flax import nnx
 from conftest import small_config
 from jscale.ckpt import params_io
 from jscale import train as train_lib
-from jscale import train_step as ts
+from jscale.step import train_step as ts
 
 REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s", "mfu"}
 

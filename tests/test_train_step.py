@@ -7,7 +7,7 @@ import pytest
 
 from conftest import small_config
 from jscale.analysis import introspect
-from jscale import train_step as ts
+from jscale.step import train_step as ts
 
 # Long sequence, many small heads: the L x L attention scores dominate activation memory.
 ACTIVATION_HEAVY = ("model.d_model=64", "model.n_heads=8", "model.n_kv_heads=8", "model.head_dim=8",

@@ -270,13 +270,13 @@ class Llama(nnx.Module):
   @property
   def head_stored(self) -> tuple[str, str]:
     """The head weight's dim names in its stored order: [embed, vocab], or tied [vocab, embed]
-    (`jscale.loss` lays the head's gradient out as the weight is stored)."""
+    (`jscale.step.loss` lays the head's gradient out as the weight is stored)."""
     return ("vocab", "embed") if self.cfg.tie_embeddings else ("embed", "vocab")
 
   def head_inputs(self, x_BLD: jax.Array, comms: Seam = LOCAL,
                   embed_VD: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The head's operands: final-normed hidden states [B, L, D] (entering the tensor-parallel
-    region) and the head weight [D, V], both in the compute dtype (`jscale.loss` multiplies
+    region) and the head weight [D, V], both in the compute dtype (`jscale.step.loss` multiplies
     them, whole or in chunks of tokens, with `self.head_dot`)."""
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     with jax.named_scope("head"):

@@ -19,7 +19,7 @@ import functools
 import jax.numpy as jnp
 
 from jscale.config import ModelConfig, TrainConfig
-from jscale.loss import num_chunks
+from jscale.step.loss import num_chunks
 from jscale.metrics import param_counts
 from jscale.parallel.pipeline import schedules
 from jscale.plan.layout import Layout
@@ -150,7 +150,7 @@ def vocab_gradient_bytes(model: ModelConfig, lay: Layout) -> float:
 
 def loss_workspace(model: ModelConfig, lay: Layout, tokens: int,
                    chunk_mb: float = TrainConfig.logits_chunk_mb) -> float:
-  """The loss's transient bytes for `tokens` local tokens (`jscale.loss`): unchunked, the fp32
+  """The loss's transient bytes for `tokens` local tokens (`jscale.step.loss`): unchunked, the fp32
   logits and their gradient in the compute dtype; chunked (`train.logits_chunk_mb`), one
   chunk's logits in the compute dtype and the head's gradient in the making."""
   v = model.vocab_size / lay.tensor

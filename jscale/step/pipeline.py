@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jscale.config import Config
-from jscale.loss import head_loss_sums
+from jscale.step.loss import head_loss_sums
 from jscale.model import llama
 from jscale.model import moe as moe_lib
 from jscale.parallel.comms import Comms

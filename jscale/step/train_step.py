@@ -19,12 +19,13 @@ from flax import nnx
 
 from jscale.config import Config
 from jscale.fp8 import linears as fp8_linears
-from jscale.loss import head_loss_sums
+from jscale.step.loss import head_loss_sums
 from jscale.model import llama, matmul
 from jscale.model import moe as moe_lib
 from jscale.optim import lr_schedule, make_optimizer
 from jscale.parallel.comms import LOCAL, Comms
-from jscale.parallel.pipeline import executor, layout, step as pipeline_step
+from jscale.parallel.pipeline import executor, layout
+from jscale.step import pipeline as pipeline_step
 
 State = dict[str, Any]
 Batch = dict[str, jax.Array]
