@@ -26,7 +26,6 @@ from jscale.config_load import from_overrides
 from jscale.data import make_eval_batches
 from jscale.infer import evaluate, setup
 from jscale.infer.setup import run_cli
-from jscale.parallel.pipeline import layout
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,9 +70,7 @@ def load_params(path: str, step: int | None, rt) -> dict:
   shardings = rt.state_shardings["params"]
   _, model = model_source.load(path, step=step, dtype=cfg.model.dtype,
                                param_dtype=cfg.model.param_dtype, shardings=shardings)
-  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  params = layout.params_to_storage(params, cfg.model.n_layers, rt.mesh.shape["stage"],
-                                    cfg.pipeline.virtual_stages)
+  params = rt.params_to_storage(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   return jax.device_put(params, shardings)  # the reorder's output layout is XLA's choice
 
 

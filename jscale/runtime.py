@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jscale import mesh as mesh_lib
-from jscale.step import train_step as ts
+from jscale.step import state as state_lib, train_step as ts
 from jscale import validate
 from jscale.config import Config, ConfigError
 from jscale.parallel.context.order import Reorder
@@ -40,10 +40,16 @@ class Runtime:
   attention_why: str = ""  # why model.attention_impl=auto chose cfg.model.attention_impl
   moe_gemm: tuple[str, str] = ("", "")  # what an MoE's experts run, and why (`moe_gemm`)
 
-  def init_state(self) -> ts.State:
-    return ts.init_state(self.cfg, self.state_shardings, self.mesh.shape["stage"])
+  def init_state(self) -> state_lib.State:
+    return state_lib.init_state(self.cfg, self.state_shardings, self.mesh.shape["stage"])
 
-  def abstract_state(self) -> ts.State:
+  def params_to_storage(self, tree: dict) -> dict:
+    """`tree` (params or dot_state in model layer order: init_from's, a loaded model's) in
+    the layer order this runtime's pipeline stores (`state.params_to_storage`)."""
+    return state_lib.params_to_storage(tree, self.cfg.model.n_layers, self.mesh.shape["stage"],
+                                       self.cfg.pipeline)
+
+  def abstract_state(self) -> state_lib.State:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         self.state_shapes, self.state_shardings)
 
@@ -151,10 +157,10 @@ def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
   cfg, attention_why = resolve_attention(cfg, mesh)
   cfg, gemm = resolve_moe_gemm(cfg, mesh)
   validate.check_mesh(cfg, mesh)
-  abstract_model = nnx.eval_shape(lambda: ts.create_model(cfg))
+  abstract_model = nnx.eval_shape(lambda: state_lib.create_model(cfg))
   graphdef = nnx.split(abstract_model)[0]
   layouts = Layouts(abstract_model, mesh, cfg.parallel)
-  abstract = jax.eval_shape(lambda: ts.init_state(cfg))
+  abstract = jax.eval_shape(lambda: state_lib.init_state(cfg))
   state_shardings = layouts.state(make_optimizer(cfg.train), abstract)
   comms = (ManualComms(layouts, cfg.parallel.bucket_mb) if cfg.parallel.collectives == "manual"
            else XlaComms(layouts))

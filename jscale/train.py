@@ -21,7 +21,6 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jscale.ckpt import checkpoint as ckpt_lib
-from jscale.parallel.pipeline import layout
 from jscale import distributed
 from jscale.ckpt import init_from
 from jscale.run import loop
@@ -30,7 +29,7 @@ from jscale.run import preemption
 from jscale.run import directory as run_dir
 from jscale import runtime
 from jscale.run import startup
-from jscale.step import train_step as ts
+from jscale.step import state as state_lib
 from jscale import validate
 from jscale import xla_flags
 from jscale.config import Config, ConfigError
@@ -74,14 +73,12 @@ def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer, train_iter
       return restored
   state = rt.init_state()
   if cfg.checkpoint.init_from:
-    model = ts.merge(rt.graphdef, state["params"], state.get("dot_state"))
+    model = state_lib.merge(rt.graphdef, state["params"], state.get("dot_state"))
     init_from.load_into(cfg, model)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     # init_from params are in model layer order; interleaved pipelines store chunk order.
-    params = layout.params_to_storage(params, cfg.model.n_layers, rt.mesh.shape["stage"],
-                                      cfg.pipeline.virtual_stages)
+    params = rt.params_to_storage(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     optimizer = make_optimizer(cfg.train)
-    state = jax.jit(lambda p, d: ts.state_from_params(p, optimizer, cfg.train.seed, d),
+    state = jax.jit(lambda p, d: state_lib.state_from_params(p, optimizer, cfg.train.seed, d),
                     out_shardings=rt.state_shardings)(params, state.get("dot_state"))
   return state, 0
 

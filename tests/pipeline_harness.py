@@ -11,9 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import small_config
 from jscale import runtime
-from jscale.step import train_step as ts
 from jscale.parallel.pipeline import layout
-from jscale.step import pipeline as pipeline_step
+from jscale.step import pipeline as pipeline_step, state as state_lib, train_step as ts
 
 # 8 layers: p x v = 4 x 2 chunks of one layer. kv_heads 4: tensor=2 divides everything.
 BASE = ("model.n_layers=8", "model.n_kv_heads=4", "train.batch_size=16", "train.seq_len=16")
@@ -62,7 +61,7 @@ def _params():
   """The reference's initial parameters (model layer order, on the host). Every layout starts
   from these, put in its storage order and sharding: no per-layout init to compile (sharded
   init is checked by the pipeline tests that run `rt.init_state()`)."""
-  return jax.device_get(ts.init_state(small_config(None, *BASE))["params"])
+  return jax.device_get(state_lib.init_state(small_config(None, *BASE))["params"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,8 +75,8 @@ def pipeline_grads(*overrides) -> Result:
   p = rt.mesh.shape["stage"]
   comms, params_sh = rt.comms, rt.state_shardings["params"]
   repl = NamedSharding(rt.mesh, P())
-  params = jax.device_put(layout.params_to_storage(_params(), cfg.model.n_layers, p,
-                                                   cfg.pipeline.virtual_stages), params_sh)
+  params = jax.device_put(state_lib.params_to_storage(_params(), cfg.model.n_layers, p,
+                                                      cfg.pipeline), params_sh)
 
   def fn(params, b):
     out = pipeline_step.grads(cfg, rt.graphdef, comms, params, b, with_codes=True)
@@ -105,7 +104,7 @@ def pipeline_grads(*overrides) -> Result:
 def reference():
   """Single device, fp32, no pipeline: (mean loss, grads) of the same batch and init."""
   cfg = small_config(None, *BASE)
-  loss_fn = ts.make_loss_fn(ts.model_graphdef(cfg), cfg)
+  loss_fn = ts.make_loss_fn(state_lib.model_graphdef(cfg), cfg)
   b = jax.tree.map(jnp.asarray, batch(cfg))
 
   def mean_loss(params):

@@ -28,6 +28,7 @@ from jscale import train as train_lib
 from jscale.convert.__main__ import main as convert_main
 from jscale.infer import setup
 from jscale.parallel.pipeline import layout
+from jscale.step import state as state_lib
 
 TOKENS = [[5, 17, 99, 3, 250, 41, 7, 128, 64, 9, 200, 33]]
 
@@ -176,9 +177,8 @@ def test_eval_reads_each_parameter_onto_the_eval_layout(runs, layout_overrides):
   rt = runtime.build(cfg)
   params = eval_cli.load_params(path, None, rt)
   _, whole = model_source.load(path)
-  want = layout.params_to_storage(nnx.to_pure_dict(nnx.state(whole, nnx.Param)),
-                                  cfg.model.n_layers, rt.mesh.shape["stage"],
-                                  rt.cfg.pipeline.virtual_stages)
+  want = state_lib.params_to_storage(nnx.to_pure_dict(nnx.state(whole, nnx.Param)),
+                                     cfg.model.n_layers, rt.mesh.shape["stage"], rt.cfg.pipeline)
   n_split = 0
   for (where, x), y, s in zip(jax.tree_util.tree_flatten_with_path(params)[0],
                               jax.tree.leaves(want), jax.tree.leaves(rt.state_shardings["params"])):

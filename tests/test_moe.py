@@ -12,7 +12,7 @@ import parity
 from conftest import small_config
 from jscale import runtime
 from jscale.analysis import hlo, introspect
-from jscale.step import train_step as ts
+from jscale.step import state as state_lib
 from jscale.convert import hf_config
 from jscale.config import ConfigError, MoeConfig
 from jscale.model import moe as moe_lib
@@ -226,7 +226,7 @@ EVERY2 = (*MOE, "model.moe.every=2", "model.n_layers=4", "train.lr=1e-4")
 
 def test_moe_every_other_layer_stacks_groups_and_matches_one_device():
   cfg = small_config(None, *EVERY2)
-  blocks = jax.eval_shape(lambda: ts.init_state(cfg))["params"]["blocks"]
+  blocks = jax.eval_shape(lambda: state_lib.init_state(cfg))["params"]["blocks"]
   # 2 groups of (1 dense layer, 1 MoE layer).
   assert blocks["dense"]["mlp"]["w_gate"].shape == (2, 1, 64, 128)
   assert blocks["moe_block"]["mlp"]["w_gate"].shape == (2, 8, 64, 64)

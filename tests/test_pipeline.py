@@ -12,7 +12,7 @@ import pytest
 from conftest import small_config
 from jscale import runtime
 from jscale.analysis import introspect
-from jscale.step import train_step as ts
+from jscale.step import state as state_lib
 from jscale.config import ConfigError
 from jscale.step import pipeline as pipeline_step
 from pipeline_harness import case_id, max_rel_err, overrides, pipeline_grads, reference
@@ -107,7 +107,7 @@ def test_zero2_shards_the_stage_gradient_accumulators(mode):
                        f"parallel.collectives={mode}")
     compiled, _ = introspect.compile_train_step(cfg, jax.devices()[:4])
     temp[zero] = introspect.memory(compiled)["temp"]
-  blocks = jax.eval_shape(lambda: ts.init_state(cfg))["params"]["blocks"]
+  blocks = jax.eval_shape(lambda: state_lib.init_state(cfg))["params"]["blocks"]
   stage_grad_bytes = 4 * sum(x.size for x in jax.tree.leaves(blocks)) / 2
   # ZeRO-1 accumulates each stage's whole fp32 layer gradients; ZeRO-2 half of them (fsdp=2),
   # but a chunk's gradient is whole for a moment before its reduce-scatter (its backward makes

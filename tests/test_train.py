@@ -12,7 +12,7 @@ from flax import nnx
 from conftest import small_config
 from jscale.ckpt import params_io
 from jscale import train as train_lib
-from jscale.step import train_step as ts
+from jscale.step import state as state_lib
 
 REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s", "mfu"}
 
@@ -64,7 +64,7 @@ def test_interrupted_run_resumes_exactly(full_run, tmp_path, data_cache):
 def test_init_from_params_checkpoint(full_run, tmp_path, data_cache):
   _, full = full_run
   cfg = _cfg(tmp_path / "run", data_cache)
-  model = nnx.merge(ts.model_graphdef(cfg), full["state"]["params"])
+  model = nnx.merge(state_lib.model_graphdef(cfg), full["state"]["params"])
   params_io.save_params(str(tmp_path / "init"), model, cfg.model)
   cfg = _cfg(tmp_path / "run", data_cache, f"checkpoint.init_from={tmp_path}/init")
   start = train_lib.run(cfg, stop_after=0)

@@ -8,6 +8,8 @@ import pytest
 from conftest import small_config
 from jscale.analysis import introspect
 from jscale.step import train_step as ts
+from jscale.step import state as state_lib
+from jscale.step.accumulate import accumulate_grads
 
 # Long sequence, many small heads: the L x L attention scores dominate activation memory.
 ACTIVATION_HEAVY = ("model.d_model=64", "model.n_heads=8", "model.n_kv_heads=8", "model.head_dim=8",
@@ -28,15 +30,15 @@ def _batch(cfg, seed=0):
 @pytest.fixture(scope="module")
 def setup():
   cfg = small_config()
-  graphdef = ts.model_graphdef(cfg)
-  params = ts.init_state(cfg)["params"]
+  graphdef = state_lib.model_graphdef(cfg)
+  params = state_lib.init_state(cfg)["params"]
   return cfg, graphdef, params, _batch(cfg)
 
 
 def _grads(cfg, graphdef, params, batch, microbatches, remat="none"):
   cfg = small_config(None, f"train.microbatches={microbatches}", f"train.remat={remat}")
   loss_fn = ts.make_loss_fn(graphdef, cfg)
-  fn = jax.jit(lambda p, b: ts.accumulate_grads(loss_fn, p, b, microbatches))
+  fn = jax.jit(lambda p, b: accumulate_grads(loss_fn, p, b, microbatches))
   return fn(params, batch)[:3]
 
 
@@ -87,7 +89,7 @@ def test_loss_is_reference_cross_entropy(setup):
 
 def test_train_steps_reduce_loss(setup):
   cfg, graphdef, _, batch = setup
-  state = ts.init_state(cfg)
+  state = state_lib.init_state(cfg)
   step = ts.make_train_step(cfg, graphdef)
   losses = []
   for _ in range(5):
@@ -114,8 +116,8 @@ def test_bf16_compute_with_fp32_master_weights(setup):
   cfg, graphdef, params, batch = setup
   _, l32, _ = _grads(cfg, graphdef, params, batch, 1)
   cfg16 = small_config(None, "model.dtype=bfloat16")
-  graphdef16 = ts.model_graphdef(cfg16)
+  graphdef16 = state_lib.model_graphdef(cfg16)
   loss_fn = ts.make_loss_fn(graphdef16, cfg16)
-  g16, l16, _, _, _ = jax.jit(lambda p, b: ts.accumulate_grads(loss_fn, p, b, 1))(params, batch)
+  g16, l16, _, _, _ = jax.jit(lambda p, b: accumulate_grads(loss_fn, p, b, 1))(params, batch)
   assert abs(float(l16) - float(l32)) < 2e-2 * float(l32)
   assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(g16))  # grads of fp32 masters

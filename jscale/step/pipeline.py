@@ -16,6 +16,7 @@ from jscale.model import llama
 from jscale.model import moe as moe_lib
 from jscale.parallel.comms import Comms
 from jscale.parallel.pipeline import executor, program as prog_lib, schedules
+from jscale.step.accumulate import split_microbatches
 
 
 @functools.lru_cache(maxsize=64)
@@ -69,7 +70,7 @@ def _microbatches(cfg: Config, batch: dict[str, jax.Array]) -> dict[str, jax.Arr
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   mb = {"tokens": tokens, "labels": batch["labels"], "loss_mask": batch["loss_mask"],
         "positions": positions}
-  return executor.split_microbatches(mb, cfg.pipeline.microbatches)
+  return split_microbatches(mb, cfg.pipeline.microbatches)
 
 
 def _split(params):
@@ -78,7 +79,7 @@ def _split(params):
 
 def grads(cfg: Config, graphdef: nnx.GraphDef, comms: Comms, params: Any,
           batch: dict[str, jax.Array], with_codes: bool = False):
-  """The pipelined counterpart of `train_step.accumulate_grads`: (grads, mean loss, token
+  """The pipelined counterpart of `accumulate.accumulate_grads`: (grads, mean loss, token
   count), gradients not yet reduced over the data axes. With `with_codes`, also the executor
   codes [T] this stage ran (for checking the executed schedule)."""
   count = comms.batch_sum(jnp.sum(batch["loss_mask"].astype(jnp.float32)))

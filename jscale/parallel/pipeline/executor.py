@@ -197,12 +197,3 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
   dblocks = (jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), final["dblocks"])
              if train else None)
   return dblocks, final["dshared"], final["loss"], codes, final["stats"]
-
-
-def split_microbatches(batch: dict[str, jax.Array], m: int) -> dict[str, jax.Array]:
-  """[B, ...] -> [m, B/m, ...] (gradient accumulation and the pipeline): micro-batch j takes
-  rows j, j+m, ...; with the batch split over devices in blocks every device keeps its own rows
-  (no data moves), each micro-batch drawing from all devices."""
-  return jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1),
-                      batch)
-

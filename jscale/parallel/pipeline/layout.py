@@ -8,6 +8,7 @@ model layer `storage_order(...)[i]`. With v = 1 the order is the identity.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 
@@ -26,13 +27,6 @@ def to_storage(blocks, n_layers: int, p: int, v: int):
   return _take(blocks, order)
 
 
-def params_to_storage(params: dict, n_layers: int, stages: int, virtual_stages: int) -> dict:
-  """Model params (a pure dict, layers in model order) as stored on a mesh of `stages`
-  pipeline stages: the one place that decides the stored order (v = 1 without a pipeline)."""
-  v = virtual_stages if stages > 1 else 1
-  return {**params, "blocks": to_storage(params["blocks"], n_layers, stages, v)}
-
-
 def to_model(blocks, n_layers: int, p: int, v: int):
   """Stacked layer params (or their gradients) in storage order -> model order."""
   if v == 1:
@@ -41,5 +35,4 @@ def to_model(blocks, n_layers: int, p: int, v: int):
 
 
 def _take(tree, index):
-  import jax  # pylint: disable=import-outside-toplevel
   return jax.tree.map(lambda x: x[index], tree)
