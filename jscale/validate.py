@@ -191,10 +191,6 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
       raise ConfigError(f"model.attention_impl=cudnn with mesh.sequence={cp}: cuDNN's mask is "
                         "by index, not by token position; use model.attention_impl=ring, "
                         "pallas (the ring with flash-kernel blocks) or xla")
-  if cfg.fp8.enabled and cfg.fp8.recipe == "delayed" and sizes["stage"] > 1:
-    raise ConfigError(f"fp8.recipe=delayed with mesh.stage={sizes['stage']}: the pipeline does "
-                      "not carry FP8 amax histories yet; use fp8.recipe=current (no state) or "
-                      "mesh.stage=1")
   check_backend(cfg, mesh.devices.flat[0].platform)
   if m.attention_impl == "pallas":
     check_flash_attention(cfg, sizes)

@@ -87,7 +87,7 @@ def check(case):
     return f"skip: {str(e).splitlines()[0][:80]}", None, None, None
   ref_loss, ref_grads = ph.reference()
   p, codes = got.rt.mesh.shape["stage"], got.codes
-  prog = pipeline_step.program_for(got.rt.cfg, p)
+  prog = pipeline_step.program_for(got.rt.cfg.pipeline, p)
   per_stage = codes.reshape(p, -1, codes.shape[-1])[:, 0]
   same_table = bool(np.array_equal(prog.executed(per_stage.T), prog.table.kind))
   loss_err = abs(got.loss - ref_loss) / abs(ref_loss)

@@ -79,9 +79,9 @@ def pipeline_grads(*overrides) -> Result:
                                                       cfg.pipeline), params_sh)
 
   def fn(params, b):
-    out = pipeline_step.grads(cfg, rt.graphdef, comms, params, b, with_codes=True)
-    grads, loss, _, _, codes = out
-    return comms.sync_grads(grads), loss, codes
+    out, codes = pipeline_step.grads(pipeline_step.Settings.of(cfg), rt.graphdef, comms,
+                                     params, b, with_codes=True)
+    return comms.sync_grads(out.grads), out.loss, codes
 
   codes_sh = NamedSharding(rt.mesh, P("stage"))
   # Synced gradients: whole, or (manual ZeRO-1/2) reduce-scattered to the optimizer's shards.

@@ -47,7 +47,7 @@ def test_loss_and_grads_equal_no_pipeline(case):
   # The executor ran exactly the table: F, B, W per tick and stage (a fused full backward does
   # the W with its B and idles on the W's tick).
   p, codes = got.rt.mesh.shape["stage"], got.codes
-  prog = pipeline_step.program_for(got.rt.cfg, p)
+  prog = pipeline_step.program_for(got.rt.cfg.pipeline, p)
   per_stage = codes.reshape(p, -1, codes.shape[-1])[:, 0]
   np.testing.assert_array_equal(prog.executed(per_stage.T), prog.table.kind)
 

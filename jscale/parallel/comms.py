@@ -44,11 +44,13 @@ class Comms(Seam):
     """The seam to use inside `over_stages` (xla mode: constraints as bare specs)."""
     return self
 
-  def over_stages(self, fn: Callable, params: Any, microbatches: Any, scale: jax.Array,
-                  grads: bool = True):
-    """Runs `fn(params, microbatches, scale) -> (grads, loss, codes)` on each stage's shards:
-    layer weights and their gradients split over `stage` (the pipeline's executor runs in it).
-    `grads=False`: forward only, `fn` returns None for the gradients."""
+  def over_stages(self, fn: Callable, params: Any, dots: Any, microbatches: Any,
+                  scale: jax.Array, grads: bool = True):
+    """Runs `fn(params, dots, microbatches, scale) -> (grads, loss, codes, new dots)` on each
+    stage's shards: layer weights, their gradients and their product state (`dots`, stacked
+    like them: FP8's amax histories, {} without) split over `stage` (the pipeline's executor
+    runs in it). `grads=False`: forward only, `fn` returns None for the gradients and the new
+    dots."""
     raise NotImplementedError("pipeline parallelism needs a mesh with a stage axis")
 
   # ---------------------------------------------------------------- gradients

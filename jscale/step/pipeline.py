@@ -1,22 +1,39 @@
 """The train / eval step's pipeline path: the model cut into stage functions, the executor
-run on this stage's shards, gradients and loss returned in the train step's contract."""
+(`jscale.parallel.pipeline.executor`) run on this stage's shards, and the result in the same
+contract as gradient accumulation (`accumulate.Grads`), FP8's new amax histories included.
+
+It reads only what the pipeline needs of a config (`Settings`): the model, the schedule, the
+recomputation policy and the loss's chunking.
+"""
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jscale.config import Config
-from jscale.step.loss import head_loss_sums
+from jscale.config import Config, ModelConfig, PipelineConfig
 from jscale.model import llama
 from jscale.model import moe as moe_lib
 from jscale.parallel.comms import Comms
 from jscale.parallel.pipeline import executor, program as prog_lib, schedules
-from jscale.step.accumulate import split_microbatches
+from jscale.step.accumulate import Grads, split_microbatches, token_count
+from jscale.step.loss import head_loss_sums
+
+
+class Settings(NamedTuple):
+  """What the pipeline path reads of a config."""
+  model: ModelConfig
+  pipeline: PipelineConfig
+  remat: str  # train.remat
+  logits_chunk_mb: float  # train.logits_chunk_mb
+
+  @classmethod
+  def of(cls, cfg: Config) -> "Settings":
+    return cls(cfg.model, cfg.pipeline, cfg.train.remat, cfg.train.logits_chunk_mb)
 
 
 @functools.lru_cache(maxsize=64)
@@ -26,95 +43,110 @@ def _program(name: str, p: int, m: int, v: int, train: bool) -> prog_lib.Program
   return prog_lib.compile_program(table)
 
 
-def program_for(cfg: Config, p: int, train: bool = True) -> prog_lib.Program:
-  """The compiled (and validated) schedule the config runs on p stages."""
-  pc = cfg.pipeline
-  return _program(pc.schedule, p, pc.microbatches, pc.virtual_stages, train)
+def program_for(pipeline: PipelineConfig, p: int, train: bool = True) -> prog_lib.Program:
+  """The compiled (and validated) schedule `pipeline` runs on p stages."""
+  return _program(pipeline.schedule, p, pipeline.microbatches, pipeline.virtual_stages, train)
 
 
-def stage_fns(cfg: Config, graphdef: nnx.GraphDef, comms: Comms,
-              params: Any) -> executor.StageFns:
-  """Embed / a chunk's layers / head + loss as pure functions of param dicts. `params` (this
-  stage's) only supplies a layer stack to merge with: embed and head never read it."""
-  model = lambda shared: nnx.merge(graphdef, {**shared, "blocks": params["blocks"]})
-  block_graphdef = nnx.split(nnx.merge(graphdef, params).blocks)[0]
+def stage_fns(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
+              dot_state: Any) -> executor.StageFns:
+  """Embed / a chunk's layers / head + loss as pure functions of param dicts. `params` and
+  `dot_state` (this stage's) only supply a layer stack to merge with: embed and head never
+  read it."""
+  extra = [dot_state] if dot_state else []
+  model = lambda shared: nnx.merge(graphdef, {**shared, "blocks": params["blocks"]}, *extra)
+  block_graphdef = nnx.split(nnx.merge(graphdef, params, *extra).blocks)[0]
 
   def embed(shared, tokens_bL):
     return model(shared).embed_tokens(tokens_bL, comms)
 
-  moe = cfg.model.moe
-  stack = cfg.model.n_layers // (moe.every if moe is not None else 1)
+  moe = s.model.moe
+  stack = s.model.n_layers // (moe.every if moe is not None else 1)
 
-  def layers(chunk, x_bLD, positions_bL):
-    y, stats = llama.run_layers(block_graphdef, chunk, x_bLD, positions_bL, cfg.model, comms,
-                                cfg.train.remat, with_stats=True)
+  def layers(chunk, dots, x_bLD, positions_bL):
+    y, stats = llama.run_layers(block_graphdef, chunk, x_bLD, positions_bL, s.model, comms,
+                                s.remat, with_stats=True, dot_state=dots or None)
     if moe is None:
       return y, {}
     # This chunk's share of the step's statistics (a mean over layers and micro-batches).
-    share = jax.tree.leaves(chunk)[0].shape[0] / (stack * cfg.pipeline.microbatches)
+    share = jax.tree.leaves(chunk)[0].shape[0] / (stack * s.pipeline.microbatches)
     return y, moe_lib.with_objective(jax.tree.map(lambda v: v * share, stats), moe)
 
   def head_loss(shared, x_bLD, labels_bL, mask_bL):
     m = model(shared)
     h_bLD, head_DV = m.head_inputs(x_bLD, comms)
-    return head_loss_sums(h_bLD, head_DV, labels_bL, mask_bL, comms,
-                          cfg.train.logits_chunk_mb, m.head_dot)[0]
+    return head_loss_sums(h_bLD, head_DV, labels_bL, mask_bL, comms, s.logits_chunk_mb,
+                          m.head_dot)[0]
 
   return executor.StageFns(embed, layers, head_loss)
 
 
-def _microbatches(cfg: Config, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def _microbatches(s: Settings, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
   tokens = batch["tokens"]
   positions = batch.get("positions")
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   mb = {"tokens": tokens, "labels": batch["labels"], "loss_mask": batch["loss_mask"],
         "positions": positions}
-  return split_microbatches(mb, cfg.pipeline.microbatches)
+  return split_microbatches(mb, s.pipeline.microbatches)
 
 
 def _split(params):
   return params["blocks"], {k: v for k, v in params.items() if k != "blocks"}
 
 
-def grads(cfg: Config, graphdef: nnx.GraphDef, comms: Comms, params: Any,
-          batch: dict[str, jax.Array], with_codes: bool = False):
-  """The pipelined counterpart of `accumulate.accumulate_grads`: (grads, mean loss, token
-  count), gradients not yet reduced over the data axes. With `with_codes`, also the executor
-  codes [T] this stage ran (for checking the executed schedule)."""
-  count = comms.batch_sum(jnp.sum(batch["loss_mask"].astype(jnp.float32)))
-  scale = 1.0 / jnp.maximum(count, 1.0)
-  program = program_for(cfg, comms.stages, train=True)
+def _dot_blocks(dot_state: Any) -> Any:
+  """The layer stack's products' state ({} without): FP8 never takes the embedding or the
+  head (`jscale.fp8.linears.NEVER`), so all of it is stacked with the layers."""
+  if set(dot_state or {}) - {"blocks"}:
+    raise ValueError(f"pipeline stages carry product state of the layers only, got "
+                     f"{sorted(dot_state)}")
+  return (dot_state or {}).get("blocks", {})
 
-  def on_stage(params, mbs, scale):
+
+def grads(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
+          batch: dict[str, jax.Array], dot_state: Any = None, with_codes: bool = False):
+  """The pipelined counterpart of `accumulate.accumulate_grads`: `Grads`, gradients not yet
+  reduced over the data axes, `dot_state` (FP8's amax histories) as the max over micro-batches
+  of each one's new value. With `with_codes`, (Grads, the executor codes [T] this stage ran)
+  (for checking the executed schedule)."""
+  count = token_count(batch, comms)
+  scale = 1.0 / jnp.maximum(count, 1.0)
+  program = program_for(s.pipeline, comms.stages, train=True)
+
+  def on_stage(params, dots, mbs, scale):
     blocks, shared = _split(params)
     inner = comms.in_pipeline()
-    fns = stage_fns(cfg, graphdef, inner, params)
-    dblocks, dshared, loss, codes, stats = executor.run(program, fns, blocks, shared, mbs, scale,
-                                                        shard_grads=inner.stage_grads)
+    fns = stage_fns(s, graphdef, inner, params, {"blocks": dots} if dots else {})
+    run = executor.run(program, fns, blocks, shared, mbs, scale, dots=dots,
+                       shard_grads=inner.stage_grads)
     # Embedding and head gradients come from the first and the last stage (both to a tied
     # embedding); every stage keeps the shared weights, so they are summed over stages.
-    dshared = jax.lax.psum(dshared, "stage")
+    dshared = jax.lax.psum(run.dshared, "stage")
+    stats = dict(run.stats)
     stats.pop("moe_loss", None)  # in the gradients already
-    return ({**dshared, "blocks": dblocks}, jax.lax.psum((loss, stats), "stage"), codes)
+    return ({**dshared, "blocks": run.dblocks}, jax.lax.psum((run.loss, stats), "stage"),
+            run.codes, run.ddots)
 
-  g, (loss, stats), codes = comms.over_stages(on_stage, params, _microbatches(cfg, batch), scale)
-  out = (g, comms.batch_sum(loss), count, stats)
-  return out + (codes,) if with_codes else out
+  g, (loss, stats), codes, new_dots = comms.over_stages(
+      on_stage, params, _dot_blocks(dot_state), _microbatches(s, batch), scale)
+  out = Grads(g, comms.batch_sum(loss), count, stats, {"blocks": new_dots} if new_dots else {})
+  return (out, codes) if with_codes else out
 
 
-def loss_sums(cfg: Config, graphdef: nnx.GraphDef, comms: Comms, params: Any,
-              batch: dict[str, jax.Array]):
+def loss_sums(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
+              batch: dict[str, jax.Array], dot_state: Any = None):
   """Forward only (evaluation): (loss sum, token count) of the batch, through the pipeline."""
-  count = comms.batch_sum(jnp.sum(batch["loss_mask"].astype(jnp.float32)))
-  program = program_for(cfg, comms.stages, train=False)
+  count = token_count(batch, comms)
+  program = program_for(s.pipeline, comms.stages, train=False)
 
-  def on_stage(params, mbs, scale):
+  def on_stage(params, dots, mbs, scale):
     blocks, shared = _split(params)
-    fns = stage_fns(cfg, graphdef, comms.in_pipeline(), params)
-    _, _, loss, codes, _ = executor.run(program, fns, blocks, shared, mbs, scale)
-    return None, jax.lax.psum(loss, "stage"), codes
+    fns = stage_fns(s, graphdef, comms.in_pipeline(), params, {"blocks": dots} if dots else {})
+    run = executor.run(program, fns, blocks, shared, mbs, scale, dots=dots)
+    return None, jax.lax.psum(run.loss, "stage"), run.codes, None
 
-  _, loss, _ = comms.over_stages(on_stage, params, _microbatches(cfg, batch),
-                                 jnp.ones((), jnp.float32), grads=False)
+  _, loss, _, _ = comms.over_stages(on_stage, params, _dot_blocks(dot_state),
+                                    _microbatches(s, batch), jnp.ones((), jnp.float32),
+                                    grads=False)
   return comms.batch_sum(loss), count

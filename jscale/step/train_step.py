@@ -65,17 +65,18 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
   optimizer = make_optimizer(cfg.train)
   schedule = lr_schedule(cfg.train)
   loss_fn = make_loss_fn(graphdef, cfg, comms)
+  stages = pipeline_step.Settings.of(cfg)
 
   def step(state: State, batch: Batch):
     _check_positions(batch, batch_sharding)
     params = state["params"]
     if comms.stages > 1:
-      grads, loss, count, stats = pipeline_step.grads(cfg, graphdef, comms, params, batch)
-      dot_state = None  # validate: no FP8 delayed scaling with pipeline stages yet
+      out = pipeline_step.grads(stages, graphdef, comms, params, batch, state.get("dot_state"))
     else:
-      grads, loss, count, stats, dot_state = accumulate_grads(
-          loss_fn, params, batch, cfg.train.microbatches, comms, state.get("dot_state"))
-    grads = comms.sync_grads(grads)
+      out = accumulate_grads(loss_fn, params, batch, cfg.train.microbatches, comms,
+                             state.get("dot_state"))
+    loss, count, stats, dot_state = out.loss, out.count, out.stats, out.dot_state
+    grads = comms.sync_grads(out.grads)
     with jax.named_scope("optimizer"):
       grad_norm = comms.grad_norm(grads)
       # Never apply a NaN or inf: loss and norm are global (every device decides alike); the
@@ -112,11 +113,12 @@ def make_eval_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
   """Returns jitted `eval(params, batch[, dot_state]) -> (loss sum, token count)` over the
   global batch; `dot_state` (the train state's, FP8's amax histories) if the model has one."""
   loss_fn = make_loss_fn(graphdef, cfg, comms)
+  stages = pipeline_step.Settings.of(cfg)
 
   def evaluate(params, batch: Batch, dot_state: Any = None):
     _check_positions(batch, batch_sharding)
     if comms.stages > 1:
-      return pipeline_step.loss_sums(cfg, graphdef, comms, params, batch)
+      return pipeline_step.loss_sums(stages, graphdef, comms, params, batch, dot_state)
     loss_sum, count, _ = loss_fn(params, batch, dot_state=dot_state)
     return comms.batch_sum(loss_sum), comms.batch_sum(count)
 

@@ -8,10 +8,16 @@ the last chunk's B starts from a gradient already filed like a received one.
 
 Residuals: F takes `jax.vjp` of its chunk and keeps the pullback's residual arrays in a buffer
 slot (the program assigns slots; the buffer has as many as the schedule holds at once). Leaves
-that are the chunk's own weights or positions are not stored: B rebuilds the pullback from the
-stored arrays plus those. B of a schedule without the split is the full backward (dx and the
-weight gradient); zero-bubble's B takes only dx (XLA drops the weight-gradient matmuls) and
-keeps its output gradient for W, which takes only the weight gradient.
+that are the chunk's own weights, product state or positions are not stored: B rebuilds the
+pullback from the stored arrays plus those. B of a schedule without the split is the full
+backward (dx and the weight gradient); zero-bubble's B takes only dx (XLA drops the
+weight-gradient matmuls) and keeps its output gradient for W, which takes only the weight
+gradient.
+
+Product state (`dots`: FP8's amax histories, stacked like the layers): each chunk's is an input
+of its layers whose "gradient" is its new value (`jscale.fp8.dot`); the weight-gradient pass
+keeps, per chunk, the max of the micro-batches' new values (each pushes its amaxes onto the
+same old history: the max keeps the step's), as gradient accumulation does.
 """
 
 from __future__ import annotations
@@ -29,10 +35,21 @@ Tree = Any
 class StageFns(NamedTuple):
   """The model cut for the pipeline (pure functions of param dicts and per-device arrays)."""
   embed: Callable  # (shared, tokens_bL) -> x_bLD
-  # (chunk, x_bLD, positions_bL) -> (x_bLD, stats): stats a dict of this chunk's share of
-  # the step's router statistics ({} if dense); its "moe_loss" is part of the objective.
+  # (chunk, chunk dots, x_bLD, positions_bL) -> (x_bLD, stats): stats a dict of this chunk's
+  # share of the step's router statistics ({} if dense); its "moe_loss" is part of the
+  # objective. `chunk dots`: the chunk's product state ({} without).
   layers: Callable
   head_loss: Callable  # (shared, x_bLD, labels_bL, mask_bL) -> loss sum
+
+
+class Run(NamedTuple):
+  """What `run` returns for one stage."""
+  dblocks: Tree  # fp32 gradients of this stage's chunks (None forward only)
+  dshared: Tree  # fp32 gradients of the shared weights: nonzero on the first / last stage only
+  loss: jax.Array  # loss sum * scale, nonzero on the last stage only
+  codes: jax.Array  # [T] the executed program codes
+  stats: dict  # the sum of this stage's chunks' `layers` statistics over its forwards
+  ddots: Tree  # this stage's chunks' new product state (None forward only)
 
 
 def _zeros(tree: Tree) -> Tree:
@@ -43,21 +60,21 @@ def _f32(tree: Tree) -> Tree:
   return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
 
 
-def _forward_with_residuals(fns: StageFns, chunk: Tree, x, pos):
+def _forward_with_residuals(fns: StageFns, chunk: Tree, dots: Tree, x, pos):
   """((y, stats), stored residuals, where-map, pullback treedef) of the chunk's layers."""
-  y, pullback = jax.vjp(lambda c, x: fns.layers(c, x, pos), chunk, x)
+  y, pullback = jax.vjp(lambda c, d, x: fns.layers(c, d, x, pos), chunk, dots, x)
   leaves, treedef = jax.tree.flatten(pullback)
-  params = {id(p): i for i, p in enumerate(jax.tree.leaves(chunk))}
+  params = {id(p): i for i, p in enumerate(jax.tree.leaves((chunk, dots)))}
   where = tuple(("param", params[id(l)]) if id(l) in params else ("pos", 0) if l is pos
                 else ("res", 0) for l in leaves)
   return y, [l for l, (kind, _) in zip(leaves, where) if kind == "res"], where, treedef
 
 
-def _pullback(fns: StageFns, chunk: Tree, x_like, pos, stored):
+def _pullback(fns: StageFns, chunk: Tree, dots: Tree, x_like, pos, stored):
   """The chunk's pullback from stored residuals. Re-traces the forward for the pytree
   structure only: none of its values is used, so XLA removes it."""
-  _, _, where, treedef = _forward_with_residuals(fns, chunk, jnp.zeros_like(x_like), pos)
-  params, it = jax.tree.leaves(chunk), iter(stored)
+  _, _, where, treedef = _forward_with_residuals(fns, chunk, dots, jnp.zeros_like(x_like), pos)
+  params, it = jax.tree.leaves((chunk, dots)), iter(stored)
   leaves = [params[i] if kind == "param" else pos if kind == "pos" else next(it)
             for kind, i in where]
   return jax.tree.unflatten(treedef, leaves)
@@ -65,34 +82,33 @@ def _pullback(fns: StageFns, chunk: Tree, x_like, pos, stored):
 
 def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
         microbatches: dict[str, jax.Array], scale: jax.Array, stage_axis: str = "stage",
-        shard_grads: Callable[[Tree], Tree] = lambda g: g):
+        shard_grads: Callable[[Tree], Tree] = lambda g: g, dots: Tree = None) -> Run:
   """Executes `program` on this stage. `blocks`: this stage's layers [v * k, ...] (its chunks
   in order); `shared`: the other weights; `microbatches`: tokens, labels, loss_mask, positions
   as [m, b, L]; `scale` multiplies the loss (1 / global token count). `shard_grads` puts each
   gradient a branch computes ({"blocks": chunk grads} or the shared grads) in the
-  accumulators' layout (ZeRO-2: its fsdp shard), so only that layout is accumulated.
-
-  Returns (block grads, shared grads, loss sum * scale, executed codes [T], stats): gradients
-  in fp32 for this stage's chunks and, nonzero only on the first / last stage, the shared
-  weights; the loss is nonzero only on the last stage; stats: the sum of this stage's chunks'
-  `layers` statistics over its forwards.
+  accumulators' layout (ZeRO-2: its fsdp shard), so only that layout is accumulated. `dots`:
+  the layers' product state, stacked like `blocks` ({} or None without).
   """
+  dots = dots or {}
   table = program.table
   p, v, train = table.p, table.v, table.backward
   s = jax.lax.axis_index(stage_axis)
   cols = {name: jnp.asarray(getattr(program, name))[:, s] for name in
           ("code", "mb", "local", "res_write", "res_read", "stash_write", "read_f", "read_b",
            "file_f", "file_b", "self_b")}
-  chunks = jax.tree.map(lambda x: x.reshape(v, x.shape[0] // v, *x.shape[1:]), blocks)
-  one_chunk = jax.tree.map(lambda x: x[0], chunks)
+  by_chunk = lambda tree: jax.tree.map(lambda x: x.reshape(v, x.shape[0] // v, *x.shape[1:]),
+                                       tree)
+  chunks, chunk_dots = by_chunk(blocks), by_chunk(dots)
+  one_chunk, one_dots = (jax.tree.map(lambda x: x[0], t) for t in (chunks, chunk_dots))
   mb0 = jax.tree.map(lambda x: x[0], microbatches)
   act = jax.eval_shape(fns.embed, shared, mb0["tokens"])
-  stats_shape = jax.eval_shape(fns.layers, one_chunk, act, mb0["positions"])[1]
+  stats_shape = jax.eval_shape(fns.layers, one_chunk, one_dots, act, mb0["positions"])[1]
   zero_stats = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats_shape)
   # The objective's cotangent for a chunk's statistics: only its "moe_loss" is minimised.
   d_stats = {k: jnp.ones_like(v) if k == "moe_loss" else v for k, v in zero_stats.items()}
-  res_shapes = (jax.eval_shape(lambda c, x, pos: _forward_with_residuals(fns, c, x, pos)[1],
-                               one_chunk, act, mb0["positions"]) if train else [])
+  res_shapes = (jax.eval_shape(lambda c, d, x, pos: _forward_with_residuals(fns, c, d, x, pos)[1],
+                               one_chunk, one_dots, act, mb0["positions"]) if train else [])
   buffer = lambda n, a: jnp.zeros((n + 1, *a.shape), a.dtype)  # + the scratch slot
   dchunk_of = lambda g: shard_grads({"blocks": _f32(g)})["blocks"]
   dshared_of = lambda g: shard_grads(_f32(g))
@@ -104,15 +120,16 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
       res=[buffer(program.n_res, r) for r in res_shapes],
       stash=buffer(program.n_res if table.split else 0, act),
       dblocks=jax.tree.map(lambda a: jnp.zeros((v, *a.shape), a.dtype), acc_chunk),
-      dshared=_zeros(acc_shared),
+      dshared=_zeros(acc_shared), ddots=jax.tree.map(jnp.zeros_like, chunk_dots),
       loss=jnp.zeros((), jnp.float32), stats=zero_stats, msg_f=zero_act, msg_b=zero_act)
-  def branches(chunk, mb, x_in, dy_in, stored, stash, dblocks, dshared, local):
+
+  def branches(chunk, dots, mb, x_in, dy_in, stored, stash, dblocks, dshared, ddots, local):
     # The gradient accumulators go through the switch: a branch adds its gradient in place
     # (the others hand them back untouched), so no branch output holds a second, gradient-
     # sized buffer beside them.
     nothing = dict(out_f=zero_act, out_b=zero_act, res=[jnp.zeros(r.shape, r.dtype)
                                                          for r in res_shapes],
-                   stash=zero_act, dblocks=dblocks, dshared=dshared,
+                   stash=zero_act, dblocks=dblocks, dshared=dshared, ddots=ddots,
                    loss=jnp.zeros((), jnp.float32), stats=zero_stats)
     add_shared = lambda g: jax.tree.map(jnp.add, dshared, dshared_of(g))
 
@@ -121,10 +138,10 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
         x = fns.embed(shared, mb["tokens"])
       out = dict(nothing)
       if train:
-        (y, out["stats"]), out["res"], _, _ = _forward_with_residuals(fns, chunk, x,
+        (y, out["stats"]), out["res"], _, _ = _forward_with_residuals(fns, chunk, dots, x,
                                                                       mb["positions"])
       else:
-        y, out["stats"] = fns.layers(chunk, x, mb["positions"])
+        y, out["stats"] = fns.layers(chunk, dots, x, mb["positions"])
       if not last:
         return {**out, "out_f": y}
       if not train:
@@ -136,12 +153,13 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
     def backward(first, need_dx, need_dw, dy):
       if not train:  # forward-only programs never take these branches
         return dict(nothing)
-      pullback = _pullback(fns, chunk, x_in, mb["positions"], stored)
-      dchunk, dx = pullback((dy, d_stats))
+      pullback = _pullback(fns, chunk, dots, x_in, mb["positions"], stored)
+      dchunk, new_dots, dx = pullback((dy, d_stats))
       out = dict(nothing)
       if need_dw:
         out["dblocks"] = jax.tree.map(lambda a, g: a.at[local].add(g), dblocks,
                                       dchunk_of(dchunk))
+        out["ddots"] = jax.tree.map(lambda a, d: a.at[local].max(d), ddots, new_dots)
       if need_dx and first:  # the embedding's gradient (a scatter-add of dx)
         _, embed_vjp = jax.vjp(lambda sh: fns.embed(sh, mb["tokens"]), shared)
         out["dshared"] = add_shared(embed_vjp(dx.astype(act.dtype))[0])
@@ -171,14 +189,14 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
   def tick(carry, col):
     inbox_f = carry["inbox_f"].at[col["file_f"]].set(carry["msg_f"])
     inbox_b = carry["inbox_b"].at[col["file_b"]].set(carry["msg_b"])
-    chunk = jax.tree.map(lambda x: x[col["local"]], chunks)
+    chunk, dots = (jax.tree.map(lambda x: x[col["local"]], t) for t in (chunks, chunk_dots))
     mb = jax.tree.map(lambda x: x[col["mb"]], microbatches)
     stored = [r[col["res_read"]] for r in carry["res"]]
-    out = jax.lax.switch(col["code"], branches(chunk, mb, inbox_f[col["read_f"]],
+    out = jax.lax.switch(col["code"], branches(chunk, dots, mb, inbox_f[col["read_f"]],
                                                inbox_b[col["read_b"]], stored,
                                                carry["stash"][col["res_read"]],
                                                carry["dblocks"], carry["dshared"],
-                                               col["local"]))
+                                               carry["ddots"], col["local"]))
     new = dict(carry, inbox_f=inbox_f, loss=carry["loss"] + out["loss"],
                stats=jax.tree.map(jnp.add, carry["stats"], out["stats"]))
     new["res"] = [r.at[col["res_write"]].set(o) for r, o in zip(carry["res"], out["res"])]
@@ -187,13 +205,13 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
       is_last_f = col["code"] == prog_lib.C_F_LAST
       new["inbox_b"] = inbox_b.at[col["self_b"]].set(out["out_b"])
       new["stash"] = carry["stash"].at[col["stash_write"]].set(out["stash"])
-      new["dblocks"], new["dshared"] = out["dblocks"], out["dshared"]
+      new["dblocks"], new["dshared"], new["ddots"] = out["dblocks"], out["dshared"], out["ddots"]
       send_b = jnp.where(is_last_f, jnp.zeros_like(out["out_b"]), out["out_b"])
       new["msg_b"] = jax.lax.ppermute(send_b, stage_axis, bwd_perm)
     new["msg_f"] = jax.lax.ppermute(out["out_f"], stage_axis, fwd_perm)
     return new, col["code"]
 
   final, codes = jax.lax.scan(tick, carry0, cols)
-  dblocks = (jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), final["dblocks"])
-             if train else None)
-  return dblocks, final["dshared"], final["loss"], codes, final["stats"]
+  stacked = lambda tree: jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), tree)
+  return Run(stacked(final["dblocks"]) if train else None, final["dshared"], final["loss"],
+             codes, final["stats"], stacked(final["ddots"]) if train else None)
