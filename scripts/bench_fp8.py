@@ -46,7 +46,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_train  # noqa: E402  (also puts the repo root on sys.path)
-from jscale.analysis.report import write_table  # noqa: E402
+from jscale.analysis.tables import write_table  # noqa: E402
 
 SIZES, QUICK_SIZES = (4096, 8192, 16384), (256, 512)
 PEAK_BF16, PEAK_FP8 = 989, 1979  # H100 SXM, dense TFLOP/s

@@ -122,7 +122,7 @@ KERNEL_COLUMNS = [("impl", lambda r: r["impl"]), ("shape", lambda r: r["shape"])
 
 
 def main() -> None:
-  from jscale.analysis.report import write_table  # pylint: disable=import-outside-toplevel
+  from jscale.analysis.tables import write_table  # pylint: disable=import-outside-toplevel
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--part", choices=("all", "kernels", "train"), default="all")
   p.add_argument("--only", default="", help="train rows whose name contains one of these (,)")

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jscale import predict, profile  # noqa: E402
 from jscale.predict import rates, report  # noqa: E402
-from jscale.analysis.report import write_table  # noqa: E402
+from jscale.analysis.tables import write_table  # noqa: E402
 
 L1B, L3B, L8B = ("model.preset=llama3_1b",), ("model.preset=llama3_3b",), (
     "model.preset=llama3_8b", "model.n_layers=8")  # 8B's layers, 8 of them: fits one GPU

@@ -37,7 +37,7 @@ def main():
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8")
   from jscale import metrics  # after XLA_FLAGS: jax reads it once
-  from jscale.analysis import hlo, introspect, report
+  from jscale.analysis import hlo, introspect, tables
   from jscale.config_load import load_config
   rows = []
   for name, layout in LAYOUTS.items():
@@ -50,7 +50,7 @@ def main():
   kinds = sorted({k for r in rows for k in r["summary"]})
   cell = lambda k: (lambda r: f"{r['summary'][k]['bytes'] / 1e3:.0f} kB ({r['summary'][k]['count']} ops)"
                     if k in r["summary"] else "—")
-  print(report.write_table(rows, [("layout", lambda r: r["layout"]),
+  print(tables.write_table(rows, [("layout", lambda r: r["layout"]),
                                   ("fp32 params (kB)", lambda r: f"{r['param_kb']:.0f}"),
                                   *[(k, cell(k)) for k in kinds]], args.out))
 

@@ -123,9 +123,10 @@ def main():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     args.steps = 0
   import jax  # pylint: disable=import-outside-toplevel  (after XLA_FLAGS: read once)
-  from jscale.analysis import hlo, introspect, report  # pylint: disable=import-outside-toplevel
+  from jscale.analysis import hlo, introspect, tables  # pylint: disable=import-outside-toplevel
   from jscale.config_load import load_config  # pylint: disable=import-outside-toplevel
   from jscale.analysis import volume  # pylint: disable=import-outside-toplevel
+  from jscale.plan import cost  # pylint: disable=import-outside-toplevel
   from jscale import predict  # pylint: disable=import-outside-toplevel
 
   names = [n for n in args.only.split(",") if n] or list(STRATEGIES)
@@ -155,7 +156,7 @@ def main():
                                if losses else None),
              "step_ms": 1e3 * step_s if step_s else None,
              "volume_bytes": volume.hlo_volume(colls)["total"],
-             "playbook_bytes": volume.playbook_volume(rt)["total"],
+             "playbook_bytes": cost.playbook_volume(rt)["total"],
              "memory_bytes": mem["argument"] + mem["temp"] + mem["output"] - mem["alias"]}
       for kind in KINDS:
         ours = [c for c in colls if c.kind == kind and c.group_size != 1]
@@ -173,7 +174,7 @@ def main():
              if r[f"{k}_runs"]]
     return "<br>".join(cells) or "—"
 
-  print(report.write_table(rows, [
+  print(tables.write_table(rows, [
       ("strategy", lambda r: r["strategy"]), ("mode", lambda r: r["mode"]),
       ("loss vs 1 device (max rel.)",
        lambda r: "—" if r["loss_rel_diff"] is None else f"{r['loss_rel_diff']:.1e}"),

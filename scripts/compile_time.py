@@ -8,7 +8,7 @@ width and writes a markdown table (+ CSV beside it).
 
 import argparse
 
-from jscale.analysis import introspect, report
+from jscale.analysis import introspect, tables
 from jscale.config_load import load_config
 
 
@@ -28,7 +28,7 @@ def main():
                  "total_s": best["lower_s"] + best["compile_s"]})
     print(rows[-1], flush=True)
   base = rows[0]["total_s"]
-  print(report.write_table(rows, [
+  print(tables.write_table(rows, [
       ("layers", lambda r: str(r["n_layers"])), ("d_model", lambda r: str(r["d_model"])),
       ("lower (s)", lambda r: f"{r['lower_s']:.2f}"),
       ("compile (s)", lambda r: f"{r['compile_s']:.2f}"),

@@ -8,7 +8,7 @@ regime where selective recomputation pays (playbook: drop the attention scores, 
 
 import argparse
 
-from jscale.analysis import introspect, report
+from jscale.analysis import introspect, tables
 from jscale.config_load import load_config
 
 DEFAULT = ["model.d_model=64", "model.n_heads=8", "model.n_kv_heads=8", "model.head_dim=8",
@@ -26,7 +26,7 @@ def main():
     compiled, _ = introspect.compile_train_step(cfg)
     rows.append({"remat": remat, **introspect.memory(compiled)})
     print(rows[-1], flush=True)
-  print(report.write_table(rows, [
+  print(tables.write_table(rows, [
       ("remat", lambda r: r["remat"]), ("temp (MB)", lambda r: f"{r['temp'] / 1e6:.1f}"),
       ("arguments (MB)", lambda r: f"{r['argument'] / 1e6:.1f}"),
       ("vs none", lambda r: f"{r['temp'] / rows[0]['temp']:.2f}x")], args.out))

@@ -18,10 +18,10 @@ def main():
   args = p.parse_args()
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={args.fsdp}")
-  from jscale.analysis import introspect, report  # after XLA_FLAGS: jax reads it once
+  from jscale.analysis import introspect, tables  # after XLA_FLAGS: jax reads it once
   rows = introspect.zero_memory_rows(args.fsdp, args.overrides)
   mb = lambda k: (lambda r: f"{r[k] / 1e6:.1f}")
-  print(report.write_table(rows, [
+  print(tables.write_table(rows, [
       ("zero_stage", lambda r: str(r["stage"])), ("params (MB)", mb("f_params")),
       ("grads (MB)", mb("f_grads")), ("optimizer (MB)", mb("f_optimizer")),
       ("formula (MB)", mb("f_total")), ("arguments (MB)", mb("argument")),

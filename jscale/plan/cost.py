@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jscale.config import ModelConfig
 from jscale.metrics import flops_per_token
 from jscale.plan import hardware
-from jscale.plan.layout import Layout
+from jscale.plan.layout import Layout, layout_of
 from jscale.plan.memory import local_param_split, schedule_table, tokens_per_microbatch
 
 GRAD_BYTES = 4  # gradients are reduced in fp32
@@ -149,3 +149,15 @@ def estimate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu) -> Co
   step = compute * (1 + bub) + exposed
   return Cost(compute, bub, tuple(ts), exposed, step, model_flops,
               model_flops / (step * gpu.peak_flops))
+
+
+def playbook_volume(rt) -> dict[str, float]:
+  """Per-device bytes per step the playbook's formulas predict for `rt` (a `runtime.Runtime`:
+  its config on its mesh), by term, and "total": the communication terms of `transfers`, to
+  set beside what a compiled program runs (`jscale.analysis.volume.hlo_volume`)."""
+  out: dict[str, float] = {}
+  lay = layout_of(rt.cfg, dict(rt.mesh.shape))
+  for x in transfers(rt.cfg.model, lay, rt.cfg.train.seq_len, gpus_per_node=1):
+    out[f"{x.axis}: {x.what}"] = out.get(f"{x.axis}: {x.what}", 0.0) + x.bytes
+  out["total"] = sum(out.values())
+  return out

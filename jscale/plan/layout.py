@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-from jscale.config import ModelConfig
+from jscale.config import Config, ModelConfig
 from jscale.mesh import AXES
 from jscale.parallel.pipeline import schedules
 
@@ -89,6 +89,18 @@ class Layout:
       v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
       parts[[p.startswith("stage") for p in parts].index(True)] += f"({self.schedule}{v})"
     return " ".join(parts or ["1 device"]) + f" mbs{self.mbs}x{self.accum} {self.remat}"
+
+
+def layout_of(cfg: Config, sizes: dict[str, int]) -> Layout:
+  """The Layout `cfg` runs on a mesh of `sizes` (axis -> size)."""
+  t, stages = cfg.train, sizes["stage"] > 1
+  accum = cfg.pipeline.microbatches if stages else t.microbatches
+  ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+  return Layout(**{a: sizes[a] for a in AXES},
+                zero_stage=cfg.parallel.zero_stage if sizes["fsdp"] > 1 else 0,
+                sequence_parallel=cfg.parallel.sequence_parallel, schedule=cfg.pipeline.schedule,
+                virtual_stages=cfg.pipeline.virtual_stages, remat=t.remat,
+                mbs=t.batch_size // ways // accum, accum=accum)
 
 
 def _factorizations(n: int, k: int) -> Iterator[tuple[int, ...]]:
