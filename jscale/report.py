@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jscale.analysis import plots
+
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m jscale.report",
@@ -25,7 +27,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   """CLI entry point; exit 2 with one line for a missing run or metrics file."""
   args = _parser().parse_args(argv)
-  from jscale.analysis import plots  # pylint: disable=import-outside-toplevel
   try:
     print(f"wrote {plots.plot_runs(args.run_dirs, args.out)}")
   except FileNotFoundError as e:

@@ -20,22 +20,21 @@ import jax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jscale.ckpt import checkpoint as ckpt_lib
 from jscale import distributed
-from jscale.ckpt import init_from
-from jscale.run import loop
 from jscale import metrics as metrics_lib
-from jscale.run import preemption
-from jscale.run import directory as run_dir
 from jscale import runtime
-from jscale.run import startup
-from jscale.step import state as state_lib
 from jscale import validate
 from jscale import xla_flags
+from jscale.analysis import plots
+from jscale.ckpt import checkpoint as ckpt_lib
+from jscale.ckpt import init_from
 from jscale.config import Config, ConfigError
 from jscale.config_load import load_config
 from jscale.data import load_splits, load_tokenizer, make_eval_batches, make_train_iterator
 from jscale.optim import make_optimizer
+from jscale.run import directory as run_dir
+from jscale.run import loop, preemption, startup
+from jscale.step import state as state_lib
 
 
 def write_run_info(cfg: Config, rt: runtime.Runtime, requested_attention: str,
@@ -140,7 +139,6 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
       ckptr.close()
       writer.close()
   if cfg.logging.plot and distributed.is_main():
-    from jscale.analysis import plots  # pylint: disable=import-outside-toplevel
     plots.plot_run_end(t.output_dir)
   return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
 

@@ -25,8 +25,10 @@ from jscale.config import Config, ConfigError, ModelConfig, MoeConfig, choices
 from jscale.data import tokenizer_vocab_size
 from jscale.fp8 import linears as fp8_linears
 from jscale.model import attention as attn_lib
+from jscale.model import moe_gemm
 from jscale.parallel.context.order import chunks_per_device as parts, token_order
 from jscale.parallel.pipeline import schedules
+from pallas_kernels.flash_attention import check_shapes
 
 
 def _get(cfg: Config, key: str):
@@ -226,7 +228,6 @@ def check_moe_gemm(cfg: Config, sizes: dict[str, int], device=None) -> None:
   """model.moe.gemm=pallas: a Hopper GPU (or the interpreter), and the kernel tiles each
   device's expert matmuls (bf16 / fp16, widths that divide into its tiles; the expert hidden
   dim is split over mesh.tensor)."""
-  from jscale.model import moe_gemm  # pylint: disable=import-outside-toplevel
   m = cfg.model
   if m.kernel_interpret and cfg.train.remat != "none":
     raise ConfigError(f"model.moe.gemm=pallas with model.kernel_interpret and "
@@ -246,7 +247,6 @@ def check_moe_gemm(cfg: Config, sizes: dict[str, int], device=None) -> None:
 
 def check_flash_attention(cfg: Config, sizes: dict[str, int]) -> None:
   """The flash kernel can tile the attention each device runs (its own shape check)."""
-  from pallas_kernels.flash_attention import check_shapes  # pylint: disable=import-outside-toplevel
   m, t = cfg.model, cfg.train
   dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
   b = max(t.batch_size // (dp * t.microbatches), 1)

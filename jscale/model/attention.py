@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jscale.model import matmul
+from jscale.model import blockwise_attention, matmul
+from pallas_kernels.flash_attention import flash_attention, ring_block
 
 
 def xla_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGV: jax.Array,
@@ -80,7 +81,6 @@ def pallas_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
   if backend == "hopper":
     from pallas_kernels.flash_attention import hopper  # pylint: disable=import-outside-toplevel
     return hopper.flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal)
-  from pallas_kernels.flash_attention import flash_attention  # pylint: disable=import-outside-toplevel
   return flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal, interpret=interpret)
 
 
@@ -186,8 +186,6 @@ def named(ctx_BLHK: jax.Array) -> jax.Array:
 def ring_blocks(impl: str, interpret: bool = False):
   """Ring attention's per-block math for `impl`: the flash kernels for "pallas" (each block
   a kernel call, merged by log-sum-exp), else plain jnp."""
-  from jscale.model import blockwise_attention  # pylint: disable=import-outside-toplevel
   if impl != "pallas":
     return blockwise_attention.JNP
-  from pallas_kernels.flash_attention import ring_block  # pylint: disable=import-outside-toplevel
   return blockwise_attention.BlockFns(*ring_block.block_fns(interpret))

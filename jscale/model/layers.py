@@ -12,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jscale.model import attention as attn_lib
 from jscale.model import matmul
 from jscale.model.seam import GATHERED, LOCAL, Seam
+from pallas_kernels.rms_norm import rms_norm
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str], std: float,
@@ -88,7 +89,6 @@ class RMSNorm(nnx.Module):
       if norm_backend(x.shape, self.dtype, capability)[0] == "hopper":
         from pallas_kernels.rms_norm import hopper  # pylint: disable=import-outside-toplevel
         return hopper.rms_norm(x, weight_D, eps=self.eps, residual_ND=residual)
-      from pallas_kernels.rms_norm import rms_norm  # pylint: disable=import-outside-toplevel
       return rms_norm(x, weight_D, eps=self.eps, residual_ND=residual, interpret=self.interpret)
 
     args = (x_BLD.astype(self.dtype), self.scale[...])
