@@ -200,7 +200,7 @@ def test_selective_remat_saves_the_hopper_forward():
   Mosaic GPU kernel reaches the policy wrapped in a `custom_vmap_call`; unrecognised, the
   backward reran the forward kernel). Traced on CPU: a gradient runs each kernel once."""
   from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=import-outside-toplevel
-  from jscale.model.llama import remat_policy  # pylint: disable=import-outside-toplevel
+  from jscale.model.remat import remat_policy  # pylint: disable=import-outside-toplevel
   q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
   loss = jax.checkpoint(lambda q, k, v: hopper.flash_attention(q, k, v).astype(jnp.float32).sum(),

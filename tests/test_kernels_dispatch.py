@@ -129,7 +129,7 @@ def test_selective_remat_keeps_the_kernel_forward():
   forward primitive is saved by the same policy."""
   from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=import-outside-toplevel
   from jscale.analysis.introspect import abstract_batch  # pylint: disable=import-outside-toplevel
-  from jscale.model.llama import remat_policy  # pylint: disable=import-outside-toplevel
+  from jscale.model.remat import remat_policy  # pylint: disable=import-outside-toplevel
   calls = {}
   for remat in ("none", "selective", "full"):
     cfg = small_config(None, *BASE, *KERNELS[:1], KERNELS[2], f"train.remat={remat}",

@@ -110,7 +110,7 @@ def pallas_backend(q_shape, k_shape, v_shape, dtype, causal: bool,
 
 
 # Fused kernels: `remat: selective` saves their forward's outputs (with the softmax statistics
-# their backward reads) by primitive (`llama.remat_policy`). Their output is not also named:
+# their backward reads) by primitive (`remat.remat_policy`). Their output is not also named:
 # JAX would save the same values twice (1 GiB per step at llama3_1b batch 4, seq 4096).
 KERNEL_IMPLS = ("cudnn", "pallas")
 

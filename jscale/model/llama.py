@@ -21,22 +21,13 @@ from flax import nnx
 
 from jscale.config import ModelConfig
 from jscale.model import kv_cache, matmul
+from jscale.model import remat as remat_lib
 from jscale.model.gqa import GQA
 from jscale.model.layers import RMSNorm, param
 from jscale.model.mlp import Mlp
 from jscale.model.moe import MoE
 from jscale.model.rope import inv_frequencies
-from jscale.model.seam import GATHERED, LOCAL, Seam
-
-# Matmul outputs kept by `remat: selective`; scores, softmax and pointwise ops are recomputed.
-# "attn_lse" (ring attention's log-sum-exp) lets the backward ring run without a forward ring.
-# MoE: the experts' input rows and output ("moe_in", "moe_out": dispatched, and before the
-# gated combine) besides gate and up, and expert parallelism's exchanged per-expert counts
-# ("moe_counts"), so the backward reruns no grouped matmul and no all-to-all, only the router,
-# the sort and the gathers.
-SELECTIVE_SAVE = ("q_proj", "k_proj", "v_proj", "attn_ctx", "attn_lse", "attn_out", "mlp_gate",
-                  "mlp_up", "mlp_out", "moe_in", "moe_out", "moe_counts")
-
+from jscale.model.seam import LOCAL, Seam
 
 class Block(nnx.Module):
   """Pre-norm transformer block: x + Attn(norm(x)), then x + MLP(norm(x)).
@@ -125,57 +116,6 @@ class MoeGroup(nnx.Module):
                                      (stacked, jnp.arange(self.dense_count)))
     return self.moe_block.cached(x_BLD, positions_BL, inv_freq, cache, first + every - 1,
                                  prefill)
-
-
-def _save_all_but_gathered(prim, *_, **params) -> bool:
-  # Layout changes (sharding constraints, barriers) are cheap to redo and are not saved either:
-  # the chain that gathers ZeRO-3 weights ends in them, and saving any link of it (XLA lays the
-  # saved value out like its consumer, whole) would keep every layer's weights alive. In manual
-  # mode the link is the all-gather over fsdp itself.
-  if prim.name == "name":
-    return params["name"] != GATHERED
-  if prim.name == "all_gather":
-    axes = params["axis_name"]
-    return "fsdp" not in (axes if isinstance(axes, tuple) else (axes,))
-  return prim.name not in ("sharding_constraint", "optimization_barrier")
-
-
-def _attention_kernel_forward(prim, params) -> bool:
-  # A fused attention kernel's forward (cuDNN's custom call; the Pallas flash kernels): its
-  # outputs are the attention output and the softmax statistics the backward kernel reads.
-  # Saving them spares the backward a second attention forward. (The kernels' output is not
-  # also named "attn_ctx": the same values would be saved twice.)
-  return (prim.name == "dot_product_attention_fwd_wrapper" or
-          any("flash_attention_fwd" in name for name in _pallas_call_names(prim, params)))
-
-
-def _pallas_call_names(prim, params) -> list[str]:
-  """The kernel names `prim` runs: a pallas_call's own, or those inside the `custom_vmap_call`
-  a Mosaic GPU kernel (`plgpu.kernel`) is wrapped in, which is what a remat policy sees of it
-  (the kernel within is a pallas_call, or an `mpmd_map` in jax 0.10)."""
-  if prim.name in ("pallas_call", "mpmd_map"):
-    return [str(params.get("name") or params.get("name_and_src_info"))]
-  call = params.get("call") if prim.name == "custom_vmap_call" else None
-  if call is None:
-    return []
-  return [n for eqn in call.jaxpr.eqns for n in _pallas_call_names(eqn.primitive, eqn.params)]
-
-
-def remat_policy(remat: str):
-  """`train.remat` -> a jax.checkpoint policy for one layer.
-
-  Every policy drops ZeRO-3's gathered weights (`GATHERED`); "none" saves everything else;
-  "selective" the named matmul outputs and fused attention kernels' forward outputs.
-  """
-  if remat == "none":
-    return _save_all_but_gathered
-  if remat == "full":
-    return jax.checkpoint_policies.nothing_saveable
-  if remat == "selective":
-    named = jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVE)
-    return lambda prim, *args, **params: (_attention_kernel_forward(prim, params) or
-                                          named(prim, *args, **params))
-  raise ValueError(f"train.remat={remat!r}: choose none, selective or full")
 
 
 class Llama(nnx.Module):
@@ -301,13 +241,6 @@ class Llama(nnx.Module):
     return comms.activation(logits_BLV, ("batch", "seq", "vocab"))
 
 
-def ordered_effects(cfg: ModelConfig) -> bool:
-  """Whether the layers hold kernels run by JAX's Mosaic GPU interpreter (the MoE grouped
-  matmul with model.kernel_interpret): ordered host callbacks, which jax.checkpoint cannot
-  replay, so the layers run without it (validation asks for train.remat=none)."""
-  return bool(cfg.kernel_interpret and cfg.moe is not None and cfg.moe.gemm == "pallas")
-
-
 def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, positions_BL: jax.Array,
                cfg: ModelConfig, comms: Seam = LOCAL, remat: str = "none",
                with_stats: bool = False, dot_state=None):
@@ -324,8 +257,7 @@ def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, position
     block = nnx.merge(block_graphdef, comms.gather_layer(weights, dt), *dots)
     return block(x_BLD, positions_BL, inv_freq, comms)
 
-  if not ordered_effects(cfg):
-    layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
+  layer = remat_lib.checkpointed(layer, remat, cfg)
   dots = () if dot_state is None else (dot_state,)
   with jax.named_scope("layers"):
     x_BLD, stats = jax.lax.scan(layer, x_BLD, (comms.layer_inputs(stacked), dots))

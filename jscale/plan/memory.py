@@ -8,7 +8,7 @@ TP + SP (the 70B chart: 21.25 / 8.125 / 2.66 GiB at seq 1k).
 
 jscale keeps fp32 master weights, fp32 gradients and fp32 Adam moments (4 + 4 + 8 bytes per
 parameter: the same 16Ψ, distributed differently) and saves per layer and token what its remat
-policy keeps (`jscale.model.llama.SELECTIVE_SAVE`), in the compute dtype.
+policy keeps (`jscale.model.remat.SELECTIVE_SAVE`), in the compute dtype.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: 
   Per token, h = d_model, c = the compute dtype's bytes, f = the MLP's hidden width (MoE: k
   routed copies of the expert width plus the shared expert's):
   - full: the layer input (h).
-  - selective (`llama.SELECTIVE_SAVE`): the q, k, v projections (a·k, g·k, g·k), the attention
+  - selective (`remat.SELECTIVE_SAVE`): the q, k, v projections (a·k, g·k, g·k), the attention
     kernel's output (a·k) with its fp32 log-sum-exp (a), the layer input and the attention
     output (h each), gate and up (f each); MoE also the experts' sorted input rows and their
     outputs (k·h each).

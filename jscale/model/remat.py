@@ -1,0 +1,98 @@
+"""Activation recomputation (playbook: "Activation recomputation"): what a layer keeps for its
+backward, `train.remat`.
+
+  * none: every intermediate is saved (but ZeRO-3's gathered weights, `GATHERED`, which the
+    backward gathers again);
+  * selective: the named matmul outputs (`SELECTIVE_SAVE`) and fused attention kernels'
+    forward outputs (with the softmax statistics their backward reads); scores, softmax and
+    pointwise ops are recomputed;
+  * full: nothing; the backward reruns the layer's forward.
+
+The model wraps each layer of its scan in `checkpointed`; the planner's memory model reads
+the same names (`jscale.plan.memory`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+
+from jscale.config import ModelConfig
+from jscale.model.seam import GATHERED
+
+
+# Matmul outputs kept by `remat: selective`; scores, softmax and pointwise ops are recomputed.
+# "attn_lse" (ring attention's log-sum-exp) lets the backward ring run without a forward ring.
+# MoE: the experts' input rows and output ("moe_in", "moe_out": dispatched, and before the
+# gated combine) besides gate and up, and expert parallelism's exchanged per-expert counts
+# ("moe_counts"), so the backward reruns no grouped matmul and no all-to-all, only the router,
+# the sort and the gathers.
+SELECTIVE_SAVE = ("q_proj", "k_proj", "v_proj", "attn_ctx", "attn_lse", "attn_out", "mlp_gate",
+                  "mlp_up", "mlp_out", "moe_in", "moe_out", "moe_counts")
+
+
+def _save_all_but_gathered(prim, *_, **params) -> bool:
+  # Layout changes (sharding constraints, barriers) are cheap to redo and are not saved either:
+  # the chain that gathers ZeRO-3 weights ends in them, and saving any link of it (XLA lays the
+  # saved value out like its consumer, whole) would keep every layer's weights alive. In manual
+  # mode the link is the all-gather over fsdp itself.
+  if prim.name == "name":
+    return params["name"] != GATHERED
+  if prim.name == "all_gather":
+    axes = params["axis_name"]
+    return "fsdp" not in (axes if isinstance(axes, tuple) else (axes,))
+  return prim.name not in ("sharding_constraint", "optimization_barrier")
+
+
+def _attention_kernel_forward(prim, params) -> bool:
+  # A fused attention kernel's forward (cuDNN's custom call; the Pallas flash kernels): its
+  # outputs are the attention output and the softmax statistics the backward kernel reads.
+  # Saving them spares the backward a second attention forward. (The kernels' output is not
+  # also named "attn_ctx": the same values would be saved twice.)
+  return (prim.name == "dot_product_attention_fwd_wrapper" or
+          any("flash_attention_fwd" in name for name in _pallas_call_names(prim, params)))
+
+
+def _pallas_call_names(prim, params) -> list[str]:
+  """The kernel names `prim` runs: a pallas_call's own, or those inside the `custom_vmap_call`
+  a Mosaic GPU kernel (`plgpu.kernel`) is wrapped in, which is what a remat policy sees of it
+  (the kernel within is a pallas_call, or an `mpmd_map` in jax 0.10)."""
+  if prim.name in ("pallas_call", "mpmd_map"):
+    return [str(params.get("name") or params.get("name_and_src_info"))]
+  call = params.get("call") if prim.name == "custom_vmap_call" else None
+  if call is None:
+    return []
+  return [n for eqn in call.jaxpr.eqns for n in _pallas_call_names(eqn.primitive, eqn.params)]
+
+
+def remat_policy(remat: str):
+  """`train.remat` -> a jax.checkpoint policy for one layer.
+
+  Every policy drops ZeRO-3's gathered weights (`GATHERED`); "none" saves everything else;
+  "selective" the named matmul outputs and fused attention kernels' forward outputs.
+  """
+  if remat == "none":
+    return _save_all_but_gathered
+  if remat == "full":
+    return jax.checkpoint_policies.nothing_saveable
+  if remat == "selective":
+    named = jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVE)
+    return lambda prim, *args, **params: (_attention_kernel_forward(prim, params) or
+                                          named(prim, *args, **params))
+  raise ValueError(f"train.remat={remat!r}: choose none, selective or full")
+
+
+def ordered_effects(cfg: ModelConfig) -> bool:
+  """Whether the layers hold kernels run by JAX's Mosaic GPU interpreter (the MoE grouped
+  matmul with model.kernel_interpret): ordered host callbacks, which jax.checkpoint cannot
+  replay, so the layers run without it (validation asks for train.remat=none)."""
+  return bool(cfg.kernel_interpret and cfg.moe is not None and cfg.moe.gemm == "pallas")
+
+
+def checkpointed(layer: Callable, remat: str, cfg: ModelConfig) -> Callable:
+  """`layer` under `remat`'s policy (`remat_policy`), or as it is where it cannot be
+  rematerialised (`ordered_effects`)."""
+  if ordered_effects(cfg):
+    return layer
+  return jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
