@@ -110,7 +110,13 @@ def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis: 
 
 
 class XlaExpert:
-  """GShard dispatch under sharding constraints (mixed into `XlaComms`)."""
+  """GShard dispatch under sharding constraints (mixed into `XlaComms`: uses `layouts`,
+  `manual_axes`, `_over_manual_batch`)."""
+
+  def token_sum(self, x: jax.Array) -> jax.Array:
+    # Router statistics: global under GSPMD; in a region manual over batch axes (the gradient
+    # loop, a pipeline stage) each shard adds the others' tokens explicitly.
+    return self._over_manual_batch(jax.lax.psum, x)
 
   def expert_groups(self, batch: int) -> int:
     size = self.layouts.mesh.shape  # inside a region manual over batch axes: its shards' groups
