@@ -7,8 +7,8 @@
   trainer runs it before building anything.
 
 The allowed values of a field are its `Literal` type in `jscale.config`. Lower layers check their
-own arguments with plain ValueErrors (`schedules.check_args`, the context token order, the flash
-kernel's `check_shapes`); here those become ConfigErrors naming the key.
+own arguments with plain ValueErrors (`schedules.check_args`, the context token order) or say
+why not (the kernels' `why_not`); here those become ConfigErrors naming the key.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from jscale.model import attention as attn_lib
 from jscale.model import moe_gemm
 from jscale.parallel.context.order import chunks_per_device as parts, token_order
 from jscale.parallel.pipeline import schedules
-from pallas_kernels.flash_attention import check_shapes
+from pallas_kernels.flash_attention import why_not as flash_why_not
 
 
 def _get(cfg: Config, key: str):
@@ -246,7 +246,16 @@ def check_moe_gemm(cfg: Config, sizes: dict[str, int], device=None) -> None:
 
 
 def check_flash_attention(cfg: Config, sizes: dict[str, int]) -> None:
-  """The flash kernel can tile the attention each device runs (its own shape check)."""
+  """The flash kernel can tile the attention each device runs (`flash_attention_why_not`)."""
+  why = flash_attention_why_not(cfg, sizes)
+  if why is not None:
+    raise ConfigError(why)
+
+
+def flash_attention_why_not(cfg: Config, sizes: dict[str, int]) -> str | None:
+  """Why `model.attention_impl=pallas` cannot run on a mesh of `sizes` (the flash kernel's
+  own shape check on the attention each device runs), naming the key and the fix; None when
+  it can."""
   m, t = cfg.model, cfg.train
   dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
   b = max(t.batch_size // (dp * t.microbatches), 1)
@@ -255,12 +264,12 @@ def check_flash_attention(cfg: Config, sizes: dict[str, int]) -> None:
   # Under context parallelism the kernel runs on the ring's blocks: one sequence chunk each.
   cp = sizes["sequence"]
   chunk = t.seq_len // (cp * parts(cfg.parallel.context_layout)) if cp > 1 else t.seq_len
-  try:
-    check_shapes((b, chunk, h, k), (b, chunk, g, k), causal=True)
-  except ValueError as e:
-    key = (f"model.head_dim={k}" if "head_dim" in str(e) else f"train.seq_len={t.seq_len}")
-    raise ConfigError(f"model.attention_impl=pallas cannot run with {key}: {e}; use "
-                      "model.attention_impl=xla, or a shape the kernel tiles") from None
+  why = flash_why_not((b, chunk, h, k), (b, chunk, g, k), causal=True)
+  if why is None:
+    return None
+  key = f"model.head_dim={k}" if "head_dim" in why else f"train.seq_len={t.seq_len}"
+  return (f"model.attention_impl=pallas cannot run with {key}: {why}; use "
+          "model.attention_impl=xla, or a shape the kernel tiles")
 
 
 def _check_experts(cfg: Config, sizes: dict[str, int]) -> None:

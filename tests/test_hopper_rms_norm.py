@@ -100,7 +100,7 @@ def test_slabs_fit_shared_memory_and_fill_the_gpu():
   assert hp.config(6, 2048, 2, 1e-6, HopperNormBlocks(), 2, False).block_rows == 2  # divides N
   assert hp.config(6, 2048, 2, 1e-6, HopperNormBlocks(), 2, False).num_blocks == 3
   # Llama 405B's width: a bf16 row of each of four arrays, twice, and the weight exceed it.
-  assert "exceed shared memory" in hp.supports((8, 16384), jnp.bfloat16)
+  assert "exceed shared memory" in hp.why_not((8, 16384), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("shape, dtype, kwargs, match", [

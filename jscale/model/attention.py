@@ -101,10 +101,8 @@ def pallas_backend(q_shape, k_shape, v_shape, dtype, causal: bool,
   from pallas_kernels.flash_attention import hopper  # pylint: disable=import-outside-toplevel
   if tuple(v_shape) != tuple(k_shape):
     return "portable", f"V {tuple(v_shape)} differs from K {tuple(k_shape)}"
-  try:
-    hopper.check_shapes(q_shape, k_shape, dtype, causal=causal)
-  except ValueError as e:
-    return "portable", str(e)
+  if (why := hopper.why_not(q_shape, k_shape, dtype, causal=causal)) is not None:
+    return "portable", why
   sm = str(compute_capability).replace(".", "")
   return "hopper", f"Hopper (sm_{sm}): Mosaic GPU kernels"
 

@@ -45,7 +45,7 @@ def norm_backend(shape, dtype, compute_capability: str | None) -> tuple[str, str
   if compute_capability is None or not str(compute_capability).startswith("9"):
     return "portable", f"compute capability {compute_capability}: not Hopper"
   from pallas_kernels.rms_norm import hopper  # pylint: disable=import-outside-toplevel
-  if (why := hopper.supports(shape, dtype)) is not None:
+  if (why := hopper.why_not(shape, dtype)) is not None:
     return "portable", why
   return "hopper", f"Hopper (sm_{str(compute_capability).replace('.', '')}): Mosaic GPU kernels"
 

@@ -29,12 +29,9 @@ def kernel_fits(dtype, d_model: int, d_ff: int, n_experts: int) -> str | None:
   from pallas_kernels import grouped_matmul as gm  # pylint: disable=import-outside-toplevel
   s = jax.ShapeDtypeStruct
   sizes = s((n_experts,), jnp.int32)
-  try:
-    for k, n in ((d_model, d_ff), (d_ff, d_model)):
-      gm.check_shapes(s((256, k), dtype), s((n_experts, k, n), dtype), sizes)
-  except ValueError as e:
-    return str(e)
-  return None
+  return next((why for k, n in ((d_model, d_ff), (d_ff, d_model))
+               if (why := gm.why_not(s((256, k), dtype), s((n_experts, k, n), dtype), sizes))
+               is not None), None)
 
 
 def auto_gemm(dtype, d_model: int, d_ff: int, n_experts: int,

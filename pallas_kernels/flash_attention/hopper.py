@@ -18,7 +18,7 @@ from pallas_kernels.flash_attention import hopper_bwd, hopper_config as hc, hopp
 from pallas_kernels.flash_attention.hopper_config import HopperBlocks, blocks_for
 from pallas_kernels.flash_attention.kernel import split_segments
 
-__all__ = ["HopperBlocks", "blocks_for", "check_shapes", "flash_attention"]
+__all__ = ["HopperBlocks", "blocks_for", "check_shapes", "flash_attention", "why_not"]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -47,15 +47,24 @@ def _flash_bwd(cfg, res, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def check_shapes(q_shape, kv_shape, dtype=jnp.bfloat16, *, causal: bool = True,
-                 block_sizes: HopperBlocks | None = None) -> HopperBlocks:
-  """`flash_attention`'s checks without arrays: the block sizes it would use, or the
-  ValueError it would raise (for config validation)."""
+def why_not(q_shape, kv_shape, dtype=jnp.bfloat16, *, causal: bool = True,
+            block_sizes: HopperBlocks | None = None) -> str | None:
+  """Why `flash_attention` cannot take q [B, L, H, K] and k, v [B, S, G, K] of `dtype`,
+  naming the fix; None when it can (for choosing a kernel and for config validation)."""
   q = jax.ShapeDtypeStruct(tuple(q_shape), dtype)
   k = jax.ShapeDtypeStruct(tuple(kv_shape), dtype)
   blocks = block_sizes or blocks_for(q_shape[1], q_shape[-1])
-  hc.validate(q, k, k, None, None, causal, blocks)
-  return blocks
+  return hc.problem(q, k, k, None, None, causal, blocks)
+
+
+def check_shapes(q_shape, kv_shape, dtype=jnp.bfloat16, *, causal: bool = True,
+                 block_sizes: HopperBlocks | None = None) -> HopperBlocks:
+  """`flash_attention`'s checks without arrays: the block sizes it would use, or the
+  ValueError it would raise (`why_not`)."""
+  if (why := why_not(q_shape, kv_shape, dtype, causal=causal,
+                     block_sizes=block_sizes)) is not None:
+    raise ValueError(why)
+  return block_sizes or blocks_for(q_shape[1], q_shape[-1])
 
 
 def flash_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, segment_ids=None,

@@ -86,40 +86,48 @@ class Config:
     return Ops(self.interpret)
 
 
-def validate(q, k, v, q_seg, kv_seg, causal: bool, blocks: HopperBlocks) -> None:
-  """Raises ValueError naming what the Hopper kernels cannot run, before any tracing."""
+def problem(q, k, v, q_seg, kv_seg, causal: bool, blocks: HopperBlocks) -> str | None:
+  """What the Hopper kernels cannot run, naming the fix (None: they can); arrays or
+  ShapeDtypeStructs, before any tracing."""
   if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-    raise ValueError(f"expected q [B, L, H, K] and k, v [B, S, G, K], got q {q.shape}, "
-                     f"k {k.shape}, v {v.shape} (the Hopper kernel needs V's head size equal "
-                     f"to K's: use the portable kernel for MLA-style heads)")
+    return (f"expected q [B, L, H, K] and k, v [B, S, G, K], got q {q.shape}, "
+            f"k {k.shape}, v {v.shape} (the Hopper kernel needs V's head size equal "
+            f"to K's: use the portable kernel for MLA-style heads)")
   (b, l, h, d), (bk, s, g, dk) = q.shape, k.shape
   if b != bk or d != dk or h % g:
-    raise ValueError(f"q {q.shape} and k/v {k.shape} disagree on batch or head_dim, or the "
-                     f"{h} query heads are not a multiple of the {g} kv heads")
+    return (f"q {q.shape} and k/v {k.shape} disagree on batch or head_dim, or the "
+            f"{h} query heads are not a multiple of the {g} kv heads")
   if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or not (
       q.dtype == k.dtype == v.dtype):
-    raise ValueError(f"the Hopper kernel takes bf16 or fp16 q, k, v of one dtype, got "
-                     f"{q.dtype}, {k.dtype}, {v.dtype}: set model.dtype=bfloat16")
+    return (f"the Hopper kernel takes bf16 or fp16 q, k, v of one dtype, got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}: set model.dtype=bfloat16")
   if d not in (64, 128):
-    raise ValueError(f"head_dim {d} must be 64 or 128 (wgmma tiles, the 128-byte swizzle, and "
-                     f"the backward's dK + dV accumulators within the register budget): use "
-                     f"the portable kernel")
+    return (f"head_dim {d} must be 64 or 128 (wgmma tiles, the 128-byte swizzle, and "
+            f"the backward's dK + dV accumulators within the register budget): use "
+            f"the portable kernel")
   if causal and l != s:
-    raise ValueError(f"causal attention needs q_len == kv_len, got {l} and {s}")
+    return f"causal attention needs q_len == kv_len, got {l} and {s}"
   for name, blk, seq in (("block_q", 2 * blocks.block_q, l), ("block_kv", blocks.block_kv, s),
                          ("block_q_dkv", blocks.block_q_dkv, l),
                          ("block_kv_dkv", 2 * blocks.block_kv_dkv, s),
                          ("block_q_dq", 2 * blocks.block_q_dq, l),
                          ("block_kv_dq", blocks.block_kv_dq, s)):
     if blk % 64 or seq % blk:
-      raise ValueError(f"sequence {seq} is not a multiple of {blk} ({name}"
-                       f"{' x 2 compute warpgroups' if blk != getattr(blocks, name) else ''}):"
-                       f" pad the sequence or pass HopperBlocks({name}=...)")
+      return (f"sequence {seq} is not a multiple of {blk} ({name}"
+              f"{' x 2 compute warpgroups' if blk != getattr(blocks, name) else ''}):"
+              f" pad the sequence or pass HopperBlocks({name}=...)")
   if blocks.max_concurrent_steps < 2:
-    raise ValueError(f"max_concurrent_steps={blocks.max_concurrent_steps} must be >= 2")
+    return f"max_concurrent_steps={blocks.max_concurrent_steps} must be >= 2"
   if q_seg is not None and (q_seg.shape != (b, l) or kv_seg.shape != (b, s)):
-    raise ValueError(f"segment ids must be [B, L] = {(b, l)} (and [B, S] = {(b, s)} for "
-                     f"kv), got {q_seg.shape} and {kv_seg.shape}")
+    return (f"segment ids must be [B, L] = {(b, l)} (and [B, S] = {(b, s)} for "
+            f"kv), got {q_seg.shape} and {kv_seg.shape}")
+  return None
+
+
+def validate(q, k, v, q_seg, kv_seg, causal: bool, blocks: HopperBlocks) -> None:
+  """Raises ValueError naming what the Hopper kernels cannot run (`problem`)."""
+  if (why := problem(q, k, v, q_seg, kv_seg, causal, blocks)) is not None:
+    raise ValueError(why)
 
 
 def smem(shape, dtype):

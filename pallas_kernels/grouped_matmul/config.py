@@ -69,38 +69,40 @@ def fit(blocks: GmmBlocks, k: int, n: int) -> GmmBlocks:
   return dataclasses.replace(blocks, tile_n=tn, tile_k=tk)
 
 
-def validate(lhs, rhs, group_sizes, blocks: GmmBlocks, transpose_rhs: bool = False) -> None:
-  """Raises ValueError naming what the grouped matmul kernels cannot run, before tracing."""
+def problem(lhs, rhs, group_sizes, blocks: GmmBlocks,
+            transpose_rhs: bool = False) -> str | None:
+  """What the grouped matmul kernels cannot run, naming the fix (None: they can); arrays or
+  ShapeDtypeStructs, before tracing."""
   if lhs.ndim != 2 or rhs.ndim != 3:
-    raise ValueError(f"expected lhs [M, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}")
-  (m, k), (g, k2, n) = lhs.shape, rhs.shape
+    return f"expected lhs [M, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}"
+  (_, k), (g, k2, n) = lhs.shape, rhs.shape
   if transpose_rhs:
     k2, n = n, k2
   if k != k2:
-    raise ValueError(f"lhs {lhs.shape} and rhs {rhs.shape} disagree on the contraction size")
+    return f"lhs {lhs.shape} and rhs {rhs.shape} disagree on the contraction size"
   if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-    raise ValueError(f"group_sizes must be int [{g}] (one per rhs group), got "
-                     f"{group_sizes.dtype}{list(group_sizes.shape)}")
+    return (f"group_sizes must be int [{g}] (one per rhs group), got "
+            f"{group_sizes.dtype}{list(group_sizes.shape)}")
   if jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or (
       lhs.dtype != rhs.dtype):
-    raise ValueError(f"the grouped matmul kernel takes bf16 or fp16 operands of one dtype, got "
-                     f"{lhs.dtype} and {rhs.dtype}: set model.dtype=bfloat16 or "
-                     f"model.moe.gemm=tiled")
+    return (f"the grouped matmul kernel takes bf16 or fp16 operands of one dtype, got "
+            f"{lhs.dtype} and {rhs.dtype}: set model.dtype=bfloat16 or "
+            f"model.moe.gemm=tiled")
   for name, size, tile in (("K", k, blocks.tile_k), ("N", n, COMPUTE_WGS * blocks.tile_n)):
     if size % tile:
-      raise ValueError(f"{name}={size} is not a multiple of {tile} (the kernel's tiles): use "
-                       f"model.moe.gemm=tiled for this width, or a width that is")
+      return (f"{name}={size} is not a multiple of {tile} (the kernel's tiles): use "
+              f"model.moe.gemm=tiled for this width, or a width that is")
   for name in ("tile_m", "tile_n", "tile_k"):
     if getattr(blocks, name) % 64:
-      raise ValueError(f"GmmBlocks.{name}={getattr(blocks, name)} must be a multiple of 64 "
-                       f"(one wgmma tile, one 128-byte swizzled row)")
+      return (f"GmmBlocks.{name}={getattr(blocks, name)} must be a multiple of 64 "
+              f"(one wgmma tile, one 128-byte swizzled row)")
   if blocks.max_concurrent_steps < 2:
-    raise ValueError(f"GmmBlocks.max_concurrent_steps={blocks.max_concurrent_steps} must be "
-                     f">= 2 (one slot loads while the other is multiplied)")
+    return (f"GmmBlocks.max_concurrent_steps={blocks.max_concurrent_steps} must be "
+            f">= 2 (one slot loads while the other is multiplied)")
   if blocks.smem_bytes(jnp.dtype(lhs.dtype).itemsize) > SMEM_LIMIT:
-    raise ValueError(f"{blocks} needs {blocks.smem_bytes() // 1024} KiB of shared memory, over "
-                     f"the H100's {SMEM_LIMIT // 1024}: lower max_concurrent_steps or the tiles")
-  del m
+    return (f"{blocks} needs {blocks.smem_bytes() // 1024} KiB of shared memory, over "
+            f"the H100's {SMEM_LIMIT // 1024}: lower max_concurrent_steps or the tiles")
+  return None
 
 
 def transforms(dtype):

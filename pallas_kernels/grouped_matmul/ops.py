@@ -48,17 +48,29 @@ def _gmm_bwd(cfg, res, dout):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def check_shapes(lhs, rhs, group_sizes, blocks: C.GmmBlocks | None = None) -> None:
-  """Raises ValueError (naming the fix) unless the kernels can run these shapes, forward and
-  backward; `lhs`, `rhs`, `group_sizes` may be arrays or ShapeDtypeStructs."""
+def why_not(lhs, rhs, group_sizes, blocks: C.GmmBlocks | None = None) -> str | None:
+  """Why the kernels cannot run these shapes, forward or backward, naming the fix; None when
+  they can. `lhs`, `rhs`, `group_sizes` may be arrays or ShapeDtypeStructs."""
   blocks = blocks or C.DEFAULT
-  C.validate(lhs, rhs, group_sizes, C.fit(blocks, *rhs.shape[1:]) if rhs.ndim == 3 else blocks)
+  forward = C.problem(lhs, rhs, group_sizes,
+                      C.fit(blocks, *rhs.shape[1:]) if rhs.ndim == 3 else blocks)
+  if forward is not None:
+    return forward
   k, n = rhs.shape[1:]
   dout = jax.ShapeDtypeStruct((lhs.shape[0], n), lhs.dtype)
-  C.validate(dout, rhs, group_sizes, C.fit(blocks, n, k), transpose_rhs=True)
+  dlhs = C.problem(dout, rhs, group_sizes, C.fit(blocks, n, k), transpose_rhs=True)
+  if dlhs is not None:
+    return dlhs
   if k % blocks.tile_m:
-    raise ValueError(f"K={k} is not a multiple of tile_m={blocks.tile_m} (the weight "
-                     f"gradient's output rows): use model.moe.gemm=tiled for this width")
+    return (f"K={k} is not a multiple of tile_m={blocks.tile_m} (the weight "
+            f"gradient's output rows): use model.moe.gemm=tiled for this width")
+  return None
+
+
+def check_shapes(lhs, rhs, group_sizes, blocks: C.GmmBlocks | None = None) -> None:
+  """Raises ValueError (naming the fix) unless the kernels can run these shapes (`why_not`)."""
+  if (why := why_not(lhs, rhs, group_sizes, blocks)) is not None:
+    raise ValueError(why)
 
 
 def grouped_matmul(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, *,

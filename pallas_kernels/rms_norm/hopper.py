@@ -25,10 +25,10 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.rms_norm import hopper_pipeline as hp
-from pallas_kernels.rms_norm.kernel import check_args
-from pallas_kernels.rms_norm.hopper_pipeline import HopperNormBlocks, supports
+from pallas_kernels.rms_norm.kernel import check_shapes
+from pallas_kernels.rms_norm.hopper_pipeline import HopperNormBlocks, why_not
 
-__all__ = ["HopperNormBlocks", "rms_norm", "supports"]
+__all__ = ["HopperNormBlocks", "check_shapes", "rms_norm", "why_not"]
 
 f32 = jnp.float32
 
@@ -162,9 +162,9 @@ def rms_norm(x_ND, weight_D, *, eps: float = 1e-6, residual_ND=None,
   Returns:
     normed [..., D], or (normed, h) with residual_ND.
   """
-  check_args(x_ND, weight_D, residual_ND)
+  check_shapes(x_ND, weight_D, residual_ND)
   d = x_ND.shape[-1]
-  if (why := supports(x_ND.shape, x_ND.dtype)) is not None:
+  if (why := why_not(x_ND.shape, x_ND.dtype)) is not None:
     raise ValueError(f"the Hopper RMSNorm kernels cannot take {why}: use the portable kernel "
                      f"(pallas_kernels.rms_norm.rms_norm)")
   shape, n = x_ND.shape, x_ND.size // d

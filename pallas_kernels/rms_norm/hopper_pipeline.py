@@ -76,7 +76,7 @@ def smem_bytes(block_rows: int, d: int, itemsize: int, row_arrays: int, slots: i
   return slots * row_arrays * block_rows * d * itemsize + 2 * d * 4
 
 
-def supports(shape, dtype) -> str | None:
+def why_not(shape, dtype) -> str | None:
   """Why the Hopper kernels cannot take x of this shape / dtype, or None when they can."""
   d = shape[-1]
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),

@@ -176,7 +176,7 @@ def _rows_for(d_pad: int, block_rows: int | None, name: str) -> int:
   return block_rows
 
 
-def check_args(x_ND, weight_D, residual_ND) -> None:
+def check_shapes(x_ND, weight_D, residual_ND) -> None:
   """The RMSNorm kernels' contract on shapes: ValueError naming what disagrees."""
   d = x_ND.shape[-1]
   if weight_D.shape != (d,):
@@ -203,7 +203,7 @@ def rms_norm(x_ND, weight_D, *, eps: float = 1e-6, residual_ND=None,
     normed [..., D], or (normed, h) with residual_ND, h = x + residual being the pre-norm
     residual stream for the next block.
   """
-  check_args(x_ND, weight_D, residual_ND)
+  check_shapes(x_ND, weight_D, residual_ND)
   d = x_ND.shape[-1]
   d_pad = pl.next_power_of_2(d)
   block_rows = _rows_for(d_pad, block_sizes.block_rows, "block_rows")
@@ -217,13 +217,3 @@ def rms_norm(x_ND, weight_D, *, eps: float = 1e-6, residual_ND=None,
   if residual_ND is None:
     return result.reshape(shape)
   return result[0].reshape(shape), result[1].reshape(shape)
-
-
-def reference(x_ND, weight_D, *, eps: float = 1e-6, residual_ND=None):
-  """Plain-jnp RMSNorm with `rms_norm`'s contract (jscale.model.layers.RMSNorm's formula)."""
-  if residual_ND is not None:
-    x_ND = x_ND + residual_ND
-  x32 = x_ND.astype(jnp.float32)
-  y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-  out = y.astype(x_ND.dtype) * weight_D.astype(x_ND.dtype)
-  return out if residual_ND is None else (out, x_ND)
