@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jscale import mesh as mesh_lib
 from jscale.step import state as state_lib, train_step as ts
 from jscale import validate
-from jscale.config import Config, ConfigError
+from jscale.config import Config
 from jscale.parallel.context.order import Reorder
 from jscale.model import attention as attn_lib
 from jscale.model import moe_gemm as moe_gemm_lib
@@ -28,6 +28,19 @@ from jscale.parallel.xla import XlaComms
 from jscale.sharding import Layouts
 
 
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+  """What a runtime runs for its config on its devices, each with why: chosen once, by
+  `build`; the startup summary and run.json read them here."""
+  attention: str  # model.attention_impl, resolved
+  attention_requested: str  # model.attention_impl as configured ("auto" or an impl)
+  attention_why: str = ""  # why auto chose `attention` ("" when it was given)
+  flash: tuple[str, str] = ("", "")  # attention_impl=pallas: hopper | portable (`pallas_kernels`)
+  norm: tuple[str, str] = ("", "")  # norm_impl=pallas: hopper | portable (`norm_kernels`)
+  moe_gemm: tuple[str, str] = ("", "")  # an MoE's experts: pallas | tiled | ragged_dot | ""
+  # (slot buffers) (`moe_gemm`)
+
+
 @dataclasses.dataclass
 class Runtime:
   cfg: Config
@@ -37,8 +50,7 @@ class Runtime:
   graphdef: nnx.GraphDef
   state_shapes: Any  # ShapeDtypeStructs of the train state (no shardings)
   state_shardings: Any
-  attention_why: str = ""  # why model.attention_impl=auto chose cfg.model.attention_impl
-  moe_gemm: tuple[str, str] = ("", "")  # what an MoE's experts run, and why (`moe_gemm`)
+  kernels: Kernels
 
   def init_state(self) -> state_lib.State:
     return state_lib.init_state(self.cfg, self.state_shardings, self.mesh.shape["stage"])
@@ -76,12 +88,8 @@ def resolve_attention(cfg: Config, mesh: Mesh) -> tuple[Config, str]:
   if m.attention_impl != "auto":
     return cfg, ""
   device, cp = mesh.devices.flat[0], mesh.shape["sequence"]
-  flash_tiles = True
-  if cp > 1 and device.platform == "gpu":
-    try:
-      validate.check_flash_attention(_with_attention(cfg, "pallas"), dict(mesh.shape))
-    except ConfigError:
-      flash_tiles = False
+  flash_tiles = cp == 1 or device.platform != "gpu" or validate.flash_attention_why_not(
+      _with_attention(cfg, "pallas"), dict(mesh.shape)) is None
   impl, why = attn_lib.auto_impl(device.platform, m.dtype, m.resolved_head_dim, cp > 1,
                                  flash_tiles, getattr(device, "compute_capability", None))
   return _with_attention(cfg, impl), why
@@ -154,9 +162,12 @@ def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
   process's default device: a step compiled here for other GPUs runs what they would)."""
   validate.check_config(cfg)
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+  requested = cfg.model.attention_impl
   cfg, attention_why = resolve_attention(cfg, mesh)
   cfg, gemm = resolve_moe_gemm(cfg, mesh)
   validate.check_mesh(cfg, mesh)
+  kernels = Kernels(cfg.model.attention_impl, requested, attention_why,
+                    pallas_kernels(cfg, mesh), norm_kernels(cfg, mesh), gemm)
   abstract_model = nnx.eval_shape(lambda: state_lib.create_model(cfg))
   graphdef = nnx.split(abstract_model)[0]
   layouts = Layouts(abstract_model, mesh, cfg.parallel)
@@ -164,5 +175,4 @@ def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
   state_shardings = layouts.state(make_optimizer(cfg.train), abstract)
   comms = (ManualComms(layouts, cfg.parallel.bucket_mb) if cfg.parallel.collectives == "manual"
            else XlaComms(layouts))
-  return Runtime(cfg, mesh, layouts, comms, graphdef, abstract, state_shardings, attention_why,
-                 gemm)
+  return Runtime(cfg, mesh, layouts, comms, graphdef, abstract, state_shardings, kernels)

@@ -1,9 +1,9 @@
 """`python -m jscale.train --config configs/tiny.yaml [section.key=value ...]`
 
 Thin CLI over `run(cfg)`: validates the config against this machine and decides new run /
-resume / refusal (`jscale.run.directory`) before compiling, builds the data iterator, initialises or
-restores the train state, and runs `jscale.run.loop` under SIGTERM / SIGINT handling
-(`jscale.run.preemption`). Exit status: 0 done, 2 config error, 3 non-finite loss
+resume / refusal (`jscale.run.directory`) before compiling, builds the data iterator,
+initialises or restores the train state, and runs `jscale.run.loop` under SIGTERM / SIGINT
+handling (`jscale.run.preemption`). Exit status: 0 done, 2 config error, 3 non-finite loss
 (train.on_nan=stop), 75 stopped by a signal after saving (rerun to resume), 130 a second Ctrl-C.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from typing import Any
@@ -35,30 +34,6 @@ from jscale.optim import make_optimizer
 from jscale.run import directory as run_dir
 from jscale.run import loop, preemption, startup
 from jscale.step import state as state_lib
-
-
-def write_run_info(cfg: Config, rt: runtime.Runtime, requested_attention: str,
-                   meta: dict[str, Any]) -> None:
-  """`<output_dir>/run.json` (process 0): what this run resolved and runs on — the attention
-  impl chosen (and why), devices, mesh, jax version — and `meta` (`run_dir.metadata`: the
-  config after presets and overrides, the jscale version, the command line) (written whole via a temporary file, so a reader
-  never sees half of it)."""
-  if not distributed.is_main():
-    return
-  device = rt.mesh.devices.flat[0]
-  info = {"attention_impl": cfg.model.attention_impl,
-          "attention_impl_requested": requested_attention, "attention_why": rt.attention_why,
-          "backend": device.platform, "device_kind": getattr(device, "device_kind", ""),
-          "devices": int(rt.mesh.size), "processes": jax.process_count(),
-          "mesh": {k: int(v) for k, v in rt.mesh.shape.items()}, "jax": jax.__version__,
-          **meta}
-  if cfg.model.moe is not None:
-    info["moe_gemm"], info["moe_gemm_why"] = rt.moe_gemm
-  os.makedirs(cfg.train.output_dir, exist_ok=True)
-  path = os.path.join(cfg.train.output_dir, "run.json")
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    json.dump(info, f, indent=1)
-  os.replace(path + ".tmp", path)
 
 
 def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer, train_iter,
@@ -111,11 +86,11 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
             "stopped": None, "message": msg}
   with preemption.StopSignals() as signals:
     pi, pc = jax.process_index(), jax.process_count()
-    given, requested = cfg, cfg.model.attention_impl
+    given = cfg
     rt = runtime.build(cfg)
     cfg = rt.cfg  # model.attention_impl=auto resolved for these devices
     meta = run_dir.metadata(given)  # what a resume compares with: the config as given
-    write_run_info(cfg, rt, requested, meta)
+    startup.write_run_info(rt, meta)
     reorder = rt.reorder()  # context parallelism's token order, applied once at load
     train_iter = make_train_iterator(cfg.data, t.seq_len, t.batch_size, pi, pc, reorder)
     eval_batches = (make_eval_batches(cfg.data, t.seq_len, t.batch_size, t.eval_batches, pi, pc,
@@ -124,10 +99,10 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
     state, start = _initial_state(rt, ckptr, train_iter, plan)
     if distributed.is_main():
       splits = load_splits(cfg.data)
+      kernels = startup.kernel_lines(rt.kernels, cfg.model.moe is not None)
       print(startup.summary(cfg, rt.mesh, start, ckptr.directory,
                             (len(splits.train), len(splits.val)),
-                            load_tokenizer(cfg.data).vocab_size,
-                            startup.kernel_lines(rt, requested)), flush=True)
+                            load_tokenizer(cfg.data).vocab_size, kernels), flush=True)
     writer = metrics_lib.MetricsWriter(t.output_dir, t.steps, start,
                                        tensorboard=cfg.logging.tensorboard,
                                        progress=cfg.logging.progress)

@@ -37,9 +37,10 @@ def test_auto_choices(args, impl, why):
 def test_runtime_resolves_auto_and_keeps_explicit_choices():
   rt = runtime.build(small_config(None), jax.devices()[:1])
   assert small_config(None).model.attention_impl == "auto"
-  assert (rt.cfg.model.attention_impl, rt.attention_why) == ("xla", "cpu: plain XLA attention")
+  assert (rt.cfg.model.attention_impl, rt.kernels.attention_why) == ("xla",
+                                                                    "cpu: plain XLA attention")
   rt = runtime.build(small_config(None, "model.attention_impl=ring"), jax.devices()[:1])
-  assert (rt.cfg.model.attention_impl, rt.attention_why) == ("ring", "")
+  assert (rt.cfg.model.attention_impl, rt.kernels.attention_why) == ("ring", "")
 
 
 def test_auto_without_a_runtime_is_the_backends_choice():

@@ -98,7 +98,7 @@ def test_bad_layouts_fail_before_compile(overrides, key):
 def test_auto_is_the_ring_under_context_parallelism():
   for mode in (("parallel.collectives=xla",), MANUAL):
     rt = runtime.build(small_config(None, *BASE, *CP4, *mode))
-    assert rt.cfg.model.attention_impl == "ring" and "ring" in rt.attention_why
+    assert rt.cfg.model.attention_impl == "ring" and "ring" in rt.kernels.attention_why
 
 
 def test_missing_positions_is_an_error():

@@ -85,7 +85,7 @@ MOE = ("model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.d_ff=128", "mesh
 def test_runtime_reports_what_the_experts_run():
   cfg = small_config(None, *MOE)
   rt = runtime.build(cfg, jax.devices()[:1])
-  impl, why = rt.moe_gemm
+  impl, why = rt.kernels.moe_gemm
   assert impl == "tiled" and "compute capability None" in why
   assert rt.cfg.model.moe.gemm == "tiled"  # resolved for the mesh's devices, not the process's
   cfg = small_config(None, *MOE, "model.moe.dispatch=capacity")

@@ -6,11 +6,13 @@ a glance what the config resolved to before any compile time is spent.
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
 import jax
 
-from jscale import metrics, runtime
+from jscale import distributed, metrics, runtime
 from jscale.ckpt import init_from
 from jscale.config import Config, ModelConfig
 
@@ -44,22 +46,47 @@ def model_line(cfg: ModelConfig) -> str:
           f"({shape}; {m.n_experts} experts top-{m.top_k}, {m.dispatch})")
 
 
-def kernel_lines(rt: runtime.Runtime, requested_attention: str) -> list[str]:
-  """What the runtime chose for attention (and why, for "auto"), the flash and RMSNorm kernels
-  and the MoE experts' grouped matmul."""
-  cfg = rt.cfg
-  why = f" (model.attention_impl=auto: {rt.attention_why})" if requested_attention == "auto" else ""
-  lines = [f"attention: {cfg.model.attention_impl}{why}"]
-  kernels, kernels_why = runtime.pallas_kernels(cfg, rt.mesh)
-  if kernels:
-    lines.append(f"flash kernels: {kernels} ({kernels_why})")
-  norms, norms_why = runtime.norm_kernels(cfg, rt.mesh)
-  if norms:
-    lines.append(f"norm kernels: {norms} ({norms_why})")
-  gemm, gemm_why = rt.moe_gemm
-  if cfg.model.moe is not None:
-    lines.append(f"moe experts: {gemm or 'slot buffers'} ({gemm_why})")
+def kernel_lines(k: runtime.Kernels, moe: bool) -> list[str]:
+  """What the runtime chose (`Runtime.kernels`): attention (and why, for "auto"), the flash
+  and RMSNorm kernels and, for an MoE (`moe`), the experts' grouped matmul."""
+  auto = k.attention_requested == "auto"
+  why = f" (model.attention_impl=auto: {k.attention_why})" if auto else ""
+  lines = [f"attention: {k.attention}{why}"]
+  if k.flash[0]:
+    lines.append(f"flash kernels: {k.flash[0]} ({k.flash[1]})")
+  if k.norm[0]:
+    lines.append(f"norm kernels: {k.norm[0]} ({k.norm[1]})")
+  if moe:
+    lines.append(f"moe experts: {k.moe_gemm[0] or 'slot buffers'} ({k.moe_gemm[1]})")
   return lines
+
+
+def write_run_info(rt: runtime.Runtime, meta: dict[str, Any]) -> None:
+  """`<output_dir>/run.json` (process 0): what this run resolved and runs on — the kernels
+  chosen (and why: `Runtime.kernels`), devices, mesh, jax version — and `meta`
+  (`run.directory.metadata`: the config after presets and overrides, the jscale version, the
+  command line), written whole via a temporary file, so a reader never sees half of it."""
+  if not distributed.is_main():
+    return
+  cfg, k = rt.cfg, rt.kernels
+  device = rt.mesh.devices.flat[0]
+  info = {"attention_impl": k.attention, "attention_impl_requested": k.attention_requested,
+          "attention_why": k.attention_why,
+          "backend": device.platform, "device_kind": getattr(device, "device_kind", ""),
+          "devices": int(rt.mesh.size), "processes": jax.process_count(),
+          "mesh": {a: int(n) for a, n in rt.mesh.shape.items()}, "jax": jax.__version__,
+          **meta}
+  if k.flash[0]:
+    info["flash_kernels"], info["flash_kernels_why"] = k.flash
+  if k.norm[0]:
+    info["norm_kernels"], info["norm_kernels_why"] = k.norm
+  if cfg.model.moe is not None:
+    info["moe_gemm"], info["moe_gemm_why"] = k.moe_gemm
+  os.makedirs(cfg.train.output_dir, exist_ok=True)
+  path = os.path.join(cfg.train.output_dir, "run.json")
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump(info, f, indent=1)
+  os.replace(path + ".tmp", path)
 
 
 def summary(cfg: Config, mesh: jax.sharding.Mesh, start_step: int, checkpoint_dir: str,
