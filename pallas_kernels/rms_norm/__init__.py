@@ -7,7 +7,7 @@
 extra and a GPU; import `pallas_kernels.rms_norm.triton_kernel` explicitly.
 """
 
-from pallas_kernels.rms_norm.kernel import BlockSizes, check_shapes, rms_norm
+from pallas_kernels.rms_norm.kernel import BlockSizes, check_shapes, rms_norm, why_not
 from pallas_kernels.rms_norm.reference import reference
 
-__all__ = ["BlockSizes", "check_shapes", "reference", "rms_norm"]
+__all__ = ["BlockSizes", "check_shapes", "reference", "rms_norm", "why_not"]

@@ -176,15 +176,23 @@ def _rows_for(d_pad: int, block_rows: int | None, name: str) -> int:
   return block_rows
 
 
-def check_shapes(x_ND, weight_D, residual_ND) -> None:
-  """The RMSNorm kernels' contract on shapes: ValueError naming what disagrees."""
+def why_not(x_ND, weight_D, residual_ND=None) -> str | None:
+  """What disagrees with the RMSNorm kernels' contract on shapes (None: nothing); arrays or
+  ShapeDtypeStructs."""
   d = x_ND.shape[-1]
   if weight_D.shape != (d,):
-    raise ValueError(f"weight {weight_D.shape} must be [D] = ({d},) for x {x_ND.shape}")
+    return f"weight {weight_D.shape} must be [D] = ({d},) for x {x_ND.shape}"
   if residual_ND is not None and (residual_ND.shape != x_ND.shape or
                                   residual_ND.dtype != x_ND.dtype):
-    raise ValueError(f"residual {residual_ND.shape} {residual_ND.dtype} must match x "
-                     f"{x_ND.shape} {x_ND.dtype}")
+    return (f"residual {residual_ND.shape} {residual_ND.dtype} must match x "
+            f"{x_ND.shape} {x_ND.dtype}")
+  return None
+
+
+def check_shapes(x_ND, weight_D, residual_ND=None) -> None:
+  """The RMSNorm kernels' contract on shapes: ValueError naming what disagrees (`why_not`)."""
+  if (why := why_not(x_ND, weight_D, residual_ND)) is not None:
+    raise ValueError(why)
 
 
 def rms_norm(x_ND, weight_D, *, eps: float = 1e-6, residual_ND=None,

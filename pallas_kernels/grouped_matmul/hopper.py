@@ -14,9 +14,9 @@ import functools
 
 import jax
 
-from pallas_kernels.grouped_matmul import config as C
-from pallas_kernels.grouped_matmul.gmm import gmm
-from pallas_kernels.grouped_matmul.tgmm import tgmm
+from pallas_kernels.grouped_matmul import hopper_config as C
+from pallas_kernels.grouped_matmul.hopper_gmm import gmm
+from pallas_kernels.grouped_matmul.hopper_tgmm import tgmm
 
 
 @dataclasses.dataclass(frozen=True)

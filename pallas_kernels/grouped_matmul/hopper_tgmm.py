@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import config as C
+from pallas_kernels.grouped_matmul import hopper_config as C
 
 
 def _keep_rows(ref, row0, start, end, interpret: bool) -> None:

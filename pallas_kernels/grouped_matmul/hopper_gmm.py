@@ -17,13 +17,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import config as C
+from pallas_kernels.grouped_matmul import hopper_config as C
 
 
 def gmm(lhs_MK: jax.Array, rhs: jax.Array, sizes_G: jax.Array, *, blocks: C.GmmBlocks,
         transpose_rhs: bool = False, interpret: bool = False) -> jax.Array:
   """[M, N] grouped product of lhs_MK (rows sorted by group) with rhs [G, K, N] (or [G, N, K]
-  read transposed when `transpose_rhs`). Shapes must pass `config.problem`."""
+  read transposed when `transpose_rhs`). Shapes must pass `hopper_config.problem`."""
   if transpose_rhs and interpret:  # the interpreter has no transposed wgmma operand
     rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), False
   (m, k), g = lhs_MK.shape, rhs.shape[0]
