@@ -1,6 +1,8 @@
 """The model's injection points: the blocks' attention module (swappable class) and the linear
 layers' dot_general (the hook a low-precision matmul uses), on real JAX, no mocks."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,8 @@ from jax.ad_checkpoint import checkpoint_name
 from conftest import small_config
 from jscale.model import llama
 from jscale.model.gqa import GQA
+from jscale.model.mlp import Mlp
+from jscale.model.moe import MoE
 
 MOE = ("model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.shared_d_ff=32")
 
@@ -142,3 +146,15 @@ def test_attention_module_is_swappable():
   nnx.update(default, state)
   tokens = _tokens(cfg)
   np.testing.assert_array_equal(swapped(tokens), default(tokens))
+
+
+@pytest.mark.parametrize("module, contract", [
+    (GQA, llama.CachedAttention), (ZeroAttention, llama.AttentionModule),
+    (Mlp, llama.MlpModule), (MoE, llama.MlpModule)], ids=lambda x: x.__name__)
+def test_the_blocks_modules_keep_their_contract(module, contract):
+  """The modules `Block` takes take and return what its Protocols say (parameter names)."""
+  for name in ("__init__", "__call__", "cached"):
+    if name in {n for c in contract.__mro__ if c is not object for n in vars(c)}:
+      want = list(inspect.signature(getattr(contract, name)).parameters)
+      assert list(inspect.signature(getattr(module, name)).parameters) == want, name
+

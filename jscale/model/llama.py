@@ -13,6 +13,7 @@ F mlp hidden, V vocab.
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -29,20 +30,48 @@ from jscale.model.moe import MoE
 from jscale.model.rope import inv_frequencies
 from jscale.model.seam import LOCAL, Seam
 
+class AttentionModule(Protocol):
+  """What `Block` asks of its attention module (`GQA` by default): the normed input [B, L, D]
+  inside the tensor-parallel region in, a partial sum [B, L, D] out (a row-parallel linear's);
+  it communicates only through `comms`, the model's seam."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *,
+               dot_general: matmul.DotGeneral = jax.lax.dot_general) -> None: ...
+
+  def __call__(self, h_BLD: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array,
+               comms: Seam) -> jax.Array: ...
+
+
+class CachedAttention(AttentionModule, Protocol):
+  """An attention module generation can run (`Block.cached`): through a KV cache."""
+
+  def cached(self, h_BLD: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array,
+             cache: kv_cache.KVCache, layer: jax.Array,
+             prefill: bool) -> tuple[jax.Array, kv_cache.KVCache]: ...
+
+
+class MlpModule(Protocol):
+  """What `Block` asks of its MLP module (`Mlp`, or `MoE` with `cfg.moe`): as
+  `AttentionModule`, and statistics to average over layers ({} if none; MoE's router's)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *,
+               dot_general: matmul.DotGeneral = jax.lax.dot_general) -> None: ...
+
+  def __call__(self, h_BLD: jax.Array, comms: Seam) -> tuple[jax.Array, dict[str, jax.Array]]:
+    ...
+
+
 class Block(nnx.Module):
   """Pre-norm transformer block: x + Attn(norm(x)), then x + MLP(norm(x)).
 
   The block owns the norms, the residuals and the tensor-parallel entry / exit; attention and
-  MLP are swappable modules, constructed as `cls(cfg, rngs, dot_general=...)`:
-    * `attention` (default `GQA`): `(h_BLD, positions_BL, inv_freq, comms) -> out_BLD`;
-    * `mlp` (default `Mlp`, or `MoE` when `cfg.moe` is set): `(h_BLD, comms) -> (out_BLD,
-      stats)`, stats a dict of arrays (the model averages them over layers).
-  Both take the normed input inside the tensor-parallel region and return partial sums that
-  the block takes out of it (row-parallel linears).
+  MLP are swappable modules (`AttentionModule`, `MlpModule`), constructed as
+  `cls(cfg, rngs, dot_general=...)`: GQA, and SwiGLU (`Mlp`) or `MoE` when `cfg.moe` is set.
   """
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention: type = GQA,
-               mlp: type | None = None, dot_general: matmul.DotGeneral = jax.lax.dot_general):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention: type[AttentionModule] = GQA,
+               mlp: type[MlpModule] | None = None,
+               dot_general: matmul.DotGeneral = jax.lax.dot_general):
     pd = jnp.dtype(cfg.param_dtype)
     norm = dict(impl=cfg.norm_impl, interpret=cfg.kernel_interpret)
     mlp = mlp or (Mlp if cfg.moe is None else MoE)
@@ -125,8 +154,9 @@ class Llama(nnx.Module):
   linear layer and of the head (default `jax.lax.dot_general`), or a per-layer factory
   (`matmul.for_linear`; e.g. FP8 on chosen layers, `jscale.fp8`)."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, attention: type = GQA,
-               mlp: type | None = None, dot_general: matmul.DotGeneral = jax.lax.dot_general):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *,
+               attention: type[AttentionModule] = GQA, mlp: type[MlpModule] | None = None,
+               dot_general: matmul.DotGeneral = jax.lax.dot_general):
     self.cfg = cfg
     self.head_dot = matmul.for_linear(dot_general, "lm_head")
     if isinstance(self.head_dot, nnx.Module):
