@@ -88,19 +88,21 @@ class MeshConfig:
 
   Multi-node (hybrid) meshes: each axis's total size is `<axis> * dcn_<axis>`, where `<axis>`
   is the degree inside a node (fast links) and `dcn_<axis>` the degree across nodes.
+
+  The mesh's axes are written here once, outermost first (`jscale.mesh.AXES` reads them).
   """
   data: int = -1
-  fsdp: int = 1
   stage: int = 1
+  fsdp: int = 1
+  expert: int = 1
   sequence: int = 1
   tensor: int = 1
-  expert: int = 1
   dcn_data: int = 1
-  dcn_fsdp: int = 1
   dcn_stage: int = 1
+  dcn_fsdp: int = 1
+  dcn_expert: int = 1
   dcn_sequence: int = 1
   dcn_tensor: int = 1
-  dcn_expert: int = 1
 
 
 @dataclasses.dataclass

@@ -13,6 +13,7 @@ Axis types are Auto: in "xla" mode GSPMD propagates shardings from the annotatio
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
@@ -23,7 +24,7 @@ from jax.sharding import AxisType, Mesh
 
 from jscale.config import ConfigError, MeshConfig
 
-AXES = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
+AXES = tuple(f.name for f in dataclasses.fields(MeshConfig) if not f.name.startswith("dcn_"))
 
 
 def axis_sizes(cfg: MeshConfig, n_devices: int) -> dict[str, tuple[int, int]]:
