@@ -7,8 +7,9 @@
   trainer runs it before building anything.
 
 The allowed values of a field are its `Literal` type in `jscale.config`. Lower layers check their
-own arguments with plain ValueErrors (`schedules.check_args`, the context token order) or say
-why not (the kernels' `why_not`); here those become ConfigErrors naming the key.
+own arguments with plain ValueErrors (the context token order, FP8 targets) or say why not
+(the kernels' and the pipeline schedules' `why_not`); here those become ConfigErrors naming
+the key.
 """
 
 from __future__ import annotations
@@ -286,10 +287,9 @@ def _check_experts(cfg: Config, sizes: dict[str, int]) -> None:
 def _check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
   """What a pipeline over mesh.stage needs."""
   p, pc, t = sizes["stage"], cfg.pipeline, cfg.train
-  try:
-    schedules.check_args(pc.schedule, p, pc.microbatches, pc.virtual_stages)
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
+  why = schedules.why_not(pc.schedule, p, pc.microbatches, pc.virtual_stages)
+  if why is not None:
+    raise ConfigError(why)
   chunks = p * pc.virtual_stages
   if cfg.model.n_layers % chunks:
     raise ConfigError(f"model.n_layers={cfg.model.n_layers} is not divisible by mesh.stage x "

@@ -161,9 +161,5 @@ def _pipelines(model: ModelConfig, stage: int, sp_with_dp: bool) -> list[tuple[s
 
 
 def _schedule_ok(pipe: tuple[str, int], stage: int, m: int) -> bool:
-  try:
-    schedules.check_args(pipe[0], stage, m, pipe[1])
-  except ValueError:
-    return False
-  return True
+  return schedules.why_not(pipe[0], stage, m, pipe[1]) is None
 

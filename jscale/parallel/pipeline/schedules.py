@@ -71,27 +71,35 @@ def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:
   return (p - 1) / m
 
 
-def check_args(name: str, p: int, m: int, v: int) -> None:
-  """ValueError naming the config key for shapes a schedule cannot run."""
+def why_not(name: str, p: int, m: int, v: int) -> str | None:
+  """Why schedule `name` cannot run p stages, m micro-batches, v chunks per stage, naming the
+  config key (None: it can)."""
   if name not in SCHEDULES:
-    raise ValueError(f"pipeline.schedule={name!r}: choose one of {', '.join(SCHEDULES)}")
+    return f"pipeline.schedule={name!r}: choose one of {', '.join(SCHEDULES)}"
   if p < 2:
-    raise ValueError(f"mesh.stage={p}: a pipeline needs at least 2 stages")
+    return f"mesh.stage={p}: a pipeline needs at least 2 stages"
   if m < 1 or v < 1:
-    raise ValueError(f"pipeline.microbatches={m} and pipeline.virtual_stages={v} must be >= 1")
+    return f"pipeline.microbatches={m} and pipeline.virtual_stages={v} must be >= 1"
   if name == "interleaved":
     if v < 2:
-      raise ValueError("pipeline.schedule=interleaved needs pipeline.virtual_stages >= 2 "
-                       "(1 is plain 1f1b)")
+      return ("pipeline.schedule=interleaved needs pipeline.virtual_stages >= 2 "
+              "(1 is plain 1f1b)")
     if m % p:
-      raise ValueError(f"pipeline.schedule=interleaved needs pipeline.microbatches ({m}) to be a "
-                       f"multiple of mesh.stage ({p}): micro-batches go round in groups of p")
+      return (f"pipeline.schedule=interleaved needs pipeline.microbatches ({m}) to be a "
+              f"multiple of mesh.stage ({p}): micro-batches go round in groups of p")
   elif v != 1:
-    raise ValueError(f"pipeline.virtual_stages={v} is only for pipeline.schedule=interleaved; "
-                     "set it to 1")
+    return (f"pipeline.virtual_stages={v} is only for pipeline.schedule=interleaved; "
+            "set it to 1")
   if name in ("1f1b", "zero_bubble") and m < p:
-    raise ValueError(f"pipeline.schedule={name} needs pipeline.microbatches ({m}) >= mesh.stage "
-                     f"({p}) to fill the pipeline; raise microbatches or use afab")
+    return (f"pipeline.schedule={name} needs pipeline.microbatches ({m}) >= mesh.stage "
+            f"({p}) to fill the pipeline; raise microbatches or use afab")
+  return None
+
+
+def check_args(name: str, p: int, m: int, v: int) -> None:
+  """ValueError naming the config key for shapes a schedule cannot run (`why_not`)."""
+  if (why := why_not(name, p, m, v)) is not None:
+    raise ValueError(why)
 
 
 def make_table(name: str, p: int, m: int, v: int = 1) -> Table:
