@@ -9,6 +9,7 @@ results/predict_vs_measured.md (every measured row; needs old commits' worktrees
 import dataclasses
 import json
 import os
+import re
 import sys
 
 import jax
@@ -29,6 +30,7 @@ from jscale.analysis import hlo  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
 from jscale.plan import hardware  # noqa: E402
 from jscale.predict import cost, program, rates, report  # noqa: E402
+from jscale.plan.__main__ import main as plan_main  # noqa: E402
 from jscale.predict.__main__ import main  # noqa: E402
 
 CHIP = rates.chip("h100")
@@ -235,3 +237,14 @@ def test_bench_train_predicts_the_program_its_run_compiled(llama3_1b, tmp_path):
   assert got["predicted_mfu"] == pytest.approx(r.mfu)
   assert got["predicted_ms_gemm"] == pytest.approx(1e3 * r.by_category["gemm"])
   assert bench_train.predicted(str(tmp_path), {**row, "device": "cpu"}) == {}
+
+
+def test_plan_ranks_verified_layouts_by_their_compiled_step(capsys):
+  """`python -m jscale.plan --verify 2 --target h100x8 --rank compiled`: each compiled layout's
+  predicted step and MFU beside the planner's estimate, fastest compiled program first."""
+  assert plan_main(["--model", "configs/tiny.yaml", "--gpus", "8", "--seq", "256",
+                    "--global-batch-tokens", "16k", "--top", "2", "--verify", "2", "--target",
+                    "h100x8", "--rank", "compiled"]) == 0
+  out = capsys.readouterr().out.split("--verify's 2 layouts, fastest compiled program first:")[1]
+  steps = [float(x) for x in re.findall(r"compiled ([\d.]+) ms, MFU", out)]
+  assert len(steps) == 2 and steps == sorted(steps), out

@@ -3,10 +3,11 @@ collectives on another, loops by their trip counts.
 
 Cost rules, per launch (`rates.Chip` holds the constants and their sources):
 - gemm: FLOPs at the peak of its operand type (bf16 989, fp8 1979, TF32 495 — an f32 gemm at
-  default precision —, f32 67 TFLOP/s on an H100 SXM) times an efficiency from its shape:
-  `Fit.gemm_ceiling` for a large gemm, times the wave quantisation of the best of cuBLAS's
-  usual Hopper tiles (128x256, 256x128, 128x128) over the 132 SMs, times k / (k + k_half) for
-  short dot products; never faster than its operands and result move through HBM.
+  default precision —, f32 67 TFLOP/s on an H100 SXM) times an efficiency from its shape: a
+  ceiling for a large gemm (`Fit.gemm_ceiling`, `Fit.tf32_ceiling` for f32 operands), times
+  the wave quantisation of the best of cuBLAS's usual Hopper tiles (128x256, 256x128, 128x128)
+  over the 132 SMs, times k / (k + k_half) for short dot products; never faster than its
+  operands and result move through HBM.
 - attention (cuDNN's fused kernels, jscale's Pallas flash kernels): FLOPs over the rate
   measured for that kernel, sequence length and head dim (`rates.ATTENTION`).
 - other Pallas kernels: RMSNorm at its measured share of copy bandwidth; the grouped matmul
