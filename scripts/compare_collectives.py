@@ -61,9 +61,11 @@ def _run(cfg, devices, steps):
   import jax  # pylint: disable=import-outside-toplevel
   from jscale import runtime  # pylint: disable=import-outside-toplevel
   from jscale.analysis import introspect
+  from jscale import predict  # pylint: disable=import-outside-toplevel
   rt = runtime.build(cfg, devices)
-  compiled = introspect.compile_as_launched(
-      rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(cfg)), rt)
+  compiled = introspect.compile_as_launched(  # GPUs: the gemms as the autotuner picks them
+      rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(cfg)), rt,
+      predict.AUTOTUNED_GEMMS)
   if not steps:
     return None, None, compiled, rt
   state, losses, times, reorder = rt.init_state(), [], [], rt.reorder()

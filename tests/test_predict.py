@@ -9,6 +9,7 @@ results/predict_vs_measured.md (every measured row; needs old commits' worktrees
 import dataclasses
 import json
 import os
+import re
 import sys
 
 import jax
@@ -25,21 +26,22 @@ if not gpu_target.available():
 
 # pylint: disable=wrong-import-position
 from jscale import predict  # noqa: E402
-from jscale.analysis import hlo, introspect  # noqa: E402
+from jscale.analysis import hlo  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
 from jscale.plan import hardware  # noqa: E402
 from jscale.predict import cost, program, rates, report  # noqa: E402
+from jscale.plan.__main__ import main as plan_main  # noqa: E402
 from jscale.predict.__main__ import main  # noqa: E402
 
 CHIP = rates.chip("h100")
 FIT = CHIP.fit
 
 
-def _compile(f, *shapes, n=1, spec=P()):
+def _compile(f, *shapes, n=1, spec=P(), options=None):
   mesh = Mesh(np.array(gpu_target.devices(f"h100x{n}")), ("x",))
   s = NamedSharding(mesh, spec)
   return jax.jit(f, in_shardings=(s,) * len(shapes), out_shardings=NamedSharding(mesh, P())
-                 ).lower(*shapes).compile().as_text()
+                 ).lower(*shapes).compile(compiler_options=options).as_text()
 
 
 def _only(text, kind):
@@ -60,11 +62,25 @@ def test_gemm_runs_at_its_operand_types_peak(dtype, precision, peak):
   x = _only(_compile(lambda p, q: jnp.matmul(p, q, precision=precision), a, a), "gemm")
   assert x.flops == GEMM_FLOPS and x.mnk == (1, SQUARE, SQUARE, SQUARE)
   t = cost.time_launch(x, CHIP)
-  eff = cost.gemm_efficiency(1, SQUARE, SQUARE, SQUARE, CHIP)
   waves = 512 / (4 * 132)  # 32 x 16 tiles of 128x256 on 132 SMs: 4 waves, the last short
-  assert eff == pytest.approx(FIT.gemm_ceiling * waves * SQUARE / (SQUARE + FIT.gemm_k_half))
+  ceiling = FIT.tf32_ceiling if peak != "bf16" else FIT.gemm_ceiling
+  short_k = SQUARE / (SQUARE + FIT.gemm_k_half)
+  assert cost.gemm_efficiency(1, SQUARE, SQUARE, SQUARE, CHIP, ceiling) == pytest.approx(
+      ceiling * waves * short_k)
+  eff = cost.gemm_efficiency(1, SQUARE, SQUARE, SQUARE, CHIP, ceiling)
   assert t.seconds == pytest.approx(GEMM_FLOPS / (CHIP.peak[peak] * eff))
   assert t.bound == "compute"
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_cublas_gemm_reads_like_the_triton_one(dtype):
+  """The gemms as the autotuner picks them (`predict.AUTOTUNED_GEMMS`: cuBLAS calls, the
+  program `jscale.predict` times and a GPU run dumps) give the same FLOPs, shape and type."""
+  a = jax.ShapeDtypeStruct((SQUARE, SQUARE), dtype)
+  x = _only(_compile(lambda p, q: p @ q, a, a, options=predict.AUTOTUNED_GEMMS), "gemm")
+  assert x.label.startswith("__cublas") and x.flops == GEMM_FLOPS
+  assert x.mnk == (1, SQUARE, SQUARE, SQUARE) and x.dtype == ("bf16" if dtype == jnp.bfloat16
+                                                                else "f32")
 
 
 def test_gemm_efficiency_sees_waves_and_short_k():
@@ -72,7 +88,8 @@ def test_gemm_efficiency_sees_waves_and_short_k():
   full = cost.gemm_efficiency(1, 128 * 12, 256 * 11, 4096, CHIP)
   spill = cost.gemm_efficiency(1, 128 * 12 + 1, 256 * 11, 4096, CHIP)
   assert spill < 0.8 * full
-  short = cost.gemm_efficiency(1, 128 * 12, 256 * 11, FIT.gemm_k_half, CHIP)
+  k_half = rates.chip("h100", dataclasses.replace(FIT, gemm_k_half=64))
+  short = cost.gemm_efficiency(1, 128 * 12, 256 * 11, 64, k_half)
   assert short == pytest.approx(FIT.gemm_ceiling / 2)  # one full wave, half the ceiling
 
 
@@ -168,8 +185,7 @@ def llama3_1b():
     """(prediction, optimised HLO text) of llama3_1b.yaml with `overrides`."""
     cfg = load_config(CONFIG, ["checkpoint.every=0", *overrides])
     if overrides not in texts:
-      compiled, _ = introspect.compile_train_step(cfg, gpu_target.devices("h100x1"))
-      texts[overrides] = compiled.as_text()
+      texts[overrides] = predict.compile_step(cfg, "h100x1")
     return predict.predict_config(cfg, "h100x1", texts[overrides]), texts[overrides]
   return run
 
@@ -221,3 +237,14 @@ def test_bench_train_predicts_the_program_its_run_compiled(llama3_1b, tmp_path):
   assert got["predicted_mfu"] == pytest.approx(r.mfu)
   assert got["predicted_ms_gemm"] == pytest.approx(1e3 * r.by_category["gemm"])
   assert bench_train.predicted(str(tmp_path), {**row, "device": "cpu"}) == {}
+
+
+def test_plan_ranks_verified_layouts_by_their_compiled_step(capsys):
+  """`python -m jscale.plan --verify 2 --target h100x8 --rank compiled`: each compiled layout's
+  predicted step and MFU beside the planner's estimate, fastest compiled program first."""
+  assert plan_main(["--model", "configs/tiny.yaml", "--gpus", "8", "--seq", "256",
+                    "--global-batch-tokens", "16k", "--top", "2", "--verify", "2", "--target",
+                    "h100x8", "--rank", "compiled"]) == 0
+  out = capsys.readouterr().out.split("--verify's 2 layouts, fastest compiled program first:")[1]
+  steps = [float(x) for x in re.findall(r"compiled ([\d.]+) ms, MFU", out)]
+  assert len(steps) == 2 and steps == sorted(steps), out

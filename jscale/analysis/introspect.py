@@ -27,31 +27,36 @@ def abstract_batch(cfg: Config) -> dict[str, jax.ShapeDtypeStruct]:
   return out
 
 
-def compile_train_step(cfg: Config, devices: Sequence[jax.Device] | None = None
+def compile_train_step(cfg: Config, devices: Sequence[jax.Device] | None = None,
+                       gpu_options: dict[str, bool | int] | None = None
                        ) -> tuple[jax.stages.Compiled, dict[str, float]]:
   """Lowers and compiles one train step of `cfg`'s layout on `devices` (default: all), on
-  abstract inputs (nothing is allocated or run); returns it with timings (s)."""
+  abstract inputs (nothing is allocated or run); returns it with timings (s). `gpu_options`:
+  XLA options added to the launcher's for a GPU compile."""
   rt = runtime.build(cfg, devices)
   step = rt.train_step()
   t0 = time.perf_counter()
   lowered = step.lower(rt.abstract_state(), abstract_batch(cfg))
   t1 = time.perf_counter()
-  compiled = compile_as_launched(lowered, rt)
+  compiled = compile_as_launched(lowered, rt, gpu_options)
   t2 = time.perf_counter()
   return compiled, {"lower_s": t1 - t0, "compile_s": t2 - t1}
 
 
-def compile_as_launched(lowered: jax.stages.Lowered, rt: runtime.Runtime) -> jax.stages.Compiled:
+def compile_as_launched(lowered: jax.stages.Lowered, rt: runtime.Runtime,
+                        gpu_options: dict[str, bool | int] | None = None
+                        ) -> jax.stages.Compiled:
   """Compiles `rt`'s lowered step as `python -m jscale.train` would: for GPUs with the overlap
   flags it runs with (they change the program's schedule and buffers), whatever this process's
   XLA_FLAGS, and the device memory its allocator gives XLA to plan for (which decides what
-  XLA rematerialises)."""
+  XLA rematerialises); plus `gpu_options` there."""
   device = rt.mesh.devices.flat[0]
   if device.platform != "gpu":
     return lowered.compile()
   total = gpu_target.memory_bytes(device)
   with gpu_target.launched_memory(total and int(total * float(xla_flags.MEM_FRACTION))):
-    return lowered.compile(compiler_options=xla_flags.compiler_options(rt.cfg))
+    return lowered.compile(compiler_options={**xla_flags.compiler_options(rt.cfg),
+                                             **(gpu_options or {})})
 
 
 def time_steps(step: Callable, state: Any, batch: Any, steps: int) -> tuple[float, float]:

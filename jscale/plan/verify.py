@@ -51,7 +51,9 @@ def compare(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
   collectives jscale writes by hand, which XLA:CPU keeps as written)."""
   cfg = _config(model_spec, model_overrides, row, seq, gpu, collectives)
   devices = list(devices or jax.devices())[:row.layout.devices]
-  compiled, _ = introspect.compile_train_step(cfg, devices)
+  # On GPUs, the gemms as the autotuner picks them (`predict.AUTOTUNED_GEMMS`): the program
+  # whose time and memory came closest to the measured ones.
+  compiled, _ = introspect.compile_train_step(cfg, devices, predict.AUTOTUNED_GEMMS)
   mem = introspect.memory(compiled)
   batch = sum(x.size * x.dtype.itemsize for x in introspect.abstract_batch(cfg).values())
   batch //= row.layout.batch_ways  # each device holds its share of the batch

@@ -26,14 +26,26 @@ def model_flops_per_device(cfg: Config, n_devices: int) -> float:
   return metrics.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len / n_devices
 
 
+# On a GPU the autotuner picks cuBLAS for most gemms (the measured profiles' kernels are
+# nvjet / xmma); compiled without one, XLA keeps its own Triton gemm fusions, whose untuned
+# tiles and fused converts change the program around the gemms. Predicted against every
+# measured row, the cuBLAS program is the closer (results/predict_vs_measured.md).
+AUTOTUNED_GEMMS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def compile_step(cfg: Config, target: str) -> str:
+  """The optimised HLO text of `cfg`'s train step compiled for `target` ("h100x8") as
+  `python -m jscale.train` launches it, with the gemms the GPU's autotuner would mostly pick."""
+  compiled, _ = introspect.compile_train_step(cfg, gpu_target.devices(target), AUTOTUNED_GEMMS)
+  return compiled.as_text()
+
+
 def predict_config(cfg: Config, target: str, hlo_text: str | None = None, top: int = 20,
                    fit: rates.Fit = rates.FIT) -> report.Summary:
-  """`cfg`'s train step compiled for `target` ("h100x8") — or `hlo_text`, that step compiled
-  already — predicted and summarised."""
+  """`cfg`'s train step compiled for `target` ("h100x8", `compile_step`) — or `hlo_text`, that
+  step compiled already — predicted and summarised."""
   gpu, n = gpu_target.parse(target)
-  if hlo_text is None:
-    compiled, _ = introspect.compile_train_step(cfg, gpu_target.devices(target))
-    hlo_text = compiled.as_text()
+  hlo_text = hlo_text if hlo_text is not None else compile_step(cfg, target)
   return report.summarize(predict(hlo_text, gpu, fit), rates.chip(gpu, fit),
                           model_flops_per_device(cfg, n),
                           cfg.train.batch_size * cfg.train.seq_len, top)

@@ -8,9 +8,10 @@ Compiles the config's train step as `python -m jscale.train` launches it, with t
 compiler for the target (`jscale.analysis.gpu_target`: JAX's CUDA plugin and cuDNN, no GPU),
 or reads an optimised HLO text given with --hlo, and prints the predicted step time, tokens/s
 and MFU, time by the categories of `python -m jscale.profile`, the top kernels and what stands
-between the step and 55% MFU. Compiled without a GPU, XLA keeps its default gemm choices (no
-autotuning); every gemm is timed as a tuned one, so the prediction does not see a gemm the
-autotuner would get wrong, nor one it would make faster than cuBLAS's usual tiles.
+between the step and 55% MFU. Without a GPU XLA cannot autotune; the step is compiled with its
+gemms as cuBLAS calls (`predict.AUTOTUNED_GEMMS`: what the autotuner picked for most gemms on
+our GPUs), so a gemm the autotuner would give a tuned Triton kernel is timed as cuBLAS's.
+How the predictions compare with every measured GPU row: docs/predict.md.
 """
 
 from __future__ import annotations

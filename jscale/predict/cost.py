@@ -3,10 +3,11 @@ collectives on another, loops by their trip counts.
 
 Cost rules, per launch (`rates.Chip` holds the constants and their sources):
 - gemm: FLOPs at the peak of its operand type (bf16 989, fp8 1979, TF32 495 — an f32 gemm at
-  default precision —, f32 67 TFLOP/s on an H100 SXM) times an efficiency from its shape:
-  `Fit.gemm_ceiling` for a large gemm, times the wave quantisation of the best of cuBLAS's
-  usual Hopper tiles (128x256, 256x128, 128x128) over the 132 SMs, times k / (k + k_half) for
-  short dot products; never faster than its operands and result move through HBM.
+  default precision —, f32 67 TFLOP/s on an H100 SXM) times an efficiency from its shape: a
+  ceiling for a large gemm (`Fit.gemm_ceiling`, `Fit.tf32_ceiling` for f32 operands), times
+  the wave quantisation of the best of cuBLAS's usual Hopper tiles (128x256, 256x128, 128x128)
+  over the 132 SMs, times k / (k + k_half) for short dot products; never faster than its
+  operands and result move through HBM.
 - attention (cuDNN's fused kernels, jscale's Pallas flash kernels): FLOPs over the rate
   measured for that kernel, sequence length and head dim (`rates.ATTENTION`).
 - other Pallas kernels: RMSNorm at its measured share of copy bandwidth; the grouped matmul
@@ -47,23 +48,28 @@ class Timed:
   note: str = ""
 
 
-def gemm_efficiency(batch: int, m: int, n: int, k: int, chip: rates.Chip) -> float:
-  """Fraction of peak a tuned gemm reaches: the ceiling, wave quantisation, short k."""
+def gemm_efficiency(batch: int, m: int, n: int, k: int, chip: rates.Chip,
+                    ceiling: float | None = None) -> float:
+  """Fraction of peak a tuned gemm reaches: the ceiling (default: bf16's), wave quantisation,
+  short k."""
   best = 0.0
   for tm, tn in _TILES:
     tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
     waves = math.ceil(tiles / chip.sms)
     used = batch * m * n / (waves * chip.sms * tm * tn)
     best = max(best, used)
-  return chip.fit.gemm_ceiling * best * k / (k + chip.fit.gemm_k_half)
+  short_k = k / (k + chip.fit.gemm_k_half) if chip.fit.gemm_k_half else 1.0
+  return (ceiling or chip.fit.gemm_ceiling) * best * short_k
 
 
 def time_launch(x: Launch, chip: rates.Chip) -> Timed:
   """The predicted device time of one run of `x`."""
   fit, mem = chip.fit, lambda b: b / chip.hbm_bytes_s
   if x.kind == "gemm":
-    peak = chip.peak["f32" if x.highest else "tf32"] if x.dtype == "f32" else chip.peak[x.dtype]
-    compute = x.flops / (peak * gemm_efficiency(*x.mnk, chip)) if x.flops else 0.0
+    f32 = x.dtype == "f32"
+    peak = chip.peak["f32" if x.highest else "tf32"] if f32 else chip.peak[x.dtype]
+    ceiling = chip.fit.tf32_ceiling if f32 else None
+    compute = x.flops / (peak * gemm_efficiency(*x.mnk, chip, ceiling)) if x.flops else 0.0
     memory = mem(x.bytes)
     return Timed(x, max(compute, memory), fit.launch_s,
                  "compute" if compute >= memory else "memory")

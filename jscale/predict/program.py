@@ -225,20 +225,14 @@ class Program:
              else self._find_dot(callees[0], set()))
     if found is None:
       return
-    (_, out_shape, _, dot_attrs), dot_comp = found
+    (_, _, _, dot_attrs), dot_comp = found
     ops = _operands(dot_attrs)
     shapes = self._shapes[dot_comp]
     (lt, ls), (rt, rs) = hlo.leaves(shapes[ops[0]])[0], hlo.leaves(shapes[ops[1]])[0]
     dims = lambda key: [int(x) for x in re.findall(r"\d+", re.search(
         key + r"=\{([\d,]*)\}", dot_attrs).group(1))] if re.search(key, dot_attrs) else []
-    lc, lb, rc = dims("lhs_contracting_dims"), dims("lhs_batch_dims"), dims("rhs_contracting_dims")
-    rb = dims("rhs_batch_dims")
-    batch = math.prod(ls[i] for i in lb)
-    k = math.prod(ls[i] for i in lc)
-    m = math.prod(d for i, d in enumerate(ls) if i not in lc and i not in lb)
-    n = math.prod(d for i, d in enumerate(rs) if i not in rc and i not in rb)
-    launch.kind, launch.mnk, launch.flops = "gemm", (batch, m, n, k), 2.0 * batch * m * n * k
-    launch.dtype = _gemm_type(lt, rt)
+    _set_gemm(launch, (lt, ls), (rt, rs), *(dims(f"{side}_{what}_dims") for side in ("lhs", "rhs")
+                                             for what in ("contracting", "batch")))
     launch.highest = "highest" in (re.search(r"operand_precision=\{([^}]*)\}", dot_attrs)
                                    or [None, ""])[1]
 
@@ -272,16 +266,10 @@ class Program:
   def _cublas(self, launch: Launch, attrs: str, operands) -> None:
     gemm = _json_after(attrs, "gemm_backend_config") or {}
     dn = gemm.get("dot_dimension_numbers", {})
-    (lt, ls), (rt, rs) = operands[0], operands[1]
     ints = lambda key: [int(x) for x in dn.get(key, [])]
-    lc, lb, rc, rb = (ints(k) for k in ("lhs_contracting_dimensions", "lhs_batch_dimensions",
-                                         "rhs_contracting_dimensions", "rhs_batch_dimensions"))
-    batch = math.prod(ls[i] for i in lb)
-    k = math.prod(ls[i] for i in lc)
-    m = math.prod(d for i, d in enumerate(ls) if i not in lc and i not in lb)
-    n = math.prod(d for i, d in enumerate(rs) if i not in rc and i not in rb)
-    launch.kind, launch.mnk, launch.flops = "gemm", (batch, m, n, k), 2.0 * batch * m * n * k
-    launch.dtype = _gemm_type(lt, rt)
+    _set_gemm(launch, operands[0], operands[1],
+              *(ints(f"{side}_{what}_dimensions") for side in ("lhs", "rhs")
+                for what in ("contracting", "batch")))
     precision = gemm.get("precision_config", {}).get("operand_precision", [])
     launch.highest = "HIGHEST" in precision
 
@@ -299,6 +287,16 @@ class Program:
                         "causal": True, "impl": "hopper" if "hopper" in kernel else "pallas",
                         "part": part}
     launch.flops = _attention_flops(b, h, l, s, k, True, backward) * (part if backward else 1)
+
+
+def _set_gemm(launch: Launch, lhs, rhs, lc, lb, rc, rb) -> None:
+  """Makes `launch` a gemm of (dtype, dims) operands with these contracting / batch dims."""
+  (lt, ls), (rt, rs) = lhs, rhs
+  batch, k = math.prod(ls[i] for i in lb), math.prod(ls[i] for i in lc)
+  m = math.prod(d for i, d in enumerate(ls) if i not in lc and i not in lb)
+  n = math.prod(d for i, d in enumerate(rs) if i not in rc and i not in rb)
+  launch.kind, launch.mnk, launch.flops = "gemm", (batch, m, n, k), 2.0 * batch * m * n * k
+  launch.dtype = _gemm_type(lt, rt)
 
 
 def _gemm_type(lt: str, rt: str) -> str:

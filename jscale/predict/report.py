@@ -57,8 +57,10 @@ def summarize(s: Schedule, chip: Chip, model_flops: float, tokens: int, top: int
   top_rows = [{"kernel": x.launch.kernel_name, "runs": x.runs, "ms": x.seconds * x.runs * 1e3,
                "category": category(x), "bound": x.bound, "what": _what(x), "note": x.note}
               for x in rows if x.runs]
-  notes = ([f"conditional timed by its longest branch: {b}" for b in s.branches]
-           + [f"loop {n}: trip count unknown to XLA, timed once" for n in s.unknown_trips]
+  notes = ([f"{len(s.branches)} conditional(s) timed by their longest branch: "
+            + "; ".join(s.branches[:4]) + ("; ..." if len(s.branches) > 4 else "")]
+           if s.branches else [])
+  notes += ([f"loop {n}: trip count unknown to XLA, timed once" for n in s.unknown_trips]
            + sorted({x.note for x in s.timed if x.runs and x.bound == "roofline" and x.note}))
   return Summary(s.seconds, tokens / s.seconds, model_flops / (s.seconds * peak), model_flops,
                  peak, by, exposed, top_rows, _gap(s, chip, model_flops, exposed, gaps), notes)
