@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import measured_rows as mr  # noqa: E402  pylint: disable=wrong-import-position
-from jscale.analysis.report import write_table  # noqa: E402  pylint: disable=wrong-import-position
+from jscale.analysis.tables import write_table  # noqa: E402  pylint: disable=wrong-import-position
 from jscale.predict import cost, program, rates, report  # noqa: E402  pylint: disable=wrong-import-position
 
 # Fitted on these (9 of 22), stratified: each code / GPU group gives rows to both sides, and
