@@ -29,12 +29,8 @@ from jscale.infer.setup import run_cli
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m jscale.eval",
-                              description="Loss and perplexity of a jscale run, checkpoint or "
-                              "Hugging Face model on a data source.")
-  p.add_argument("--model", required=True, metavar="PATH",
-                 help="run dir, checkpoint dir, params checkpoint or HF dir")
-  p.add_argument("--step", type=int, default=None, help="checkpoint step of a run (latest)")
+  p = setup.model_parser("python -m jscale.eval", "Loss and perplexity of a jscale run, "
+                         "checkpoint or Hugging Face model on a data source.")
   p.add_argument("--split", default="val", choices=("val", "train"),
                  help="which split of the data source (default: val)")
   p.add_argument("--batches", type=int, default=0, help="0: every full batch of the split")

@@ -23,12 +23,8 @@ from jscale.infer.setup import run_cli
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m jscale.generate",
-                              description="Generate text from a jscale run, checkpoint or "
-                              "Hugging Face model.")
-  p.add_argument("--model", required=True, metavar="PATH",
-                 help="run dir, checkpoint dir, params checkpoint or HF dir")
-  p.add_argument("--step", type=int, default=None, help="checkpoint step of a run (latest)")
+  p = setup.model_parser("python -m jscale.generate",
+                         "Generate text from a jscale run, checkpoint or Hugging Face model.")
   p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
   p.add_argument("--prompt-file", metavar="FILE",
                  help="prompts, one per line (blank lines skipped)")

@@ -3,6 +3,7 @@ this machine, the tokenizer that goes with a model, a tensor-parallel mesh."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
@@ -73,6 +74,16 @@ def tensor_mesh(tensor: int) -> jax.sharding.Mesh | None:
   if tensor > jax.device_count():
     raise ConfigError(f"--tensor {tensor}: only {jax.device_count()} devices here")
   return mesh_lib.make_mesh(MeshConfig(data=1, tensor=tensor), jax.devices()[:tensor])
+
+
+def model_parser(prog: str, description: str) -> argparse.ArgumentParser:
+  """A CLI's parser with the model it reads: `--model PATH` (`jscale.ckpt.model_source`) and
+  `--step`."""
+  p = argparse.ArgumentParser(prog=prog, description=description)
+  p.add_argument("--model", required=True, metavar="PATH",
+                 help="run dir, checkpoint dir, params checkpoint or HF dir")
+  p.add_argument("--step", type=int, default=None, help="checkpoint step of a run (latest)")
+  return p
 
 
 def run_cli(parser, run, argv: list[str] | None) -> int:
