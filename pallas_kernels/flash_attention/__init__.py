@@ -1,7 +1,7 @@
 """Flash attention Pallas GPU kernels (forward + backward), with a plain-jnp reference."""
 
-from pallas_kernels.flash_attention.kernel import (BlockSizes, check_shapes, flash_attention,
-                                                   why_not)
+from pallas_kernels.flash_attention.kernel import flash_attention
+from pallas_kernels.flash_attention.kernel_config import BlockSizes, check_shapes, why_not
 from pallas_kernels.flash_attention.reference import reference
 
 __all__ = ["BlockSizes", "check_shapes", "flash_attention", "reference", "why_not"]

@@ -11,7 +11,6 @@ kernels (exp2 is one ex2.approx instruction on NVIDIA GPUs); lse is returned in 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -22,38 +21,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.flash_attention.kernel_config import (BlockSizes, Config, check_shapes,
+                                                          validate, why_not)
+
+__all__ = ["BlockSizes", "check_shapes", "flash_attention", "why_not"]
+
 # Finite, so a row whose keys are all masked in one block gives exp2(0) instead of NaN; such
 # rows are wiped by the rescale of the next visible block, or zeroed at the end if none is.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2E = math.log2(math.e)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-  """Tile sizes (H100 starting points, not tuned) and Triton launch parameters.
-
-  block_q / block_k tile the forward; *_dkv the dK/dV kernel (grid over kv blocks); *_dq the
-  dQ kernel (grid over q blocks). Each is clamped to its sequence length; the sequence must be
-  a multiple of the clamped block, which must be a power of two >= 16 (Triton tiles / tl.dot).
-  num_warps=None picks 4 for head_dim <= 64, else 8.
-  """
-  block_q: int = 128
-  block_k: int = 128
-  block_q_dkv: int = 64
-  block_kv_dkv: int = 128
-  block_q_dq: int = 128
-  block_kv_dq: int = 64
-  num_warps: int | None = None
-  num_stages: int = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-  """Static, validated parameters of one call (hashable: a custom_vjp nondiff argument)."""
-  causal: bool
-  sm_scale: float
-  blocks: BlockSizes  # clamped to the sequence lengths
-  interpret: bool
 
 
 def _precision(dtype):
@@ -82,7 +58,7 @@ def _mask(q_start, k_start, block_q, block_k, causal, q_seg, kv_seg):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *,
-                cfg: _Config):
+                cfg: Config):
   # Refs: q [bq, K] / o [bq, Kv] of one (batch, head); k [S, K] / v [S, Kv] of its kv head;
   # lse [bq].
   block_q, block_k = cfg.blocks.block_q, cfg.blocks.block_k
@@ -122,7 +98,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *,
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *, cfg: _Config):
+                dk_ref, dv_ref, *, cfg: Config):
   # Refs: q [L, r, K] / do [L, r, Kv] (the r query heads of one kv head); k / dk [bkv, K],
   # v / dv [bkv, Kv]; lse / delta [r, L]. Looping over the r heads here sums the GQA group's
   # dK/dV in registers.
@@ -160,7 +136,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, del
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, *, cfg: _Config):
+               dq_ref, *, cfg: Config):
   # Refs: q / dq [bq, K], do [bq, Kv]; k [S, K] / v [S, Kv] of the kv head; lse / delta [bq].
   block_q, block_kv = cfg.blocks.block_q_dq, cfg.blocks.block_kv_dq
   i_q = pl.program_id(0)
@@ -189,7 +165,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, delt
   dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
 
 
-def _compiler_params(cfg: _Config, head_dim: int):
+def _compiler_params(cfg: Config, head_dim: int):
   num_warps = cfg.blocks.num_warps or (4 if head_dim <= 64 else 8)
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=cfg.blocks.num_stages)
 
@@ -200,7 +176,7 @@ def _seg_specs(q_block, kv_block, q_index, kv_index, q_seg, kv_seg):
   return [pl.BlockSpec((None, q_block), q_index), pl.BlockSpec((None, kv_block), kv_index)]
 
 
-def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: _Config):
+def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: Config):
   """Runs the forward kernel: (out [B, L, H, Kv] in q's dtype, lse [B, H, L] fp32)."""
   b, l, h, d = q_BLHK.shape
   s, g, dv = k_BSGK.shape[1], k_BSGK.shape[2], v_BSGK.shape[-1]
@@ -225,7 +201,7 @@ def forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg: _Config):
 
 
 def backward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, out_BLHK, lse_BHL, do_BLHK,
-             dlse_BHL, cfg: _Config):
+             dlse_BHL, cfg: Config):
   """Runs the dK/dV and dQ kernels: (dq, dk, dv) in the inputs' dtypes."""
   # delta = rowsum(dO * O) is elementwise + reduce: XLA fuses it into one pass, no kernel
   # needed. An lse cotangent adds p * dlse to dS = p * (dP - delta): fold it into delta.
@@ -236,7 +212,7 @@ def backward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, out_BLHK, lse_BHL, do_
 
 
 def backward_from_stats(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse_BHL, delta_BHL,
-                        do_BLHK, cfg: _Config):
+                        do_BLHK, cfg: Config):
   """The dK/dV and dQ kernels given the softmax statistics (lse, delta = rowsum(dO·O)) of the
   output being differentiated, which may span more keys than this call's (ring attention's
   blocks use the final output's): (dq, dk, dv) in the inputs' dtypes."""
@@ -305,77 +281,6 @@ def _flash_bwd(cfg, res, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-# Each block size, the sequence it tiles ("seq_len": queries, "kv_seq_len": keys / values).
-_BLOCKS = (("block_q", "seq_len"), ("block_k", "kv_seq_len"), ("block_q_dkv", "seq_len"),
-           ("block_kv_dkv", "kv_seq_len"), ("block_q_dq", "seq_len"),
-           ("block_kv_dq", "kv_seq_len"))
-
-
-def _block_problem(name: str, block: int, seq_name: str, seq: int) -> str | None:
-  """Why the block, clamped to the sequence, cannot tile it (None: it can)."""
-  b = min(block, seq)
-  if seq % b:
-    return (f"{seq_name} {seq} is not a multiple of {name}={b}: pad the sequence "
-            f"or pass BlockSizes({name}=...) dividing it")
-  if b < 16 or b & (b - 1):
-    return (f"{name}={b} (clamped to {seq_name} {seq}) must be a power of two >= 16 "
-            f"(Triton tiles): pad the sequence to {max(16, pl.next_power_of_2(b))}")
-  return None
-
-
-def _problem(q_shape, k_shape, v_shape, seg_shapes, causal: bool,
-             blocks: BlockSizes) -> str | None:
-  """What the kernels cannot run in these shapes, naming the fix (None: they can).
-  `seg_shapes`: (q_seg, kv_seg) shapes, or None without segment ids."""
-  if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4 or k_shape[:3] != v_shape[:3]:
-    return (f"expected q [B, L, H, K], k [B, S, G, K] and v [B, S, G, Kv], got "
-            f"q {q_shape}, k {k_shape}, v {v_shape}")
-  (b, l, h, d), (bk, s, g, dk) = q_shape, k_shape
-  if b != bk or d != dk or h % g:
-    return (f"q {q_shape} and k/v {k_shape} disagree on batch or head_dim, or the "
-            f"{h} query heads are not a multiple of the {g} kv heads")
-  for name, dim in (("head_dim", d), ("v head_dim", v_shape[-1])):
-    if dim < 16 or dim & (dim - 1):
-      return f"{name} {dim} must be a power of two >= 16 (Triton tiles)"
-  if causal and l != s:
-    return f"causal attention needs q_len == kv_len, got {l} and {s}"
-  if seg_shapes is not None and (seg_shapes[0] != (b, l) or seg_shapes[1] != (b, s)):
-    return (f"segment ids must be [B, L] = {(b, l)} (and [B, S] = {(b, s)} for "
-            f"kv), got {seg_shapes[0]} and {seg_shapes[1]}")
-  seqs = {"seq_len": l, "kv_seq_len": s}
-  return next((p for name, seq in _BLOCKS if (p := _block_problem(
-      name, getattr(blocks, name), seq, seqs[seq])) is not None), None)
-
-
-def _validate(q, k, v, q_seg, kv_seg, causal: bool, blocks: BlockSizes) -> BlockSizes:
-  """The block sizes clamped to the sequences; ValueError naming what the kernels cannot run."""
-  segs = None if q_seg is None else (q_seg.shape, kv_seg.shape)
-  problem = _problem(q.shape, k.shape, v.shape, segs, causal, blocks)
-  if problem is not None:
-    raise ValueError(problem)
-  seqs = {"seq_len": q.shape[1], "kv_seq_len": k.shape[1]}
-  return dataclasses.replace(blocks, **{name: min(getattr(blocks, name), seqs[seq])
-                                        for name, seq in _BLOCKS})
-
-
-def why_not(q_shape, kv_shape, *, causal: bool = True, block_sizes: BlockSizes = BlockSizes(),
-            v_shape=None) -> str | None:
-  """Why `flash_attention` cannot take q [B, L, H, K], k [B, S, G, K] and v `v_shape`
-  [B, S, G, Kv] (default k's), naming the fix; None when it can (for config validation)."""
-  v_shape = kv_shape if v_shape is None else v_shape
-  return _problem(tuple(q_shape), tuple(kv_shape), tuple(v_shape), None, causal, block_sizes)
-
-
-def check_shapes(q_shape, kv_shape, *, causal: bool = True,
-                 block_sizes: BlockSizes = BlockSizes(), v_shape=None) -> BlockSizes:
-  """`flash_attention`'s shape check without arrays: the clamped block sizes, or the
-  ValueError the call would raise (`why_not`)."""
-  q = jax.ShapeDtypeStruct(tuple(q_shape), jnp.float32)
-  k = jax.ShapeDtypeStruct(tuple(kv_shape), jnp.float32)
-  v = k if v_shape is None else jax.ShapeDtypeStruct(tuple(v_shape), jnp.float32)
-  return _validate(q, k, v, None, None, causal, block_sizes)
-
-
 def split_segments(segment_ids):
   """(q_seg, kv_seg) int32 from `segment_ids`: one [B, L] array shared by q and kv, a
   (q_seg, kv_seg) pair, or None (no segments: (None, None))."""
@@ -409,8 +314,8 @@ def flash_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, segment_ids=
     out [B, L, H, Kv] in q's dtype, or (out, lse) when return_lse.
   """
   q_seg, kv_seg = split_segments(segment_ids)
-  blocks = _validate(q_BLHK, k_BSGK, v_BSGK, q_seg, kv_seg, causal, block_sizes)
+  blocks = validate(q_BLHK, k_BSGK, v_BSGK, q_seg, kv_seg, causal, block_sizes)
   sm_scale = 1.0 / math.sqrt(q_BLHK.shape[-1]) if sm_scale is None else sm_scale
-  cfg = _Config(causal=causal, sm_scale=float(sm_scale), blocks=blocks, interpret=interpret)
+  cfg = Config(causal=causal, sm_scale=float(sm_scale), blocks=blocks, interpret=interpret)
   out, lse = _flash(q_BLHK, k_BSGK, v_BSGK, q_seg, kv_seg, cfg)
   return (out, lse) if return_lse else out

@@ -10,16 +10,15 @@ import math
 import jax.numpy as jnp
 
 from pallas_kernels.flash_attention import kernel
+from pallas_kernels.flash_attention.kernel_config import BlockSizes, Config, check_shapes
 
 
-def _config(q, k, v, causal: bool, interpret: bool, blocks: kernel.BlockSizes
-            ) -> kernel._Config:
-  checked = kernel.check_shapes(q.shape, k.shape, causal=causal, block_sizes=blocks,
-                                v_shape=v.shape)
-  return kernel._Config(causal, 1.0 / math.sqrt(q.shape[-1]), checked, interpret)  # pylint: disable=protected-access
+def _config(q, k, v, causal: bool, interpret: bool, blocks: BlockSizes) -> Config:
+  checked = check_shapes(q.shape, k.shape, causal=causal, block_sizes=blocks, v_shape=v.shape)
+  return Config(causal, 1.0 / math.sqrt(q.shape[-1]), checked, interpret)
 
 
-def block_fns(interpret: bool = False, block_sizes: kernel.BlockSizes = kernel.BlockSizes()):
+def block_fns(interpret: bool = False, block_sizes: BlockSizes = BlockSizes()):
   """(forward, backward) for `BlockFns`: forward(q, k, v, causal) -> (out fp32 [B, L, H, Kv],
   lse [B, L, H]); backward(q, k, v, dout, lse, delta, causal) -> fp32 (dq, dk, dv)."""
 
