@@ -32,6 +32,7 @@ from jscale.config_load import load_config
 from jscale.data import load_splits, load_tokenizer, make_eval_batches, make_train_iterator
 from jscale.optim import make_optimizer
 from jscale.run import directory as run_dir
+from jscale.run import console as console_lib
 from jscale.run import loop, preemption, startup
 from jscale.step import state as state_lib
 
@@ -103,18 +104,22 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
       print(startup.summary(cfg, rt.mesh, start, ckptr.directory,
                             (len(splits.train), len(splits.val)),
                             load_tokenizer(cfg.data).vocab_size, kernels), flush=True)
-    writer = metrics_lib.MetricsWriter(t.output_dir, t.steps, start,
-                                       tensorboard=cfg.logging.tensorboard,
-                                       progress=cfg.logging.progress)
+    writer = metrics_lib.MetricsWriter(t.output_dir, start, tensorboard=cfg.logging.tensorboard)
+    console = console_lib.Console(t.steps, start, progress=cfg.logging.progress,
+                                  active=distributed.is_main())
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     try:
       out = loop.train(cfg, rt, state, start, end, train_iter, eval_batches, ckptr, writer,
-                       signals)
+                       console, signals)
     finally:
+      # A signal from here on lets the save and the plot finish (a second Ctrl-C exits at once).
+      signals.phase = "the final checkpoint save"
+      console.close()
       ckptr.close()
       writer.close()
-  if cfg.logging.plot and distributed.is_main():
-    plots.plot_run_end(t.output_dir)
+    if cfg.logging.plot and distributed.is_main():
+      signals.phase = "the plot of the run (metrics.png)"
+      plots.plot_run_end(t.output_dir)
   return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
 
 
@@ -179,7 +184,7 @@ def _main(args: argparse.Namespace) -> int:
   last = max(summary["losses"])
   msg = f"done: step {summary['final_step']}, loss {summary['losses'][last]:.4f}"
   if summary["val_loss"] is not None:
-    msg += f", val_loss {summary['val_loss']:.4f}"
+    msg += f", val_loss {summary['val_loss']:.4f} ({console_lib.covered(summary)})"
   print(msg + f"; metrics in {os.path.join(cfg.train.output_dir, 'metrics.jsonl')}")
   if cfg.checkpoint.every > 0:
     out = cfg.train.output_dir
