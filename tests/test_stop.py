@@ -3,11 +3,12 @@ fetches values only every 25 steps, so a loop that read its stop flag only then,
 of the device, would go on to step 50).
 
 1 process (SIGTERM; Ctrl-C takes the same path, and is the signal of the last test here and of
-tests/test_run_lifecycle.py): the step saved is at most one past the step the host had started when the signal
-came (the process says which: "received at step N"; the device may be a step behind it, no
-more). 2 processes, the signal to process 1 only: both save one step (a collective save), at
-most two past it. A signal during the final save or the plot lets
-them finish, without a traceback.
+tests/test_run_lifecycle.py): the step saved is at most one past the step the host had started
+when the signal came (the process says which: "received at step N"; the device may be a step
+behind it, no more). 2 processes, the signal to process 1 only: both save one step (a
+collective save), at most two past it; the libraries' chatter (Gloo) goes to the run's log
+files, not the console. A signal during the final save or the plot lets them finish, without a
+traceback.
 """
 
 import importlib.util
@@ -75,6 +76,10 @@ def test_two_processes_agree_on_the_stop_step(tmp_path, data_cache, child_env):
   assert saved <= EVERY + 6
   assert str(saved) in os.listdir(tmp_path / "checkpoints")
   assert not any("Traceback" in o for o in outs)
+  # Gloo's connection lines go to each process's log, not to the console.
+  assert not any("[Gloo]" in o for o in outs), outs[0][-2000:]
+  assert all("[Gloo] Rank" in (tmp_path / "logs" / f"process{i}.log").read_text()
+             for i in range(2))
 
 
 def test_a_signal_during_the_final_save_or_plot_lets_it_finish(tmp_path, data_cache, child_env):
