@@ -36,13 +36,9 @@ def _batches(text: str) -> int:
   """--batches: a count, or "all" (0, as 0 also reads: every full batch of the split)."""
   if text == "all":
     return 0
-  try:
-    n = int(text)
-  except ValueError:
-    n = -1
-  if n < 0:
+  if not text.isdigit():
     raise argparse.ArgumentTypeError(f"{text!r}: give a number of batches, or all")
-  return n
+  return int(text)
 
 
 def _parser() -> argparse.ArgumentParser:

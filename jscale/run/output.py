@@ -5,8 +5,8 @@ multi-process run the libraries' chatter to a log file.
   output going to /dev/null (a BrokenPipeError killed it).
 - `libraries_to_log`: the libraries under jscale write to the process's file descriptors 1 and 2
   from C++, not through Python: Gloo prints a "[Gloo] Rank r is connected to n peer ranks" line
-  per device and communicator (24 lines for 2 processes x 4 devices), XLA and absl their
-  warnings. In a multi-process run those descriptors are pointed at
+  per device and communicator (16 in a 4-step run of 2 processes x 4 devices), XLA and absl
+  their warnings. In a multi-process run those descriptors are pointed at
   `<output_dir>/logs/process<i>.log`, while Python's `sys.stdout` and `sys.stderr` (jscale's
   lines, warnings, tracebacks) keep the console.
 """
