@@ -171,7 +171,7 @@ def _main(args: argparse.Namespace) -> int:
     xla_flags.apply(cfg)  # GPU compute/communication overlap; before any JAX backend starts
     distributed.initialize(cfg.distributed)  # before anything starts a JAX backend
     with contextlib.ExitStack() as stack:
-      if jax.process_count() > 1:  # Gloo's and XLA's C++ chatter: into the run's log files
+      if jax.process_count() > 1:  # Gloo's C++ chatter on stdout: into the run's log files
         stack.enter_context(output.libraries_to_log(
             output.log_path(cfg.train.output_dir, jax.process_index())))
       summary = run(cfg)

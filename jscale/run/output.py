@@ -3,12 +3,13 @@ multi-process run the libraries' chatter to a log file.
 
 - `ClosableOutput`: `python -m jscale.train ... | head` closes the pipe; the run trains on, its
   output going to /dev/null (a BrokenPipeError killed it).
-- `libraries_to_log`: the libraries under jscale write to the process's file descriptors 1 and 2
-  from C++, not through Python: Gloo prints a "[Gloo] Rank r is connected to n peer ranks" line
-  per device and communicator (16 in a 4-step run of 2 processes x 4 devices), XLA and absl
-  their warnings. In a multi-process run those descriptors are pointed at
-  `<output_dir>/logs/process<i>.log`, while Python's `sys.stdout` and `sys.stderr` (jscale's
-  lines, warnings, tracebacks) keep the console.
+- `libraries_to_log`: the libraries under jscale write to the process's file descriptors from
+  C++, not through Python. Gloo prints a "[Gloo] Rank r is connected to n peer ranks" line per
+  device and communicator to stdout (16 in a 4-step run of 2 processes x 4 devices). In a
+  multi-process run file descriptor 1 is pointed at `<output_dir>/logs/process<i>.log`, while
+  Python's `sys.stdout` (jscale's lines) keeps the console. Descriptor 2 is left alone: what XLA
+  and absl write there is rare and says why a run failed (a peer's lost heartbeat, a fatal
+  error), which the console must show.
 """
 
 from __future__ import annotations
@@ -56,28 +57,23 @@ def log_path(output_dir: str, process: int) -> str:
 
 @contextlib.contextmanager
 def libraries_to_log(path: str) -> Iterator[None]:
-  """While active, file descriptors 1 and 2 write to `path` (appended); `sys.stdout` and
-  `sys.stderr` write where they wrote before, through copies of the old descriptors."""
+  """While active, file descriptor 1 writes to `path` (appended); `sys.stdout` writes where it
+  wrote before, through a copy of the old descriptor."""
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  streams = sys.stdout, sys.stderr
-  for s in streams:
-    s.flush()
-  saved = [os.dup(1), os.dup(2)]
-  console = [os.fdopen(fd, "w", buffering=1, encoding=s.encoding, errors=s.errors, closefd=False)
-             for fd, s in zip(saved, streams)]
+  stream = sys.stdout
+  stream.flush()
+  saved = os.dup(1)
+  console = os.fdopen(saved, "w", buffering=1, encoding=stream.encoding, errors=stream.errors,
+                      closefd=False)
   log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
   os.write(log, f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}\n".encode())
   os.dup2(log, 1)
-  os.dup2(log, 2)
   os.close(log)
-  sys.stdout, sys.stderr = ClosableOutput(console[0]), ClosableOutput(console[1])
+  sys.stdout = ClosableOutput(console)
   try:
     yield
   finally:
-    for s in console:
-      s.flush()
-    os.dup2(saved[0], 1)
-    os.dup2(saved[1], 2)
-    for fd in saved:
-      os.close(fd)
-    sys.stdout, sys.stderr = streams
+    console.flush()
+    os.dup2(saved, 1)
+    os.close(saved)
+    sys.stdout = stream
