@@ -123,6 +123,8 @@ class StopStep:
     self._client = jax_distributed.global_state.client if jax.process_count() > 1 else None
     if self._client is not None:
       signals.on_request = self._propose
+      if signals.requested is not None:  # the signal came before the loop (while compiling)
+        self._propose()
 
   def reached(self, step: int) -> bool:
     if self.step is None and self.signals.requested is not None and self._client is None:
