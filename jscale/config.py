@@ -51,14 +51,14 @@ class ModelConfig:
 
   Frozen (hashable) because the model keeps it as static structure.
   """
-  preset: str | None = None
+  preset: str | None = None  # tiny, llama3_1b, llama3_8b, ... (jscale.presets)
   vocab_size: int = 256
   d_model: int = 128
   n_layers: int = 4
   n_heads: int = 4
-  n_kv_heads: int = 4
+  n_kv_heads: int = 4  # grouped-query attention: n_heads / n_kv_heads query heads share one K/V
   head_dim: int | None = None  # None: d_model // n_heads
-  d_ff: int = 384
+  d_ff: int = 384  # the SwiGLU MLP's hidden size
   max_seq_len: int = 2048
   rope_theta: float = 10000.0
   rope_scaling: RopeScalingConfig | None = None
@@ -107,8 +107,12 @@ class MeshConfig:
 
 @dataclasses.dataclass
 class ParallelConfig:
+  """How the mesh's axes are used (docs/parallelism.md)."""
+  # xla: sharding annotations XLA partitions | manual: hand-written collectives in shard_map
   collectives: Literal["xla", "manual"] = "xla"
+  # ZeRO over mesh.fsdp: 1 shards the optimizer state, 2 also gradients, 3 also parameters
   zero_stage: int = 0
+  # with mesh.tensor: activations outside attention and the MLP split over the sequence
   sequence_parallel: bool = False
   # Which sequence chunks each mesh.sequence rank holds: zigzag (chunks i and 2n-1-i: balanced
   # causal attention) or contiguous (chunk i).
@@ -158,7 +162,8 @@ class DistributedConfig:
 
 @dataclasses.dataclass
 class TrainConfig:
-  steps: int = 300
+  """The optimisation: steps, batch, AdamW and its cosine schedule, eval, profiling."""
+  steps: int = 300  # optimizer steps in all (a resumed run trains on up to this step)
   batch_size: int = 16  # global, in sequences
   seq_len: int = 256
   microbatches: int = 1  # gradient accumulation steps inside one optimizer step
@@ -169,7 +174,9 @@ class TrainConfig:
   b1: float = 0.9
   b2: float = 0.95
   eps: float = 1e-8
-  clip_norm: float = 1.0
+  clip_norm: float = 1.0  # global gradient-norm clipping; 0: off
+  # what a layer keeps for its backward (jscale.model.remat): none (everything) | selective
+  # (matmul outputs; softmax and pointwise ops recomputed) | full (only the layer's input)
   remat: Literal["none", "selective", "full"] = "none"
   # The loss holds at most this many MiB of fp32 logits per device: above it, the head and the
   # cross-entropy run in chunks of the sequence, gradients made chunk by chunk (jscale.step.loss);
@@ -177,10 +184,10 @@ class TrainConfig:
   logits_chunk_mb: float = 1024.0
   seed: int = 0
   output_dir: str = "runs/default"
-  peak_flops: float | None = None  # per device; None: from the device table
-  profile_steps: list[int] | None = None  # [first, last] traced steps
-  eval_every: int = 100
-  eval_batches: int = 4
+  peak_flops: float | None = None  # per device, for MFU; None: from the device table
+  profile_steps: list[int] | None = None  # [first, last] traced steps (<output_dir>/profile)
+  eval_every: int = 100  # steps between evals of the val loss (and at the end); 0: never
+  eval_batches: int = 4  # batches of the val split each eval covers (jscale.eval's default)
   # a non-finite loss or gradient norm: stop (report the step, exit without saving) | skip (the
   # update is dropped, counted as nonfinite_steps in the metrics). Either way no update with a
   # NaN or inf is ever applied.
@@ -189,21 +196,25 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class DataConfig:
+  """What the model reads: the corpus, its tokenizer, the validation split."""
+  # stdlib: the Python standard library's sources (no download) | bin: pre-tokenized ids |
+  # text: plain-text files
   source: Literal["stdlib", "bin", "text"] = "stdlib"
   path: str | None = None  # bin: .bin/.npy file; text: file, directory or glob
   tokenizer: str = "byte"  # byte | path to a HF tokenizers tokenizer.json
   bin_dtype: Literal["uint16", "uint32"] = "uint16"  # for source=bin
-  val_fraction: float = 0.01
-  seed: int = 0
+  val_fraction: float = 0.01  # the corpus's share held out as the val split; 0: no eval
+  seed: int = 0  # the shuffle of the training windows
   cache_dir: str | None = None  # tokenized corpora; None: ~/.cache/jscale
 
 
 @dataclasses.dataclass
 class CheckpointConfig:
+  """Orbax checkpoints: when to save, how many to keep, resume and overwrite."""
   dir: str | None = None  # None: <train.output_dir>/checkpoints
-  every: int = 100
-  keep: int = 3
-  async_save: bool = True
+  every: int = 100  # steps between saves (and at the end, and on SIGTERM / Ctrl-C); 0: never
+  keep: int = 3  # the newest this many are kept
+  async_save: bool = True  # write in the background while training goes on
   every_minutes: float = 0.0  # also save when this long has passed since the last save; 0: off
   # restore the latest checkpoint in dir if there is one; a config that changes the model or
   # the optimizer state's shapes is refused (jscale.run.directory)
@@ -216,14 +227,16 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class LoggingConfig:
-  every: int = 10
-  progress: bool = True
-  tensorboard: bool = True
+  """What the run reports and where (jscale.run.console, metrics.jsonl, TensorBoard)."""
+  every: int = 10  # steps between metrics rows and console lines
+  progress: bool = True  # a progress bar below the lines, when stderr is a terminal
+  tensorboard: bool = True  # <output_dir>/tensorboard event files
   plot: bool = True  # <output_dir>/metrics.png when the run ends (jscale.analysis.plots)
 
 
 @dataclasses.dataclass
 class Config:
+  """One run's configuration: a YAML file's sections, one dataclass each."""
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)

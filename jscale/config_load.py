@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from jscale import config_cli
 from jscale.ckpt import init_from
 from jscale import validate
 from jscale.config import Config, ConfigError
@@ -59,7 +60,11 @@ def _read_yaml(path) -> dict[str, Any]:
 def _apply_override(raw: dict[str, Any], item: str) -> None:
   key, sep, text = item.partition("=")
   if not sep or not key or "." not in key:
-    raise ConfigError(f"override {item!r}: write it as section.key=value, e.g. train.steps=100")
+    name = key.lstrip("-")
+    full = [k for k in config_cli.all_keys() if k.rsplit(".", 1)[-1] == name]
+    hint = f"did you mean {' or '.join(f'{k}={text}' for k in full)}? " if full and sep else ""
+    raise ConfigError(f"override {item!r}: {hint}write it as section.key=value, e.g. "
+                      "train.steps=100")
   try:
     value = yaml.safe_load(text) if text else None
   except yaml.YAMLError:

@@ -1,11 +1,15 @@
-"""`python -m jscale.eval --model PATH [key=value ...]`: loss and perplexity on a data source.
+"""`python -m jscale.eval --model PATH [section.key=value ...]`: loss and perplexity on a data
+source, saying what it covered.
 
 PATH as for `jscale.generate` (run dir, checkpoint, params checkpoint, HF dir). The data is a
 run's own (`data.*` of its config) unless overridden (`data.source=text data.path=...
 data.tokenizer=...`); a model without a run defaults to the tokenizer.json beside it. The
 loss is the training loop's eval (`jscale.infer.evaluate.mean_loss` over the same compiled
-eval step), over every full batch of the split once (`--batches N` for fewer), on all devices
-(`mesh.*`, `parallel.*` overrides lay the model out as in training).
+eval step), on all devices (`mesh.*`, `parallel.*` overrides lay the model out as in
+training). How many batches: on a run, the run's own `train.eval_batches` (so the number agrees
+with the val loss the run printed); elsewhere every full batch of the split; `--batches N` or
+`--batches all` says otherwise. A line before the first batch says what will be measured (batch
+and sequence length, and where they come from); a bar follows the batches in a terminal.
 """
 
 from __future__ import annotations
@@ -18,25 +22,40 @@ import sys
 
 import jax
 from flax import nnx
+from tqdm import tqdm
 
-from jscale import runtime, validate
+from jscale import config_cli, distributed, runtime, validate
 from jscale.ckpt import model_source
-from jscale.config import ConfigError
 from jscale.config_load import from_overrides
-from jscale.data import make_eval_batches
+from jscale.data import Windows, load_splits, make_eval_batches
 from jscale.infer import evaluate, setup
 from jscale.infer.setup import run_cli
 
 
+def _batches(text: str) -> int:
+  """--batches: a count, or "all" (0, as 0 also reads: every full batch of the split)."""
+  if text == "all":
+    return 0
+  if not text.isdigit():
+    raise argparse.ArgumentTypeError(f"{text!r}: give a number of batches, or all")
+  return int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
+  keys = ("data", "train.seq_len", "train.batch_size", "mesh", "parallel", "pipeline")
   p = setup.model_parser("python -m jscale.eval", "Loss and perplexity of a jscale run, "
-                         "checkpoint or Hugging Face model on a data source.")
+                         "checkpoint or Hugging Face model on a data source.",
+                         epilog=config_cli.reference(only=keys))
   p.add_argument("--split", default="val", choices=("val", "train"),
                  help="which split of the data source (default: val)")
-  p.add_argument("--batches", type=int, default=0, help="0: every full batch of the split")
+  p.add_argument("--batches", type=_batches, default=None, metavar="N|all",
+                 help="batches to evaluate (default: a run's train.eval_batches, as its own "
+                      "eval; otherwise all: every full batch of the split)")
   p.add_argument("--json", action="store_true", help="print the result as one JSON line")
-  p.add_argument("overrides", nargs="*",
-                 help="config overrides: data.*, train.seq_len / batch_size, mesh.*, ...")
+  config_cli.add_print_config(p)
+  p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                 help="config overrides: data.*, train.seq_len / batch_size, mesh.*, ... "
+                      "(below)")
   return p
 
 
@@ -72,30 +91,61 @@ def load_params(path: str, step: int | None, rt) -> dict:
 
 def run(args) -> dict:
   """Evaluates per `args`; prints and returns {loss, perplexity, tokens, ...}."""
-  if args.batches < 0:
-    raise ConfigError(f"--batches {args.batches}: must be >= 0 (0: the whole split)")
   cfg = config_for(args.model, model_source.model_config(args.model, args.step), args.overrides)
+  if args.print_config:
+    print(config_cli.to_yaml(cfg), end="")
+    return {}
   validate.check_runtime(cfg)
   tokenizer = setup.load_tokenizer_at(cfg.data.tokenizer)
   setup.check_vocab(tokenizer, cfg.model, f"data.tokenizer={cfg.data.tokenizer}")
+  source = model_source.describe(args.model, args.step)
+  t = cfg.train
+  run_train = model_source.train_config(args.model)
+  n = args.batches if args.batches is not None else (run_train.eval_batches if run_train else 0)
+  batches, how = _plan(cfg, args.split, n, args.batches is None and run_train is not None)
+  if distributed.is_main():
+    print(f"evaluating {source.label()} on {how}", file=sys.stderr, flush=True)
+    if run_train is None:  # nothing to take the batch shape from: say where it comes from
+      given = [o.split("=")[0] for o in args.overrides
+               if o.startswith(("train.batch_size=", "train.seq_len="))]
+      print(f"  batches of train.batch_size={t.batch_size} x train.seq_len={t.seq_len}"
+            + ("" if len(set(given)) == 2 else ": jscale's defaults where not set (no run here to "
+               "take them from); set both to match another evaluation"), file=sys.stderr,
+            flush=True)
   rt = runtime.build(cfg)
   cfg = rt.cfg
   params = load_params(args.model, args.step, rt)
-  t = cfg.train
-  batches = make_eval_batches(cfg.data, t.seq_len, t.batch_size, args.batches,
-                              jax.process_index(), jax.process_count(), rt.reorder(),
-                              split=args.split)
-  result = evaluate.mean_loss(rt.eval_step(), params, batches, rt.layouts.batch())
+  loaded = make_eval_batches(cfg.data, t.seq_len, t.batch_size, batches, jax.process_index(),
+                             jax.process_count(), rt.reorder(), split=args.split)
+  shown = tqdm(loaded, desc="eval", unit="batch", leave=False,
+               disable=not (sys.stderr.isatty() and distributed.is_main()))
+  result = evaluate.mean_loss(rt.eval_step(), params, shown, rt.layouts.batch())
   out = {"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens,
-         "batches": len(batches), "batch_size": t.batch_size, "seq_len": t.seq_len,
-         "split": args.split, "source": cfg.data.source, "tokenizer": cfg.data.tokenizer}
+         "batches": len(loaded), "batch_size": t.batch_size, "seq_len": t.seq_len,
+         "split": args.split, "source": cfg.data.source, "tokenizer": cfg.data.tokenizer,
+         "model": source.label()}
   if args.json:
     print(json.dumps(out))
   else:
     print(f"loss {result.loss:.4f}, perplexity {result.perplexity:.3f} over "
           f"{result.tokens:,} tokens ({args.split} split of data.source={cfg.data.source}, "
-          f"{len(batches)} batches of {t.batch_size} x {t.seq_len})")
+          f"{len(loaded)} batches of {t.batch_size} x {t.seq_len})")
   return out
+
+
+def _plan(cfg, split: str, n: int, runs_own: bool) -> tuple[int, str]:
+  """(batches to evaluate, what that covers, in words)."""
+  t = cfg.train
+  splits = load_splits(cfg.data)
+  stream = splits.val if split == "val" else splits.train
+  full = len(Windows(stream, t.seq_len, splits.eos_id)) // t.batch_size
+  shape = f"{t.batch_size} x {t.seq_len} tokens"
+  where = f"the {split} split of data.source={cfg.data.source}"
+  if n == 0:
+    return 0, f"{where}: every full batch, {full} of {shape}"
+  why = (f" (the run's train.eval_batches, what its own eval covered; --batches all: all {full})"
+         if runs_own else f" of the {full} there (--batches all: every one)")
+  return n, f"{where}: {n} batches of {shape}{why}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,8 +2,10 @@
 
 PATH is a training run's output_dir (its latest checkpoint, or `--step`), one checkpoint step
 directory, a params checkpoint (`python -m jscale.convert hf-to-jscale`) or a Hugging Face
-Llama / Mixtral directory. Greedy by default; `--temperature`, `--top-k`, `--top-p`, `--seed`
-sample. A row stops at the tokenizer's EOS (unless `--ignore-eos`) or after `--max-new-tokens`.
+Llama / Mixtral directory. `--temperature`, `--top-k`, `--top-p`, `--seed` sample (the command a
+finished run suggests samples, `sampling.suggestion`: a small model's greedy text soon loops on
+its likeliest word); `--greedy`, or no temperature, takes the likeliest token. A row stops at
+the tokenizer's EOS (unless `--ignore-eos`) or after `--max-new-tokens`.
 Prompts of different lengths run as one batch through a KV cache (`jscale.infer.generator`);
 `--tensor N` splits the model over N devices (each parameter is read straight onto its shards).
 """
@@ -32,7 +34,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
   p.add_argument("--top-k", type=int, default=0, help="0: no top-k truncation")
   p.add_argument("--top-p", type=float, default=1.0, help="1.0: no nucleus truncation")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0, help="the sampling's random seed")
+  p.add_argument("--greedy", action="store_true",
+                 help="always the most likely token (overrides --temperature, --top-k, --top-p)")
   p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
   p.add_argument("--tokenizer", default=None,
                  help="byte or a tokenizer.json (default: the run's, or the model dir's)")
@@ -59,7 +63,7 @@ def run(args) -> list[str]:
   """Generates per `args` (parsed by `_parser`), prints prompts, completions and speed;
   returns the completions."""
   prompts = _prompts(args)
-  sampling = Sampling(args.temperature, args.top_k, args.top_p)
+  sampling = Sampling() if args.greedy else Sampling(args.temperature, args.top_k, args.top_p)
   try:
     sampling.check()
   except ValueError as e:
@@ -86,11 +90,21 @@ def run(args) -> list[str]:
   for i, (p, t) in enumerate(zip(prompts, texts)):
     print(f"--- [{i}]{'' if gen.finished[i] else ' (max tokens)'}\n{p}{t}")
   n = sum(len(t) for t in gen.tokens)
-  print(f"--- {len(prompts)} prompt(s), {n} new tokens; prefill {gen.prefill_s:.2f} s and first "
+  print(f"--- {len(prompts)} prompt(s), {n} new tokens, {_how(sampling, args.seed)}; prefill "
+        f"{gen.prefill_s:.2f} s and first "
         f"decode step {gen.first_decode_s:.2f} s (with compile), then decode "
         f"{gen.tokens_per_s:,.0f} tokens/s ({gen.decode_steps} steps x batch {len(prompts)}, "
         f"{cfg.dtype}, attention {cfg.attention_impl})", flush=True)
   return texts
+
+
+def _how(sampling: Sampling, seed: int) -> str:
+  """How the tokens were chosen, in words."""
+  if sampling.temperature == 0:
+    return "greedy"
+  cut = "".join([f", top-k {sampling.top_k}" if sampling.top_k else "",
+                 f", top-p {sampling.top_p:g}" if sampling.top_p < 1 else ""])
+  return f"sampled at temperature {sampling.temperature:g}{cut}, seed {seed} (--greedy: argmax)"
 
 
 def main(argv: list[str] | None = None) -> int:

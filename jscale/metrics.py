@@ -78,16 +78,16 @@ def peak_memory_bytes() -> int | None:
 
 
 class MetricsWriter:
-  """metrics.jsonl + TensorBoard + a progress bar; on non-zero processes it does nothing.
+  """metrics.jsonl + TensorBoard; on non-zero processes it does nothing (the console's lines
+  and bar: `jscale.run.console`).
 
   Resuming at `start_step` keeps one clean series: rows past it (written after the checkpoint
   the run resumes from) are dropped from metrics.jsonl, TensorBoard events past it purged.
   `nonfinite_steps` carries the run's count of skipped non-finite steps across resumes."""
 
-  def __init__(self, output_dir: str, total_steps: int, start_step: int = 0, *,
-               tensorboard: bool = True, progress: bool = True):
+  def __init__(self, output_dir: str, start_step: int = 0, *, tensorboard: bool = True):
     self.active = jax.process_index() == 0
-    self._tb = self._bar = self._jsonl = None
+    self._tb = self._jsonl = None
     self.nonfinite_steps = 0
     if not self.active:
       return
@@ -102,9 +102,6 @@ class MetricsWriter:
       self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"),
                                purge_step=start_step + 1 if start_step else None,
                                filename_suffix=f".{time.time_ns()}")
-    if progress:
-      from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-      self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
   def write(self, step: int, values: dict[str, Any]) -> None:
     if not self.active:
@@ -116,16 +113,9 @@ class MetricsWriter:
       for k, v in row.items():
         if isinstance(v, (int, float)) and k not in ("step", "time"):
           self._tb.add_scalar(k, v, step)
-    if self._bar is not None and "loss" in values:
-      self._bar.set_postfix(loss=f"{row['loss']:.3f}",
-                            tok_s=f"{row.get('tokens_per_sec', 0):,.0f}", refresh=False)
-
-  def advance(self, n: int = 1) -> None:
-    if self._bar is not None:
-      self._bar.update(n)
 
   def close(self) -> None:
-    for sink in (self._bar, self._tb, self._jsonl):
+    for sink in (self._tb, self._jsonl):
       if sink is not None:
         sink.close()
 

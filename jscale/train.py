@@ -10,15 +10,18 @@ handling (`jscale.run.preemption`). Exit status: 0 done, 2 config error, 3 non-f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
+import textwrap
 from typing import Any
 
 import jax
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from jscale import config_cli
 from jscale import distributed
 from jscale import metrics as metrics_lib
 from jscale import runtime
@@ -30,9 +33,11 @@ from jscale.ckpt import init_from
 from jscale.config import Config, ConfigError
 from jscale.config_load import load_config
 from jscale.data import load_splits, load_tokenizer, make_eval_batches, make_train_iterator
+from jscale.infer import sampling
 from jscale.optim import make_optimizer
 from jscale.run import directory as run_dir
-from jscale.run import loop, preemption, startup
+from jscale.run import console as console_lib
+from jscale.run import loop, output, preemption, startup
 from jscale.step import state as state_lib
 
 
@@ -103,62 +108,61 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
       print(startup.summary(cfg, rt.mesh, start, ckptr.directory,
                             (len(splits.train), len(splits.val)),
                             load_tokenizer(cfg.data).vocab_size, kernels), flush=True)
-    writer = metrics_lib.MetricsWriter(t.output_dir, t.steps, start,
-                                       tensorboard=cfg.logging.tensorboard,
-                                       progress=cfg.logging.progress)
+    writer = metrics_lib.MetricsWriter(t.output_dir, start, tensorboard=cfg.logging.tensorboard)
+    console = console_lib.Console(t.steps, start, progress=cfg.logging.progress,
+                                  active=distributed.is_main())
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     try:
       out = loop.train(cfg, rt, state, start, end, train_iter, eval_batches, ckptr, writer,
-                       signals)
+                       console, signals)
     finally:
+      # A signal from here on lets the save and the plot finish (a second Ctrl-C exits at once).
+      signals.phase = "the final checkpoint save"
+      console.close()
       ckptr.close()
       writer.close()
-  if cfg.logging.plot and distributed.is_main():
-    plots.plot_run_end(t.output_dir)
+    if cfg.logging.plot and distributed.is_main():
+      signals.phase = "the plot of the run (metrics.png)"
+      plots.plot_run_end(t.output_dir)
   return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="python -m jscale.train", description="Train a Llama-family model with jscale.")
+      prog="python -m jscale.train", description="Train a Llama-family model with jscale.\n\n"
+      + textwrap.fill(config_cli.USAGE_NOTE, 100), epilog=config_cli.reference(),
+      formatter_class=config_cli.HelpFormatter)
   parser.add_argument("--config", required=True, help="YAML file, e.g. configs/tiny.yaml")
-  parser.add_argument("overrides", nargs="*", help="dotted overrides: train.steps=100 ...")
-  args = parser.parse_args(argv)
+  config_cli.add_print_config(parser)
+  parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                      help="config overrides, e.g. train.steps=100 (every key: below)")
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  """CLI entry point; returns the exit status (see the module docstring)."""
+  parser = _parser()
+  try:
+    rest, overrides = config_cli.split_argv(sys.argv[1:] if argv is None else argv)
+  except ConfigError as e:
+    parser.error(str(e))
+  args, unknown = parser.parse_known_args(rest)
+  if unknown:
+    parser.error(config_cli.unknown_option(unknown[0]))
+  args.overrides += overrides
+  if args.print_config:
+    try:
+      print(config_cli.to_yaml(load_config(args.config, args.overrides)), end="")
+    except ConfigError as e:
+      print(f"config error: {e}", file=sys.stderr)
+      return preemption.EXIT_CONFIG
+    return 0
   streams = sys.stdout, sys.stderr
-  sys.stdout, sys.stderr = _ClosableOutput(sys.stdout), _ClosableOutput(sys.stderr)
+  sys.stdout, sys.stderr = output.ClosableOutput(sys.stdout), output.ClosableOutput(sys.stderr)
   try:
     return _main(args)
   finally:
     sys.stdout, sys.stderr = streams
-
-
-class _ClosableOutput:
-  """An output stream that outlives its reader (`python -m jscale.train ... | head`): once the
-  pipe is closed, output goes to /dev/null and the run trains on (BrokenPipeError killed it)."""
-
-  def __init__(self, stream):
-    self._stream = stream
-
-  def write(self, text: str) -> int:
-    try:
-      return self._stream.write(text)
-    except BrokenPipeError:
-      self._to_devnull()
-      return len(text)
-
-  def flush(self) -> None:
-    try:
-      self._stream.flush()
-    except BrokenPipeError:
-      self._to_devnull()
-
-  def _to_devnull(self) -> None:
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, self._stream.fileno())  # the fd too: the interpreter's last flush succeeds
-    os.close(null)
-
-  def __getattr__(self, name: str) -> Any:
-    return getattr(self._stream, name)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -166,7 +170,11 @@ def _main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     xla_flags.apply(cfg)  # GPU compute/communication overlap; before any JAX backend starts
     distributed.initialize(cfg.distributed)  # before anything starts a JAX backend
-    summary = run(cfg)
+    with contextlib.ExitStack() as stack:
+      if jax.process_count() > 1:  # Gloo's C++ chatter on stdout: into the run's log files
+        stack.enter_context(output.libraries_to_log(
+            output.log_path(cfg.train.output_dir, jax.process_index())))
+      summary = run(cfg)
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return preemption.EXIT_CONFIG
@@ -179,14 +187,13 @@ def _main(args: argparse.Namespace) -> int:
   last = max(summary["losses"])
   msg = f"done: step {summary['final_step']}, loss {summary['losses'][last]:.4f}"
   if summary["val_loss"] is not None:
-    msg += f", val_loss {summary['val_loss']:.4f}"
+    msg += f", val_loss {summary['val_loss']:.4f} ({console_lib.covered(summary)})"
   print(msg + f"; metrics in {os.path.join(cfg.train.output_dir, 'metrics.jsonl')}")
   if cfg.checkpoint.every > 0:
     out = cfg.train.output_dir
     prompt = "def " if cfg.data.source == "stdlib" else "your text"
-    print(f"next: python -m jscale.generate --model {out} --prompt '{prompt}'   |   "
-          f"python -m jscale.eval --model {out}   |   "
-          f"python -m jscale.convert jscale-to-hf --ckpt {out} --out {out}-hf")
+    print(f"next: {sampling.suggestion(out, prompt)}   |   python -m jscale.eval --model {out}"
+          f"   |   python -m jscale.convert jscale-to-hf --ckpt {out} --out {out}-hf")
   return 0
 
 

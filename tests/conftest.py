@@ -1,6 +1,8 @@
 """Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
 
 import os
+import subprocess
+import sys
 
 # LLVM optimisation level 0 for the CPU backend: the suite is compile-bound (tiny shapes, many
 # layouts), and -O0 halves compile time; HLO passes, sharding, collectives and buffer assignment
@@ -14,6 +16,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402  (after the environment is set)
 
 from jscale.config_load import load_config  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import launch_local  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def small_config(tmp_path=None, *overrides: str):
@@ -31,6 +37,44 @@ def small_config(tmp_path=None, *overrides: str):
 def data_cache(tmp_path_factory):
   """One tokenized stdlib cache for the whole session."""
   return str(tmp_path_factory.mktemp("jscale_cache"))
+
+
+# A run small enough that `python -m jscale.train` takes seconds once its program is cached
+# (`child_env`): 12 steps, a line every 4, an eval of 2 batches every 6, a checkpoint at the end.
+TINY_RUN = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
+            "model.d_ff=64", "train.seq_len=16", "train.steps=12", "train.eval_every=6",
+            "train.eval_batches=2", "logging.every=4", "logging.plot=false",
+            "logging.tensorboard=false", "checkpoint.every=1000"]
+
+
+@pytest.fixture(scope="session")
+def child_env(tmp_path_factory):
+  """The environment of `python -m jscale.train` subprocesses: this one's with 1 CPU device per
+  process and a persistent compilation cache shared by the session's subprocesses (a program
+  run by several tests compiles once: ~30 s to ~8 s a run on a busy 2-core machine). Under
+  xdist every worker shares it (the workers' temporary directories have one parent)."""
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    cache = tmp_path_factory.getbasetemp().parent / "jax_cache"
+    cache.mkdir(exist_ok=True)
+  else:
+    cache = tmp_path_factory.mktemp("jax_cache")
+  env = launch_local.child_env(dict(os.environ), 1)
+  env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  return {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, data_cache, child_env):
+  """`python -m jscale.train` of TINY_RUN with its output to a pipe (as under SLURM or nohup):
+  (output_dir, what it printed, stdout and stderr merged)."""
+  out = tmp_path_factory.mktemp("tiny_run")
+  done = subprocess.run([sys.executable, "-m", "jscale.train", "--config", "configs/tiny.yaml",
+                         *TINY_RUN, f"train.output_dir={out}", f"data.cache_dir={data_cache}"],
+                        cwd=ROOT, env=child_env, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stdout[-3000:]
+  return out, done.stdout
 
 
 @pytest.fixture(scope="session")

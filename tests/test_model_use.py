@@ -145,9 +145,10 @@ def test_a_tensor_parallel_load_reads_each_parameter_onto_its_shards(runs, expor
 
 def test_eval_equals_the_training_val_loss(runs):
   run_dir, summary = runs["dense_interleaved"]
-  code, printed, err = _run(eval_cli.main, ["--model", str(run_dir), "--batches", "2",
-                                            "--json"])
+  # By default a run is evaluated on what its own eval covered (train.eval_batches=2), and says so.
+  code, printed, err = _run(eval_cli.main, ["--model", str(run_dir), "--json"])
   assert code == 0, err
+  assert "val split of data.source=stdlib: 2 batches of 8 x 32 tokens (the run's " in err
   result = json.loads(printed.strip().splitlines()[-1])
   # Same batches (the run's val split, its seq_len and batch size), same compiled eval step,
   # here on one device layout instead of the run's pipeline: equal to float rounding.
@@ -204,6 +205,15 @@ def test_generate_from_a_run_equals_generate_from_its_export(runs, tmp_path):
   assert code == 0, err
   completions = lambda text: text.split("\n--- 2 prompt(s)")[0]  # noqa: E731
   assert completions(from_hf) == completions(from_run)
+  # Sampling is one flag set away from greedy, and says which it did.
+  code, sampled, err = _run(generate_cli.main, ["--model", str(run_dir), *args, "--temperature",
+                                                "0.8", "--top-p", "0.95", "--seed", "0"])
+  assert code == 0 and "sampled at temperature 0.8, top-p 0.95, seed 0" in sampled, err
+  assert ", greedy;" in from_run
+  # An export has no run to take its eval's batch shape from: eval says which it uses.
+  code, _, err = _run(eval_cli.main, ["--model", str(tmp_path / "hf"), "--batches", "1",
+                                      "data.tokenizer=byte", "train.seq_len=32"])
+  assert code == 0 and "batches of train.batch_size=16 x train.seq_len=32" in err, err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -126,12 +126,11 @@ def _tensorboard_scalars(log_dir) -> dict[int, float]:
 
 
 def test_tensorboard_keeps_one_series_across_a_resume(tmp_path):
-  first = metrics.MetricsWriter(str(tmp_path), 8, tensorboard=True, progress=False)
+  first = metrics.MetricsWriter(str(tmp_path), tensorboard=True)
   for step in range(1, 9):
     first.write(step, {"loss": float(step)})
   first.close()  # the resume may come within the same second: its events go to another file
-  resumed = metrics.MetricsWriter(str(tmp_path), 8, start_step=4, tensorboard=True,
-                                  progress=False)
+  resumed = metrics.MetricsWriter(str(tmp_path), start_step=4, tensorboard=True)
   for step in range(5, 7):
     resumed.write(step, {"loss": 10.0 + step})
   resumed.close()

@@ -7,9 +7,20 @@ setting (greedy is temperature 0). Shape suffixes: B batch, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 
 import jax
 import jax.numpy as jnp
+
+
+# What a finished run suggests: a temperature below 1 and a nucleus keep a small model's text on
+# its likelier paths without the loop greedy decoding falls into (`def the the the ...`).
+SUGGESTED = "--temperature 0.8 --top-p 0.95 --seed 0"
+
+
+def suggestion(model: str, prompt: str) -> str:
+  """The `python -m jscale.generate` command a finished run suggests: sampled, seeded."""
+  return f"python -m jscale.generate --model {model} --prompt {shlex.quote(prompt)} {SUGGESTED}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ import sys
 import jax
 from flax import nnx
 
+from jscale import config_cli
 from jscale import mesh as mesh_lib
 from jscale.config import ConfigError, DataConfig, MeshConfig, ModelConfig
 from jscale.data import load_tokenizer
@@ -76,10 +77,12 @@ def tensor_mesh(tensor: int) -> jax.sharding.Mesh | None:
   return mesh_lib.make_mesh(MeshConfig(data=1, tensor=tensor), jax.devices()[:tensor])
 
 
-def model_parser(prog: str, description: str) -> argparse.ArgumentParser:
+def model_parser(prog: str, description: str, epilog: str | None = None
+                 ) -> argparse.ArgumentParser:
   """A CLI's parser with the model it reads: `--model PATH` (`jscale.ckpt.model_source`) and
-  `--step`."""
-  p = argparse.ArgumentParser(prog=prog, description=description)
+  `--step`; `epilog`: the config keys it takes (`jscale.config_cli.reference`)."""
+  p = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
+                              formatter_class=config_cli.HelpFormatter)
   p.add_argument("--model", required=True, metavar="PATH",
                  help="run dir, checkpoint dir, params checkpoint or HF dir")
   p.add_argument("--step", type=int, default=None, help="checkpoint step of a run (latest)")
@@ -87,9 +90,20 @@ def model_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def run_cli(parser, run, argv: list[str] | None) -> int:
-  """Parses `argv`, calls `run(args)`; a user error (bad config, missing file, bad value) is
-  one `error: ...` line on stderr and exit status 2, not a traceback."""
-  args = parser.parse_args(argv)
+  """Parses `argv` (`--section.key=value` as `section.key=value`, for a parser with
+  `overrides`), calls `run(args)`; a user error (bad config, missing file, bad value) is one
+  `error: ...` line on stderr and exit status 2, not a traceback."""
+  try:
+    rest, overrides = config_cli.split_argv(sys.argv[1:] if argv is None else argv)
+  except ConfigError as e:
+    parser.error(str(e))
+  args, unknown = parser.parse_known_args(rest)
+  if unknown:
+    parser.error(config_cli.unknown_option(unknown[0]))
+  if overrides and not hasattr(args, "overrides"):
+    parser.error(f"{overrides[0]}: {parser.prog} takes no config keys (--help lists its options)")
+  if overrides:
+    args.overrides += overrides
   try:
     run(args)
   except (ConfigError, FileNotFoundError, ValueError) as e:

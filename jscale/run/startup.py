@@ -130,7 +130,8 @@ def summary(cfg: Config, mesh: jax.sharding.Mesh, start_step: int, checkpoint_di
       f"batch     {t.batch_size} x {t.seq_len} = {step_tokens:,} tokens per step x {t.steps} "
       f"steps = {_count(step_tokens * t.steps)} tokens ({epochs:.2g} epochs)",
       f"output    {os.path.abspath(t.output_dir)} (metrics.jsonl, "
-      f"{'metrics.png, ' if cfg.logging.plot else ''}run.json); "
+      f"{'metrics.png, ' if cfg.logging.plot else ''}run.json"
+      f"{'; libraries: logs/process<i>.log' if jax.process_count() > 1 else ''}); "
       f"checkpoints {checkpoint_dir} {saves}",
       f"start     {start}",
   ]
