@@ -19,7 +19,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
+
+import jax
 
 from jscale.analysis import gpu_target
 from jscale.config import ConfigError
@@ -38,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--json", action="store_true", help="the figures as JSON")
   p.add_argument("overrides", nargs="*", help="dotted config overrides: train.batch_size=8 ...")
   args = p.parse_args(argv)
+  # Nothing runs on a device: the target's GPUs come from their descriptions. CPU is the
+  # platform unless asked otherwise, as in `jscale.plan --verify`; on a machine without a GPU,
+  # starting the CUDA plugin as a backend fails (cuFFT) and takes its topologies with it.
+  if "JAX_PLATFORMS" not in os.environ:
+    jax.config.update("jax_platforms", "cpu")
   try:
     cfg = load_config(args.config, args.overrides)
     gpu_target.parse(args.target)
