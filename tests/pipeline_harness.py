@@ -74,7 +74,8 @@ def pipeline_grads(*overrides) -> Result:
   compiled text) share one compile."""
   cfg = small_config(None, *BASE, *overrides)
   n = int(np.prod([int(o.split("=")[1]) for o in overrides
-                   if o.split("=")[0] in ("mesh.stage", "mesh.data", "mesh.tensor", "mesh.fsdp")]))
+                   if o.split("=")[0] in ("mesh.stage", "mesh.data", "mesh.tensor", "mesh.fsdp",
+                                          "mesh.expert")]))
   rt = runtime.build(cfg, jax.devices()[:n])
   p = rt.mesh.shape["stage"]
   comms, params_sh = rt.comms, rt.state_shardings["params"]

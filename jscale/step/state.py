@@ -62,6 +62,26 @@ def params_to_storage(tree: dict, n_layers: int, stages: int, pipeline: Pipeline
                                               layout.placement_of(pipeline.schedule))}
 
 
+def restack(state: State, n_layers: int, stages: int, saved: PipelineConfig,
+            now: PipelineConfig) -> State:
+  """`state` (params, optimizer moments, dot_state: every array under a "blocks" key) stored
+  by a pipeline of `saved`'s placement, in the order a pipeline of `now`'s stores (the same
+  stage count and chunks per stage): a checkpoint of an interleaved run resumed by ZB-V or
+  DualPipeV, or back. Identity when the placements agree."""
+  v = now.virtual_stages if stages > 1 else 1
+  before, after = (layout.placement_of(c.schedule) for c in (saved, now))
+  if v == 1 or before == after:
+    return state
+
+  def move(path, x):
+    if not any(getattr(k, "key", None) == "blocks" for k in path):
+      return x
+    return layout.to_storage(layout.to_model(x, n_layers, stages, v, before), n_layers, stages,
+                             v, after)
+
+  return jax.tree_util.tree_map_with_path(move, state)
+
+
 def state_from_params(params, optimizer: optax.GradientTransformation, seed: int,
                       dot_state: Any = None) -> State:
   state = {"params": params, "opt_state": optimizer.init(params),
