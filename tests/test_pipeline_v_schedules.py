@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jscale.parallel.pipeline import layout, program, schedules, timeline
+from jscale.plan import cost, memory
 from jscale.parallel.pipeline.schedules import B, F, IDLE, W
 
 
@@ -160,3 +161,17 @@ def test_v_timelines(tmp_path):
   assert stage0.startswith("stage 0 | F0a  F1a  F2a  F0b  B0b  W0b  F1b  F3a &B1b &W1b")
   timeline.render_png(schedules.make_table("zbv", 4, 8, 2), str(tmp_path / "t.png"))
   assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_lockstep_bubble_and_the_planner_follow_the_table():
+  # Every tick ends with the stages' ppermutes: ZB-V's single-action ticks cost what the table
+  # says; DualPipeV's pairs (3 ticks at their first) are staggered over the stages, so the
+  # executor's ticks last longer than the table's (its gain is the pairs' overlap).
+  zbv, dpv = (schedules.make_table(name, 4, 16, 2) for name in ("zbv", "dualpipev"))
+  assert zbv.lockstep_bubble() == pytest.approx(zbv.bubble())
+  assert dpv.lockstep_bubble() == pytest.approx(22 / 96)
+  # The planner's bubble, residual sets and stage sends are the executed table's.
+  assert cost.bubble("zbv", 4, 16, 2) == zbv.bubble()
+  assert memory.in_flight("dualpipev", 4, 16, 2) == 9
+  assert [memory.channels(name, 4, 16, v) for name, v in (("zero_bubble", 1), ("zbv", 2),
+                                                          ("dualpipev", 2))] == [2, 2, 4]

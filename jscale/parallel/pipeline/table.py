@@ -87,6 +87,16 @@ class Table:
     busy = int(np.count_nonzero(self.kind))
     return (self.kind.size - busy) / busy
 
+  def lockstep_bubble(self) -> float:
+    """Idle over busy time as the executor runs the table: every tick ends with the stages'
+    ppermutes, so a tick lasts as long as its longest op (a fused op's whole length, at its
+    first tick). Equals `bubble` when no op is fused; DualPipeV's staggered pairs and the
+    unsplit schedules' full backwards make it larger."""
+    first = (self.starts() == np.arange(self.ticks)[:, None]) & (self.kind != IDLE)
+    length = np.where(first, self.ends() - self.starts() + 1, 0)
+    busy = int(np.count_nonzero(self.kind)) / self.p
+    return (length.max(axis=1).sum() - busy) / busy
+
   def live(self) -> np.ndarray:
     """[T, p]: residual sets held at the end of each tick (F done and W not yet)."""
     delta = (self.kind == F).astype(int) - (self.kind == W).astype(int)
