@@ -46,17 +46,16 @@ def main():
             f"{t.live().max()} | "
             f"{schedules.theory_in_flight(name, p, m, v)} | {t.in_flight().max()} | "
             f"{int(t.paired().sum())} |")
-  with open(args.out, "w") as f:
-    f.write("\n".join(lines) + "\n")
   pictures = []
   for name, m in (("zbv", 8), ("dualpipev", 8), ("dualpipev", 10)):
     table = schedules.make_table(name, 4, m, 2)
     pictures.append(timeline.ascii_timeline(table))
     timeline.render_png(table, os.path.join(outdir, f"pipeline_{name}_p4_m{m}.png"))
-  with open(os.path.join(outdir, "pipeline_v_timelines.txt"), "w") as f:
-    f.write("\n\n".join(pictures) + "\n")
-  print("\n".join(lines))
-  print("\n\n".join(pictures))
+  for path, text in ((args.out, "\n".join(lines)),
+                     (os.path.join(outdir, "pipeline_v_timelines.txt"), "\n\n".join(pictures))):
+    with open(path, "w") as f:
+      f.write(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":
