@@ -5,6 +5,9 @@ executed ops against the table, evaluation through the V, a checkpoint resumed a
 placements, and config errors before compile. The pairs' overlap on XLA:GPU:
 test_pipeline_v_gpu.py."""
 
+import os
+import shutil
+
 import jax
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ import pytest
 from conftest import small_config
 from jscale import runtime
 from jscale import train as train_lib
+from jscale.ckpt import checkpoint
 from jscale.config import ConfigError
 from jscale.config_load import load_config
 from jscale.step import pipeline as pipeline_step
@@ -71,6 +75,7 @@ def test_eval_step_through_the_v_matches_one_device():
 
 
 def _run_cfg(out, cache, *extra):
+  """A 4-step run of 2 stages x 4 data shards, checkpointed every 2 steps."""
   return load_config(None, [
       "model.preset=tiny", "model.d_model=64", "model.n_layers=4", "model.n_heads=4",
       "model.n_kv_heads=2", "model.d_ff=128", "model.dtype=float32", "train.batch_size=16",
@@ -81,14 +86,15 @@ def _run_cfg(out, cache, *extra):
 
 
 def test_a_checkpoint_resumes_across_placements(tmp_path, data_cache, capsys):
-  # Two steps of an interleaved run, then ZB-V resumes it: the checkpoint's layers are in
-  # the interleaved order (stage 0: chunks 0, 2) and are restacked into the V's (0, 3).
-  interleaved = "pipeline.schedule=interleaved"
-  train_lib.run(_run_cfg(tmp_path / "run", data_cache, interleaved), stop_after=2)
-  resumed = train_lib.run(_run_cfg(tmp_path / "run", data_cache, "pipeline.schedule=zbv"))
+  # Four steps of an interleaved run; then ZB-V resumes its step-2 checkpoint: the layers are
+  # stored in the interleaved order (stage 0: chunks 0, 2) and are restacked into the V's
+  # (0, 3), so steps 3 and 4 repeat the interleaved run's losses.
+  whole_cfg = _run_cfg(tmp_path, data_cache, "pipeline.schedule=interleaved")
+  whole = train_lib.run(whole_cfg)
+  shutil.rmtree(os.path.join(checkpoint.checkpoint_dir(whole_cfg), "4"))
+  resumed = train_lib.run(_run_cfg(tmp_path, data_cache, "pipeline.schedule=zbv"))
   assert 'changed since the checkpoint: pipeline.schedule "interleaved" -> "zbv"' in (
       capsys.readouterr().out)
-  whole = train_lib.run(_run_cfg(tmp_path / "whole", data_cache, interleaved))
   assert sorted(resumed["losses"]) == [3, 4]
   np.testing.assert_allclose([resumed["losses"][s] for s in (3, 4)],
                              [whole["losses"][s] for s in (3, 4)], rtol=1e-5)
