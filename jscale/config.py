@@ -126,9 +126,9 @@ class ParallelConfig:
 @dataclasses.dataclass
 class PipelineConfig:
   """Pipeline parallelism over mesh.stage (jscale.parallel.pipeline)."""
-  schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
+  schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"] = "1f1b"
   microbatches: int = 4  # micro-batches per step flowing through the stages
-  virtual_stages: int = 1  # chunks of layers per stage (interleaved: >= 2)
+  virtual_stages: int = 1  # chunks of layers per stage (interleaved: >= 2; zbv, dualpipev: 2)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,17 +49,30 @@ def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer, train_iter
   if plan.step is not None:
     restored = ckptr.restore_latest(rt.abstract_state(), train_iter)
     if restored is not None:
-      return restored
+      return _restacked(rt, restored[0], plan), restored[1]
   state = rt.init_state()
   if cfg.checkpoint.init_from:
     model = state_lib.merge(rt.graphdef, state["params"], state.get("dot_state"))
     init_from.load_into(cfg, model)
-    # init_from params are in model layer order; interleaved pipelines store chunk order.
+    # init_from params are in model layer order; pipelines with v > 1 store chunk order.
     params = rt.params_to_storage(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     optimizer = make_optimizer(cfg.train)
     state = jax.jit(lambda p, d: state_lib.state_from_params(p, optimizer, cfg.train.seed, d),
                     out_shardings=rt.state_shardings)(params, state.get("dot_state"))
   return state, 0
+
+
+def _restacked(rt: runtime.Runtime, state: Any, plan: run_dir.Plan) -> Any:
+  """A checkpoint of a run whose pipeline.schedule placed the chunks otherwise (interleaved vs
+  the V of zbv / dualpipev) stores the layers in that order: put them in this run's."""
+  saved = {key: before for key, before, _ in plan.changed}.get("pipeline.schedule")
+  if saved is None:
+    return state
+  cfg = rt.cfg
+  restack = lambda s: state_lib.restack(s, cfg.model.n_layers, rt.mesh.shape["stage"],
+                                        dataclasses.replace(cfg.pipeline, schedule=saved),
+                                        cfg.pipeline)
+  return jax.jit(restack, out_shardings=rt.state_shardings)(state)
 
 
 def _start(cfg: Config) -> run_dir.Plan:

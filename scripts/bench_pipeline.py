@@ -1,8 +1,9 @@
 """Pipeline schedules: bubble (theory and the executed table), step time and compiled memory
-per device for AFAB, 1F1B, interleaved and zero-bubble, plus the four timeline pictures.
+per device for AFAB, 1F1B, interleaved, zero-bubble (ZB-H1), ZB-V and DualPipeV, plus their
+timeline pictures.
 
   python scripts/bench_pipeline.py [--stages 4] [--microbatches 4,8,16] [--steps 3] \
-      [--out results/bench_pipeline.md] [overrides...]
+      [--schedules afab,1f1b,...] [--out results/bench_pipeline.md] [overrides...]
 
 The micro-batch size is fixed (2 sequences), so the batch grows with m and memory shows what
 each schedule keeps alive. On CPU the stages are simulated devices sharing 2 cores: idle ticks
@@ -18,7 +19,8 @@ SHAPE = ["model.preset=tiny", "model.d_model=64", "model.n_layers=8", "model.n_h
          "model.n_kv_heads=4", "model.d_ff=128", "model.dtype=float32", "train.seq_len=256",
          "train.warmup_steps=0", "mesh.data=1", "parallel.collectives=manual"]
 SCHEDULES = {"afab": [], "1f1b": [], "interleaved": ["pipeline.virtual_stages=2"],
-             "zero_bubble": []}
+             "zero_bubble": [], "zbv": ["pipeline.virtual_stages=2"],
+             "dualpipev": ["pipeline.virtual_stages=2"]}
 
 
 def _measure(cfg, devices, steps):
@@ -42,6 +44,7 @@ def main():
   parser.add_argument("--stages", type=int, default=4)
   parser.add_argument("--microbatches", default="4,8,16")
   parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--schedules", default=",".join(SCHEDULES))
   parser.add_argument("--out", default="results/bench_pipeline.md")
   parser.add_argument("overrides", nargs="*")
   args = parser.parse_args()
@@ -56,8 +59,11 @@ def main():
   os.makedirs(outdir, exist_ok=True)
   rows, pictures = [], []
   for m in (int(x) for x in args.microbatches.split(",")):
-    for name, extra in SCHEDULES.items():
-      v = 2 if name == "interleaved" else 1
+    for name in args.schedules.split(","):
+      extra = SCHEDULES[name]
+      v = 2 if extra else 1
+      if schedules.why_not(name, p, m, v):  # DualPipeV: m >= 2p
+        continue
       table = schedules.make_table(name, p, m, v)
       schedules.validate(table)
       if m == 8:
@@ -69,7 +75,7 @@ def main():
       step_s, temp, loss = _measure(cfg, jax.devices()[:p], args.steps)
       rows.append({"schedule": name, "p": p, "m": m, "v": v, "ticks": table.ticks,
                    "bubble": table.bubble(), "theory": schedules.theory_bubble(name, p, m, v),
-                   "residual_sets": table.bound, "step_ms": 1e3 * step_s,
+                   "residual_sets": int(table.live().max()), "step_ms": 1e3 * step_s,
                    "tokens_per_s": 2 * m * cfg.train.seq_len / step_s, "temp_mb": temp / 1e6,
                    "loss": loss})
       print(rows[-1], flush=True)

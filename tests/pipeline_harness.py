@@ -12,14 +12,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from conftest import small_config
 from jscale import runtime
 from jscale.parallel.pipeline import layout
-from jscale.step import pipeline as pipeline_step, state as state_lib, train_step as ts
+from jscale.step import accumulate, pipeline as pipeline_step, state as state_lib
+from jscale.step import train_step as ts
 
 # 8 layers: p x v = 4 x 2 chunks of one layer. kv_heads 4: tensor=2 divides everything.
 BASE = ("model.n_layers=8", "model.n_kv_heads=4", "train.batch_size=16", "train.seq_len=16")
 
 
 SCHEDULE = {"afab": (), "1f1b": (), "zero_bubble": (),
-            "interleaved": ("pipeline.virtual_stages=2",)}
+            **{name: ("pipeline.virtual_stages=2",) for name in ("interleaved", "zbv",
+                                                                  "dualpipev")}}
 
 
 def overrides(mode, schedule, p, m, extra=()):
@@ -53,15 +55,17 @@ def batch(cfg, seed=0):
 
 def _to_model_order(cfg, grads, p):
   return {**grads, "blocks": layout.to_model(grads["blocks"], cfg.model.n_layers, p,
-                                             cfg.pipeline.virtual_stages)}
+                                             cfg.pipeline.virtual_stages,
+                                             layout.placement_of(cfg.pipeline.schedule))}
 
 
 @functools.lru_cache(maxsize=None)
-def _params():
-  """The reference's initial parameters (model layer order, on the host). Every layout starts
-  from these, put in its storage order and sharding: no per-layout init to compile (sharded
-  init is checked by the pipeline tests that run `rt.init_state()`)."""
-  return jax.device_get(state_lib.init_state(small_config(None, *BASE))["params"])
+def _params(*model):
+  """The reference's initial parameters (model layer order, on the host) of BASE with `model`
+  overrides. Every layout starts from these, put in its storage order and sharding: no
+  per-layout init to compile (sharded init is checked by the pipeline tests that run
+  `rt.init_state()`)."""
+  return jax.device_get(state_lib.init_state(small_config(None, *BASE, *model))["params"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,12 +74,14 @@ def pipeline_grads(*overrides) -> Result:
   compiled text) share one compile."""
   cfg = small_config(None, *BASE, *overrides)
   n = int(np.prod([int(o.split("=")[1]) for o in overrides
-                   if o.split("=")[0] in ("mesh.stage", "mesh.data", "mesh.tensor", "mesh.fsdp")]))
+                   if o.split("=")[0] in ("mesh.stage", "mesh.data", "mesh.tensor", "mesh.fsdp",
+                                          "mesh.expert")]))
   rt = runtime.build(cfg, jax.devices()[:n])
   p = rt.mesh.shape["stage"]
   comms, params_sh = rt.comms, rt.state_shardings["params"]
   repl = NamedSharding(rt.mesh, P())
-  params = jax.device_put(state_lib.params_to_storage(_params(), cfg.model.n_layers, p,
+  model = tuple(o for o in overrides if o.startswith("model."))
+  params = jax.device_put(state_lib.params_to_storage(_params(*model), cfg.model.n_layers, p,
                                                       cfg.pipeline), params_sh)
 
   def fn(params, b):
@@ -101,17 +107,23 @@ def pipeline_grads(*overrides) -> Result:
 
 
 @functools.lru_cache(maxsize=None)
-def reference():
-  """Single device, fp32, no pipeline: (mean loss, grads) of the same batch and init."""
-  cfg = small_config(None, *BASE)
+def reference(*model, microbatches: int = 1):
+  """Single device, fp32, no pipeline: (mean loss, grads) of the same batch and init, for BASE
+  with `model` overrides. An MoE model's router losses are per micro-batch: `microbatches`
+  accumulates as many (`accumulate.accumulate_grads`), like the pipeline's."""
+  cfg = small_config(None, *BASE, *model)
   loss_fn = ts.make_loss_fn(state_lib.model_graphdef(cfg), cfg)
   b = jax.tree.map(jnp.asarray, batch(cfg))
+  if microbatches > 1:
+    out = jax.jit(lambda p: accumulate.accumulate_grads(loss_fn, p, b, microbatches))(
+        _params(*model))
+    return float(out.loss), jax.device_get(out.grads)
 
   def mean_loss(params):
     loss_sum, count, _ = loss_fn(params, b)
     return loss_sum / count
 
-  loss, grads = jax.jit(jax.value_and_grad(mean_loss))(_params())
+  loss, grads = jax.jit(jax.value_and_grad(mean_loss))(_params(*model))
   return float(loss), jax.device_get(grads)
 
 

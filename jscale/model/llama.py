@@ -273,12 +273,13 @@ class Llama(nnx.Module):
 
 def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, positions_BL: jax.Array,
                cfg: ModelConfig, comms: Seam = LOCAL, remat: str = "none",
-               with_stats: bool = False, dot_state=None):
+               with_stats: bool = False, dot_state=None, unroll: bool = False):
   """The blocks of `stacked` (weights with a leading layers axis: the whole stack, or one
   pipeline chunk of it) applied in order, as a scan of rematerialised layers. With
   `with_stats`, also the blocks' MoE router statistics averaged over the layers. `dot_state`:
   the layers' `matmul.DotState` (stacked likewise; FP8's amax histories), scanned beside the
-  weights but never gathered or cast."""
+  weights but never gathered or cast. `unroll`: the layers as straight-line code, not a loop
+  (a pipeline's forward + backward pairs, whose halves XLA can only interleave so)."""
   dt = jnp.dtype(cfg.dtype)
   inv_freq = inv_frequencies(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
 
@@ -290,7 +291,8 @@ def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, position
   layer = remat_lib.checkpointed(layer, remat, cfg)
   dots = () if dot_state is None else (dot_state,)
   with jax.named_scope("layers"):
-    x_BLD, stats = jax.lax.scan(layer, x_BLD, (comms.layer_inputs(stacked), dots))
+    x_BLD, stats = jax.lax.scan(layer, x_BLD, (comms.layer_inputs(stacked), dots),
+                                unroll=unroll)
   if not with_stats:
     return x_BLD
   return x_BLD, jax.tree.map(lambda v: jnp.mean(v, axis=0), stats)

@@ -22,7 +22,8 @@ from jscale.config import ModelConfig
 from jscale.metrics import flops_per_token
 from jscale.plan import hardware
 from jscale.plan.layout import Layout, layout_of
-from jscale.plan.memory import local_param_split, schedule_table, tokens_per_microbatch
+from jscale.plan.memory import (channels, local_param_split, schedule_table,
+                                 tokens_per_microbatch)
 
 GRAD_BYTES = 4  # gradients are reduced in fp32
 
@@ -118,12 +119,14 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
     out.append(Transfer("expert", "token dispatch + combine all-to-all, fwd and bwd",
                         "all-to-all", 4 * moe_layers * routed, nodes("expert"), ""))
   if lay.stage > 1:
-    # Every tick of the executed schedule sends one activation forward and one gradient back
-    # (jscale's shard_map program: idle ticks send too).
+    # Every tick of the executed schedule sends on each of its channels, one activation-sized
+    # message each (jscale's shard_map program: idle ticks send too): an activation forward
+    # and a gradient back, or twice that when DualPipeV's pairs send two the same way.
     act = lay.mbs * seq * model.d_model * c
-    ticks = schedule_table(lay.schedule, lay.stage, lay.accum, lay.virtual_stages).ticks
+    shape = (lay.schedule, lay.stage, lay.accum, lay.virtual_stages)
+    sends = channels(*shape) * schedule_table(*shape).ticks
     out.append(Transfer("stage", "activation + gradient sends, one each per schedule tick",
-                        "permute", 2 * ticks * act, nodes("stage"), ""))
+                        "permute", sends * act, nodes("stage"), ""))
     out.append(Transfer("stage", "embedding + head gradients all-reduce (on every stage)",
                         "all-reduce", 2 * other_psi * GRAD_BYTES, nodes("stage"),
                         "last backward"))

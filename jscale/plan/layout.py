@@ -138,7 +138,9 @@ def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
       for zero in ((1, 2, 3) if fsdp > 1 else (0,)):
         if stage > 1 and zero > 2:
           continue
-        for pipe in _pipelines(model, stage, sp and ways > 1 and tensor > 1):
+        # validate refuses these xla-mode pipelines: SP with data axes, MoE with data / fsdp
+        refused = sp and ways > 1 and tensor > 1 or moe and data * fsdp > 1
+        for pipe in _pipelines(model, stage, refused):
           for mbs in MICRO_BATCHES:
             if per_device % mbs:
               continue
@@ -150,13 +152,14 @@ def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
                            pipe[0], pipe[1], remat, mbs, accum)
 
 
-def _pipelines(model: ModelConfig, stage: int, sp_with_dp: bool) -> list[tuple[str, int]]:
+def _pipelines(model: ModelConfig, stage: int, refused: bool) -> list[tuple[str, int]]:
   if stage == 1:
     return [("1f1b", 1)]
-  if sp_with_dp:  # validate: xla-mode SP with data axes deadlocks inside stage branches
+  if refused:
     return []
   out = [(name, 1) for name in ("afab", "1f1b", "zero_bubble") if model.n_layers % stage == 0]
   out += [("interleaved", v) for v in (2, 4) if model.n_layers % (stage * v) == 0]
+  out += [(name, 2) for name in ("zbv", "dualpipev") if model.n_layers % (stage * 2) == 0]
   return out
 
 

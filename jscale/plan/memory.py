@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jscale.config import ModelConfig, TrainConfig
 from jscale.step.loss import num_chunks
 from jscale.metrics import param_counts
-from jscale.parallel.pipeline import schedules
+from jscale.parallel.pipeline import program, schedules
 from jscale.plan.layout import Layout
 
 GiB = 2**30
@@ -165,6 +165,13 @@ def loss_workspace(model: ModelConfig, lay: Layout, tokens: int,
 def schedule_table(schedule: str, p: int, m: int, v: int) -> schedules.Table:
   """The pipeline schedule jscale would execute (cached: the enumeration asks again and again)."""
   return schedules.make_table(schedule, p, m, v)
+
+
+@functools.lru_cache(maxsize=4096)
+def channels(schedule: str, p: int, m: int, v: int) -> int:
+  """Activation-sized sends a stage makes every tick (`pipeline.program`'s channels: 2, one
+  each way; DualPipeV 4, since a pair sends its forward's and its backward's the same way)."""
+  return len(program.compile_program(schedule_table(schedule, p, m, v)).channels)
 
 
 def in_flight(schedule: str, p: int, m: int, v: int) -> int:

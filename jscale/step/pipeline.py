@@ -19,7 +19,7 @@ from jscale.config import Config, ModelConfig, PipelineConfig
 from jscale.model import llama
 from jscale.model import moe as moe_lib
 from jscale.parallel.comms import Comms
-from jscale.parallel.pipeline import executor, program as prog_lib, schedules
+from jscale.parallel.pipeline import executor, layout, program as prog_lib, schedules
 from jscale.step.accumulate import Grads, split_microbatches, token_count
 from jscale.step.loss import head_loss_sums
 
@@ -38,7 +38,8 @@ class Settings(NamedTuple):
 
 @functools.lru_cache(maxsize=64)
 def _program(name: str, p: int, m: int, v: int, train: bool) -> prog_lib.Program:
-  table = schedules.make_table(name, p, m, v) if train else schedules.forward_table(p, m, v)
+  table = (schedules.make_table(name, p, m, v) if train else
+           schedules.forward_table(p, m, v, layout.placement_of(name)))
   schedules.validate(table)
   return prog_lib.compile_program(table)
 
@@ -49,10 +50,12 @@ def program_for(pipeline: PipelineConfig, p: int, train: bool = True) -> prog_li
 
 
 def stage_fns(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
-              dot_state: Any) -> executor.StageFns:
+              dot_state: Any, unroll: bool = False) -> executor.StageFns:
   """Embed / a chunk's layers / head + loss as pure functions of param dicts. `params` and
   `dot_state` (this stage's) only supply a layer stack to merge with: embed and head never
-  read it."""
+  read it. `unroll`: a chunk's layers as straight-line code (schedules with forward +
+  backward pairs: the two halves' layers interleave only so; every branch alike, since one
+  branch's forward stores the residuals another's backward reads)."""
   extra = [dot_state] if dot_state else []
   model = lambda shared: nnx.merge(graphdef, {**shared, "blocks": params["blocks"]}, *extra)
   block_graphdef = nnx.split(nnx.merge(graphdef, params, *extra).blocks)[0]
@@ -65,7 +68,8 @@ def stage_fns(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
 
   def layers(chunk, dots, x_bLD, positions_bL):
     y, stats = llama.run_layers(block_graphdef, chunk, x_bLD, positions_bL, s.model, comms,
-                                s.remat, with_stats=True, dot_state=dots or None)
+                                s.remat, with_stats=True, dot_state=dots or None,
+                                unroll=unroll)
     if moe is None:
       return y, {}
     # This chunk's share of the step's statistics (a mean over layers and micro-batches).
@@ -117,7 +121,8 @@ def grads(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
   def on_stage(params, dots, mbs, scale):
     blocks, shared = _split(params)
     inner = comms.in_pipeline()
-    fns = stage_fns(s, graphdef, inner, params, {"blocks": dots} if dots else {})
+    fns = stage_fns(s, graphdef, inner, params, {"blocks": dots} if dots else {},
+                    unroll=program.has_pairs)
     run = executor.run(program, fns, blocks, shared, mbs, scale, dots=dots,
                        shard_grads=inner.stage_grads)
     # Embedding and head gradients come from the first and the last stage (both to a tied

@@ -5,8 +5,8 @@ dict of fp32 master weights (nnx.to_pure_dict layout), so orbax saves it as is; 
 delayed scaling also `"dot_state"`, the linear layers' amax histories (`matmul.DotState`),
 stacked with the layers they belong to.
 
-Under an interleaved pipeline the layer stack is stored in chunk order
-(`jscale.parallel.pipeline.layout`); `params_to_storage` is the one place a tree in model layer
+Under a pipeline with several chunks per stage the layer stack is stored in chunk order, as
+the schedule places them (`jscale.parallel.pipeline.layout`); `params_to_storage` is the one place a tree in model layer
 order (parameters or their `dot_state`) is put in the stored order, whatever it comes from:
 random init, `checkpoint.init_from`, or a model loaded for evaluation.
 """
@@ -58,7 +58,28 @@ def params_to_storage(tree: dict, n_layers: int, stages: int, pipeline: Pipeline
   if "blocks" not in tree:
     return tree
   v = pipeline.virtual_stages if stages > 1 else 1
-  return {**tree, "blocks": layout.to_storage(tree["blocks"], n_layers, stages, v)}
+  return {**tree, "blocks": layout.to_storage(tree["blocks"], n_layers, stages, v,
+                                              layout.placement_of(pipeline.schedule))}
+
+
+def restack(state: State, n_layers: int, stages: int, saved: PipelineConfig,
+            now: PipelineConfig) -> State:
+  """`state` (params, optimizer moments, dot_state: every array under a "blocks" key) stored
+  by a pipeline of `saved`'s placement, in the order a pipeline of `now`'s stores (the same
+  stage count and chunks per stage): a checkpoint of an interleaved run resumed by ZB-V or
+  DualPipeV, or back. Identity when the placements agree."""
+  v = now.virtual_stages if stages > 1 else 1
+  before, after = (layout.placement_of(c.schedule) for c in (saved, now))
+  if v == 1 or before == after:
+    return state
+
+  def move(path, x):
+    if not any(getattr(k, "key", None) == "blocks" for k in path):
+      return x
+    return layout.to_storage(layout.to_model(x, n_layers, stages, v, before), n_layers, stages,
+                             v, after)
+
+  return jax.tree_util.tree_map_with_path(move, state)
 
 
 def state_from_params(params, optimizer: optax.GradientTransformation, seed: int,
@@ -75,7 +96,8 @@ def init_state(cfg: Config, shardings: Any = None, stages: int = 1) -> State:
 
   With `shardings` (from `jscale.sharding.Layouts.state`) every array is created directly in
   its final layout, so a model larger than one device's memory never exists unsharded.
-  `stages`: the mesh's pipeline stages (interleaved pipelines store the layers in chunk order).
+  `stages`: the mesh's pipeline stages (pipelines with several chunks per stage store the
+  layers in chunk order).
   """
   optimizer = make_optimizer(cfg.train)
 

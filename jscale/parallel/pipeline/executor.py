@@ -22,6 +22,7 @@ same old history: the max keeps the step's), as gradient accumulation does.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -80,6 +81,15 @@ def _pullback(fns: StageFns, chunk: Tree, dots: Tree, x_like, pos, stored):
   return jax.tree.unflatten(treedef, leaves)
 
 
+class _Side(NamedTuple):
+  """What one action of a tick works on: its chunk's weights and product state, its
+  micro-batch, and which of the stage's chunks it is."""
+  chunk: Tree
+  dots: Tree
+  mb: dict
+  local: jax.Array
+
+
 def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
         microbatches: dict[str, jax.Array], scale: jax.Array, stage_axis: str = "stage",
         shard_grads: Callable[[Tree], Tree] = lambda g: g, dots: Tree = None) -> Run:
@@ -92,11 +102,13 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
   """
   dots = dots or {}
   table = program.table
-  p, v, train = table.p, table.v, table.backward
+  v, train = table.v, table.backward
+  pairs = program.has_pairs
+  own_f = bool((program.self_f != program.n_in_f).any())  # the V's turn: F files its own output
   s = jax.lax.axis_index(stage_axis)
   cols = {name: jnp.asarray(getattr(program, name))[:, s] for name in
-          ("code", "mb", "local", "res_write", "res_read", "stash_write", "read_f", "read_b",
-           "file_f", "file_b", "self_b")}
+          ("code", "mb", "local", "mb_b", "local_b", "res_write", "res_read", "stash_write",
+           "read_f", "read_b", "send", "file_f", "file_b", "self_f", "self_b")}
   by_chunk = lambda tree: jax.tree.map(lambda x: x.reshape(v, x.shape[0] // v, *x.shape[1:]),
                                        tree)
   chunks, chunk_dots = by_chunk(blocks), by_chunk(dots)
@@ -121,9 +133,10 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
       stash=buffer(program.n_res if table.split else 0, act),
       dblocks=jax.tree.map(lambda a: jnp.zeros((v, *a.shape), a.dtype), acc_chunk),
       dshared=_zeros(acc_shared), ddots=jax.tree.map(jnp.zeros_like, chunk_dots),
-      loss=jnp.zeros((), jnp.float32), stats=zero_stats, msg_f=zero_act, msg_b=zero_act)
+      loss=jnp.zeros((), jnp.float32), stats=zero_stats,
+      msgs=[zero_act for _ in program.channels])
 
-  def branches(chunk, dots, mb, x_in, dy_in, stored, stash, dblocks, dshared, ddots, local):
+  def branches(fside, bside, x_in, dy_in, stored, stash, dblocks, dshared, ddots):
     # The gradient accumulators go through the switch: a branch adds its gradient in place
     # (the others hand them back untouched), so no branch output holds a second, gradient-
     # sized buffer beside them.
@@ -131,12 +144,12 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
                                                          for r in res_shapes],
                    stash=zero_act, dblocks=dblocks, dshared=dshared, ddots=ddots,
                    loss=jnp.zeros((), jnp.float32), stats=zero_stats)
-    add_shared = lambda g: jax.tree.map(jnp.add, dshared, dshared_of(g))
+    add_shared = lambda acc, g: jax.tree.map(jnp.add, acc, dshared_of(g))
 
-    def forward(x, first, last):
-      if first:
-        x = fns.embed(shared, mb["tokens"])
-      out = dict(nothing)
+    def forward(first, last, out=nothing):
+      chunk, dots, mb = fside.chunk, fside.dots, fside.mb
+      x = fns.embed(shared, mb["tokens"]) if first else x_in
+      out = dict(out)
       if train:
         (y, out["stats"]), out["res"], _, _ = _forward_with_residuals(fns, chunk, dots, x,
                                                                       mb["positions"])
@@ -147,68 +160,96 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
       if not train:
         return {**out, "loss": fns.head_loss(shared, y, mb["labels"], mb["loss_mask"])}
       head = lambda sh, y: fns.head_loss(sh, y, mb["labels"], mb["loss_mask"]) * scale
-      loss, (dshared, dy) = jax.value_and_grad(head, argnums=(0, 1))(shared, y)
-      return {**out, "loss": loss, "dshared": add_shared(dshared), "out_b": dy.astype(act.dtype)}
+      loss, (dsh, dy) = jax.value_and_grad(head, argnums=(0, 1))(shared, y)
+      return {**out, "loss": loss, "dshared": add_shared(out["dshared"], dsh),
+              "out_b": dy.astype(act.dtype)}
 
-    def backward(first, need_dx, need_dw, dy):
+    def backward(first, need_dx, need_dw, dy, out=nothing):
       if not train:  # forward-only programs never take these branches
-        return dict(nothing)
+        return dict(out)
+      chunk, dots, mb, local = bside
       pullback = _pullback(fns, chunk, dots, x_in, mb["positions"], stored)
       dchunk, new_dots, dx = pullback((dy, d_stats))
-      out = dict(nothing)
+      out = dict(out)
       if need_dw:
-        out["dblocks"] = jax.tree.map(lambda a, g: a.at[local].add(g), dblocks,
+        out["dblocks"] = jax.tree.map(lambda a, g: a.at[local].add(g), out["dblocks"],
                                       dchunk_of(dchunk))
-        out["ddots"] = jax.tree.map(lambda a, d: a.at[local].max(d), ddots, new_dots)
+        out["ddots"] = jax.tree.map(lambda a, d: a.at[local].max(d), out["ddots"], new_dots)
       if need_dx and first:  # the embedding's gradient (a scatter-add of dx)
         _, embed_vjp = jax.vjp(lambda sh: fns.embed(sh, mb["tokens"]), shared)
-        out["dshared"] = add_shared(embed_vjp(dx.astype(act.dtype))[0])
+        out["dshared"] = add_shared(out["dshared"], embed_vjp(dx.astype(act.dtype))[0])
       elif need_dx:
         out["out_b"] = dx.astype(act.dtype)
       if need_dx and not need_dw:
         out["stash"] = dy
       return out
 
-    # One branch per program code, by name (`program.CODES` fixes the switch's order).
+    def pair(code):
+      # A forward of one micro-batch and the backward of another, as one branch: their
+      # dataflows are apart, so XLA's scheduler may run one's collectives (the expert
+      # all-to-alls) under the other's matmuls.
+      fcode, bcode = code.split("+")
+      with jax.named_scope("pair_forward"):
+        out = forward(fcode == "f_first", fcode == "f_last")
+      with jax.named_scope("pair_backward"):
+        return backward(bcode.endswith("_first"), True, bcode.startswith("bw"), dy_in, out)
+
     by_code = {
         "idle": lambda: dict(nothing),
-        "f": lambda: forward(x_in, first=False, last=False),
-        "f_first": lambda: forward(x_in, first=True, last=False),
-        "f_last": lambda: forward(x_in, first=False, last=True),
+        "f": lambda: forward(first=False, last=False),
+        "f_first": lambda: forward(first=True, last=False),
+        "f_last": lambda: forward(first=False, last=True),
         "b": lambda: backward(first=False, need_dx=True, need_dw=False, dy=dy_in),
         "b_first": lambda: backward(first=True, need_dx=True, need_dw=False, dy=dy_in),
         "bw": lambda: backward(first=False, need_dx=True, need_dw=True, dy=dy_in),
         "bw_first": lambda: backward(first=True, need_dx=True, need_dw=True, dy=dy_in),
         "w": lambda: backward(first=False, need_dx=False, need_dw=True, dy=stash),
     }
-    return [by_code[name] for name in prog_lib.CODES]
+    return [by_code[code] if code in by_code else functools.partial(pair, code)
+            for code in program.codes]
 
-  fwd_perm = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
-  bwd_perm = [(j, i) for i, j in fwd_perm]
+  def side(col_mb, col_local):
+    chunk, dots = (jax.tree.map(lambda x: x[col_local], t) for t in (chunks, chunk_dots))
+    return _Side(chunk, dots, jax.tree.map(lambda x: x[col_mb], microbatches), col_local)
+
+  def payload(k, out, send):
+    # What channel k sends: unasked-for values land in the receiver's scratch slot.
+    if program.carries[k] == "f":
+      return out["out_f"]
+    if program.carries[k] == "b":
+      return jnp.where(send == prog_lib.SEND_B, out["out_b"], jnp.zeros_like(out["out_b"]))
+    return jnp.where(send == prog_lib.SEND_F, out["out_f"], out["out_b"])
 
   def tick(carry, col):
-    inbox_f = carry["inbox_f"].at[col["file_f"]].set(carry["msg_f"])
-    inbox_b = carry["inbox_b"].at[col["file_b"]].set(carry["msg_b"])
-    chunk, dots = (jax.tree.map(lambda x: x[col["local"]], t) for t in (chunks, chunk_dots))
-    mb = jax.tree.map(lambda x: x[col["mb"]], microbatches)
+    inbox_f, inbox_b = carry["inbox_f"], carry["inbox_b"]
+    for k, msg in enumerate(carry["msgs"]):  # what arrived, filed by what it is
+      if "f" in program.carries[k]:
+        inbox_f = inbox_f.at[col["file_f"][k]].set(msg)
+      if "b" in program.carries[k]:
+        inbox_b = inbox_b.at[col["file_b"][k]].set(msg)
+    fside = side(col["mb"], col["local"])
+    bside = side(col["mb_b"], col["local_b"]) if pairs else fside
     stored = [r[col["res_read"]] for r in carry["res"]]
-    out = jax.lax.switch(col["code"], branches(chunk, dots, mb, inbox_f[col["read_f"]],
+    out = jax.lax.switch(col["code"], branches(fside, bside, inbox_f[col["read_f"]],
                                                inbox_b[col["read_b"]], stored,
                                                carry["stash"][col["res_read"]],
                                                carry["dblocks"], carry["dshared"],
-                                               carry["ddots"], col["local"]))
+                                               carry["ddots"]))
+    if own_f:
+      inbox_f = inbox_f.at[col["self_f"]].set(out["out_f"])
     new = dict(carry, inbox_f=inbox_f, loss=carry["loss"] + out["loss"],
                stats=jax.tree.map(jnp.add, carry["stats"], out["stats"]))
     new["res"] = [r.at[col["res_write"]].set(o) for r, o in zip(carry["res"], out["res"])]
     if train:
-      # The last chunk's own head gradient is filed like a received one (the F's out_b).
-      is_last_f = col["code"] == prog_lib.C_F_LAST
+      # The last chunk's own head gradient is filed like a received one (the F's out_b), as
+      # is the V's turn's gradient.
       new["inbox_b"] = inbox_b.at[col["self_b"]].set(out["out_b"])
       new["stash"] = carry["stash"].at[col["stash_write"]].set(out["stash"])
       new["dblocks"], new["dshared"], new["ddots"] = out["dblocks"], out["dshared"], out["ddots"]
-      send_b = jnp.where(is_last_f, jnp.zeros_like(out["out_b"]), out["out_b"])
-      new["msg_b"] = jax.lax.ppermute(send_b, stage_axis, bwd_perm)
-    new["msg_f"] = jax.lax.ppermute(out["out_f"], stage_axis, fwd_perm)
+    else:
+      new["inbox_b"] = inbox_b
+    new["msgs"] = [jax.lax.ppermute(payload(k, out, col["send"][k]), stage_axis, list(perm))
+                   for k, perm in enumerate(program.channels)]
     return new, col["code"]
 
   final, codes = jax.lax.scan(tick, carry0, cols)

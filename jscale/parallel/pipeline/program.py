@@ -1,49 +1,76 @@
 """An action table compiled into what each device's executor reads per tick.
 
 The executor is SPMD: every stage runs the same tick loop and reads its column of these [T, p]
-int arrays. Buffers are fixed size; this module assigns their slots: a residual set lives from
-its F to its W, an inbound activation from its arrival (the tick after it was sent) to its F,
+int arrays. An op (one action, or fused ones: `table.Table.with_next`) runs at its first tick;
+the other ticks of a fused op stay idle. Buffers are fixed size; this module assigns their
+slots: a residual set lives from its F to its W, an inbound activation from its arrival to its F,
 an inbound gradient from its arrival to its B. A stage never consumes a message on the tick it
 was sent. Slot `n` of every buffer is a scratch slot that absorbs writes nobody will read.
+
+Messages travel on channels, each one `ppermute` per tick over fixed (source, target) stage
+pairs: one stage down (s -> s+1) or up (s -> s-1), wrapping round for the interleaved
+placement's forward (and backward) from the last stage to the first. Interleaved tables send
+activations down and gradients up, one channel each; the V sends both ways both ways, and a
+pair can send two messages the same way, so a table gets as many channels each way as its ops
+send at once. A message whose next chunk lives on the same stage (the V's turn) is filed into
+the stage's own inbox instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 
 import numpy as np
 
-from jscale.parallel.pipeline.schedules import B, F, IDLE, W, Table
+from jscale.parallel.pipeline import layout
+from jscale.parallel.pipeline.table import B, F, IDLE, W, Table
 
-# What a device computes in one tick (the executor's lax.switch branches).
+# What a device computes in one tick (the executor's lax.switch branches); a pair's code is
+# "<forward code>+<backward code>" (e.g. "f_first+bw"), appended to these when a table has pairs.
 CODES = ("idle", "f", "f_first", "f_last", "b", "b_first", "bw", "bw_first", "w")
 (C_IDLE, C_F, C_F_FIRST, C_F_LAST, C_B, C_B_FIRST, C_BW, C_BW_FIRST, C_W) = range(len(CODES))
+SEND_F, SEND_B = 1, 2  # `send`: a channel carries this tick's activation / gradient
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
   table: Table
-  code: np.ndarray  # [T, p]: index into CODES
-  mb: np.ndarray  # micro-batch (0 when idle)
-  local: np.ndarray  # which of the stage's chunks (c // p)
+  codes: tuple[str, ...]  # the switch's branches, by index
+  code: np.ndarray  # [T, p]: index into `codes`
+  mb: np.ndarray  # micro-batch of the op's first action (0 when idle)
+  local: np.ndarray  # which of the stage's chunks that action runs
+  mb_b: np.ndarray  # a pair's backward: its micro-batch (else = mb)
+  local_b: np.ndarray  # ... and its local chunk (else = local)
   res_write: np.ndarray  # residual slot an F fills (scratch otherwise)
   res_read: np.ndarray  # residual slot a B / BW / W reads
   stash_write: np.ndarray  # split backward: slot where B keeps its output gradient for W
   read_f: np.ndarray  # inbound-activation slot an F reads
   read_b: np.ndarray  # inbound-gradient slot a B reads
-  file_f: np.ndarray  # where the activation arriving at the start of the tick is filed
-  file_b: np.ndarray  # where the gradient arriving at the start of the tick is filed
-  self_b: np.ndarray  # where the last chunk's F puts its own head gradient
+  send: np.ndarray  # [T, p, K]: what channel k carries from this stage (0, SEND_F, SEND_B)
+  file_f: np.ndarray  # [T, p, K]: where an activation arriving on channel k is filed
+  file_b: np.ndarray  # [T, p, K]: where a gradient arriving on channel k is filed
+  self_f: np.ndarray  # where an F files its output for the next chunk on its own stage
+  self_b: np.ndarray  # where the last chunk's F files its head gradient, or a B its output
+  # gradient for the chunk before on its own stage
+  channels: tuple[tuple[tuple[int, int], ...], ...]  # per channel: its (source, target) pairs
+  carries: tuple[str, ...]  # per channel: "f", "b" or "fb", what it may carry
   n_res: int
   n_in_f: int
   n_in_b: int
 
+  @property
+  def has_pairs(self) -> bool:
+    """Whether some op is a forward + backward pair."""
+    return any("+" in code for code in self.codes)
+
   def executed(self, code: np.ndarray) -> np.ndarray:
     """Kinds (IDLE/F/B/W) of executor codes: for comparing what ran with the table. A fused
-    BW counts as B (its W tick ran no compute, the W was done with it)."""
-    kinds = np.array([IDLE, F, F, F, B, B, B, B, W])[code]
-    fused = (self.table.kind == W) & ~self.table.split
-    return np.where(fused & (code == C_IDLE), W, kinds)
+    op counts as its first action (its other ticks ran no compute: they were done with it)."""
+    first = {"f": F, "b": B, "w": W, "i": IDLE}
+    kinds = np.array([first[name[0]] for name in self.codes])[code]
+    inside = (self.table.starts() != np.arange(self.table.ticks)[:, None])
+    return np.where(inside & (code == C_IDLE), self.table.kind, kinds)
 
 
 def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
@@ -59,22 +86,59 @@ def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
   return slots, len(free_at)
 
 
+def _direction(table: Table, kind: int, src: int, dst: int) -> int:
+  """+1: a message one stage down (or round from the last to the first), -1: one stage up."""
+  if table.placement == "interleaved":
+    return 1 if kind == F else -1
+  return 1 if dst > src else -1
+
+
+def _perm(table: Table, d: int) -> tuple[tuple[int, int], ...]:
+  p = table.p
+  wraps = table.placement == "interleaved" and table.v > 1
+  down = [(i, (i + 1) % p) for i in range(p if wraps else p - 1)]
+  return tuple(down if d == 1 else [(j, i) for i, j in down])
+
+
+def _code(table: Table, op: list[tuple[int, int, int]]) -> str:
+  """The executor code of an op: its actions, fused."""
+  C = table.chunks
+
+  def one(kind: int, c: int, with_w: bool) -> str:
+    if kind == F:
+      return "f_first" if c == 0 else "f_last" if c == C - 1 else "f"
+    if kind == B:
+      return ("bw" if with_w else "b") + ("_first" if c == 0 else "")
+    return "w"
+
+  kinds = [k for k, _, _ in op]
+  if kinds[0] == F and len(op) > 1:  # a pair
+    return f"{one(F, op[0][2], False)}+{one(B, op[1][2], kinds[-1] == W)}"
+  return one(kinds[0], op[0][2], len(op) > 1)
+
+
 def compile_program(table: Table) -> Program:
   """Per-device executor arrays for `table` (any table `schedules.validate` accepts)."""
   p, C, T = table.p, table.chunks, table.ticks
   at = {(int(table.kind[t, s]), int(table.mb[t, s]), int(table.chunk[t, s])): int(t)
         for t, s in zip(*np.nonzero(table.kind))}
+  starts = table.starts()
+  stage = table.stage_of
+  run = lambda key: int(starts[at[key], stage(key[2])])  # the tick the executor runs it
+  # When a message can be read: the producer's run tick if it stays on its stage (filed after
+  # the switch), else the tick after (filed before the switch).
+  arrives = lambda key, dst: run(key) + (stage(key[2]) != dst)
   res, in_f, in_b = [[] for _ in range(p)], [[] for _ in range(p)], [[] for _ in range(p)]
   for (k, mb, c), t in at.items():
-    s = c % p
+    s = stage(c)
     if k != F:
       continue
     last = at.get((W, mb, c), at.get((B, mb, c), t))  # forward-only tables: until the F itself
     res[s].append((t, last, (mb, c)))
     if c > 0:
-      in_f[s].append((at[(F, mb, c - 1)] + 1, t, (mb, c)))
+      in_f[s].append((arrives((F, mb, c - 1), s), t, (mb, c)))
     if table.backward:
-      sent = t if c == C - 1 else at[(B, mb, c + 1)] + 1  # the head's gradient: this very F
+      sent = run((F, mb, c)) if c == C - 1 else arrives((B, mb, c + 1), s)
       in_b[s].append((sent, at[(B, mb, c)], (mb, c)))
   res_slots, in_f_slots, in_b_slots = [], [], []
   n_res = n_f = n_b = 1
@@ -85,36 +149,77 @@ def compile_program(table: Table) -> Program:
     n_res = max(n_res, len(set(res_slots[s].values())) or 1)
     n_f = max(n_f, len(set(in_f_slots[s].values())) or 1)
     n_b = max(n_b, len(set(in_b_slots[s].values())) or 1)
-  arrays = {name: np.zeros((T, p), np.int32) for name in ("code", "mb", "local")}
+
+  # The ops, at their first tick, and the messages they send on each channel.
+  ops: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
+  for t, s in zip(*np.nonzero(table.kind)):
+    ops[int(starts[t, s]), int(s)].append(
+        (int(table.kind[t, s]), int(table.mb[t, s]), int(table.chunk[t, s])))
+  sends: dict[tuple[int, int], list[tuple[int, int, tuple]]] = {}  # (t, s) -> (dir, what, to)
+  for (t, s), op in ops.items():
+    out = []
+    for k, mb, c in op:
+      to = (F, mb, c + 1) if k == F and c < C - 1 else (B, mb, c - 1) if k == B and c else None
+      if to is not None and stage(to[2]) != s:
+        out.append((_direction(table, k, s, stage(to[2])), k, to))
+    sends[t, s] = out
+  width = defaultdict(int)
+  for out in sends.values():
+    for d in (1, -1):
+      width[d] = max(width[d], sum(x[0] == d for x in out))
+  chan = [(d, j) for d in (1, -1) for j in range(width[d])]
+  K = len(chan)
+
+  codes = list(CODES)
+  arrays = {name: np.zeros((T, p), np.int32) for name in ("code", "mb", "local", "mb_b",
+                                                           "local_b")}
   scratch = {"res_write": n_res, "res_read": n_res, "stash_write": n_res, "read_f": n_f,
-             "read_b": n_b, "file_f": n_f, "file_b": n_b, "self_b": n_b}
+             "read_b": n_b, "self_f": n_f, "self_b": n_b}
   arrays.update({name: np.full((T, p), n, np.int32) for name, n in scratch.items()})
-  for (k, mb, c), t in at.items():
-    s, first, last = c % p, c == 0, c == C - 1
+  arrays["send"] = np.zeros((T, p, K), np.int32)
+  arrays["file_f"] = np.full((T, p, K), n_f, np.int32)
+  arrays["file_b"] = np.full((T, p, K), n_b, np.int32)
+  carries = [set() for _ in chan]
+  for (t, s), op in ops.items():
+    code = _code(table, op)
+    if code not in codes:
+      codes.append(code)
     a = lambda name, value: arrays[name].__setitem__((t, s), value)
-    a("mb", mb)
-    a("local", c // p)
-    if k == F:
-      a("code", C_F_FIRST if first else C_F_LAST if last else C_F)
-      a("res_write", res_slots[s][(mb, c)])
-      if not first:
-        a("read_f", in_f_slots[s][(mb, c)])
-      if last and table.backward:
-        a("self_b", in_b_slots[s][(mb, c)])
-      if not first:  # the activation arrived from the previous chunk's stage
-        arrays["file_f"][at[(F, mb, c - 1)] + 1, s] = in_f_slots[s][(mb, c)]
-    elif k == B:
-      a("code", (C_B_FIRST if first else C_B) if table.split else
-        (C_BW_FIRST if first else C_BW))
-      a("res_read", res_slots[s][(mb, c)])
-      a("read_b", in_b_slots[s][(mb, c)])
-      if table.split:
-        a("stash_write", res_slots[s][(mb, c)])
-      if not last:
-        arrays["file_b"][at[(B, mb, c + 1)] + 1, s] = in_b_slots[s][(mb, c)]
-    elif k == W:
-      if table.split:
-        a("code", C_W)
+    a("code", codes.index(code))
+    a("mb", op[0][1])
+    a("local", layout.local_of(op[0][2], p, table.placement))
+    a("mb_b", op[-1][1])
+    a("local_b", layout.local_of(op[-1][2], p, table.placement))
+    for k, mb, c in op:
+      if k == F:
+        a("res_write", res_slots[s][(mb, c)])
+        if c > 0:
+          a("read_f", in_f_slots[s][(mb, c)])
+        if c == C - 1 and table.backward:
+          a("self_b", in_b_slots[s][(mb, c)])
+        elif c < C - 1 and stage(c + 1) == s:
+          a("self_f", in_f_slots[s][(mb, c + 1)])
+      elif k == B:
         a("res_read", res_slots[s][(mb, c)])
-      # else: done with its B (fused full backward); the tick stays idle
-  return Program(table, n_res=n_res, n_in_f=n_f, n_in_b=n_b, **arrays)
+        a("read_b", in_b_slots[s][(mb, c)])
+        if table.split and len(op) == 1 or op[-1][0] == B:  # W comes later: keep dy for it
+          a("stash_write", res_slots[s][(mb, c)])
+        if c > 0 and any(x[0] == F and x[2] == C - 1 for x in op):
+          raise ValueError(f"tick {t}, stage {s}: a pair of the last chunk's F (its head "
+                           "gradient) with a B that hands a gradient on: one gradient an op")
+        if c > 0 and stage(c - 1) == s:
+          a("self_b", in_b_slots[s][(mb, c - 1)])
+      elif k == W and len(op) == 1 and table.split:
+        a("res_read", res_slots[s][(mb, c)])
+    used = defaultdict(int)
+    for d, k, to in sends[t, s]:
+      ch = chan.index((d, used[d]))
+      used[d] += 1
+      dst = stage(to[2])
+      arrays["send"][t, s, ch] = SEND_F if k == F else SEND_B
+      carries[ch].add("f" if k == F else "b")
+      slot = in_f_slots[dst][to[1:]] if k == F else in_b_slots[dst][(to[1], to[2])]
+      arrays["file_f" if k == F else "file_b"][t + 1, dst, ch] = slot
+  return Program(table, codes=tuple(codes), n_res=n_res, n_in_f=n_f, n_in_b=n_b,
+                 channels=tuple(_perm(table, d) for d, _ in chan),
+                 carries=tuple("".join(sorted(c, key="fb".index)) for c in carries), **arrays)

@@ -1,74 +1,65 @@
 """Pipeline schedules as data: for every tick and stage, the action it runs.
 
-A schedule is a `Table`: `kind[t, s]` (IDLE, F, B or W), `mb[t, s]` (micro-batch) and
-`chunk[t, s]` (model chunk; chunk c lives on stage c % p, so with v virtual stages each stage
-holds chunks s, s+p, ..., the interleaved layout). Time is in unit ticks costing F = B = W = 1:
-B is the input gradient (what the previous stage waits for) and W the weight gradient. Schedules
-without the split (AFAB, 1F1B, interleaved) run W right after B on the same stage, and the stage
-before waits for both (a full backward, t_b = 2 t_f, sends its gradient at its end); zero-bubble
-(ZB-H1) sends after B and defers W into the bubbles.
+A schedule is a `Table` (`table.py`): `kind[t, s]` (IDLE, F, B or W), `mb[t, s]` (micro-batch)
+and `chunk[t, s]` (model chunk; the placement says on which stage it lives, `layout.py`: the
+interleaved chunk c % p, or the V of ZB-V and DualPipeV). Time is in unit ticks costing
+F = B = W = 1: B is the input gradient (what the previous stage waits for) and W the weight
+gradient. Schedules without the split (AFAB, 1F1B, interleaved) run W right after B on the same
+stage, and the stage before waits for both (a full backward, t_b = 2 t_f, sends its gradient at
+its end); zero-bubble (ZB-H1) sends after B and defers W into the bubbles.
 
-Every table is built by one list scheduler (`_simulate`): each stage walks its forward and
-backward orders, at each tick doing the first of {F, B} whose inputs have arrived (a message
-sent at tick t can be used from tick t+1) and whose in-flight limit allows it, else a deferred
-W, else idling. The schedules differ only in orders and limits: AFAB lets all m forwards run
+The four interleaved tables are built by one list scheduler (`_simulate`): each stage walks its
+forward and backward orders, at each tick doing the first of {F, B} whose inputs have arrived (a
+message sent at tick t can be used from tick t+1) and whose in-flight limit allows it, else a
+deferred W, else idling. They differ only in orders and limits: AFAB lets all m forwards run
 first, 1F1B keeps p - s in flight on stage s, interleaved p - s + (v-1)p, and ZB-H1 is 1F1B
-whose W's wait for idle ticks (at most p of them pending).
+whose W's wait for idle ticks (at most p of them pending). The V-shaped ones (ZB-V, DualPipeV)
+are per-stage op orders placed in order (`vshape.py`); DualPipeV's ops include forward +
+backward pairs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
-IDLE, F, B, W = 0, 1, 2, 3
+from jscale.parallel.pipeline import layout, vshape
+from jscale.parallel.pipeline.table import B, F, IDLE, NAMES, W, Table
+
+__all__ = ["B", "F", "IDLE", "NAMES", "W", "Table", "SCHEDULES", "theory_bubble",
+           "theory_in_flight", "why_not", "check_args", "make_table", "forward_table",
+           "validate"]
+
 # pipeline.schedule's values (a test keeps them equal to the config's Literal).
-SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble")
-NAMES = {IDLE: ".", F: "F", B: "B", W: "W"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Table:
-  """An action table. `bound`: residual sets (F done, W not yet) a stage may hold at once."""
-  name: str
-  p: int  # stages
-  m: int  # micro-batches
-  v: int  # chunks per stage
-  split: bool  # B and W may be apart (zero bubble); else W always follows B at once
-  bound: int
-  kind: np.ndarray  # [T, p] int
-  mb: np.ndarray  # [T, p] int (-1 when idle)
-  chunk: np.ndarray  # [T, p] int, model chunk (-1 when idle)
-  backward: bool = True  # False: forwards only (evaluation)
-
-  @property
-  def ticks(self) -> int:
-    return self.kind.shape[0]
-
-  @property
-  def chunks(self) -> int:
-    return self.p * self.v
-
-  def bubble(self) -> float:
-    """Idle cells over busy cells (the playbook's bubble relative to useful work)."""
-    busy = int(np.count_nonzero(self.kind))
-    return (self.kind.size - busy) / busy
-
-  def live(self) -> np.ndarray:
-    """[T, p]: residual sets held at the end of each tick (F done and W not yet)."""
-    delta = (self.kind == F).astype(int) - (self.kind == W).astype(int)
-    return np.cumsum(delta, axis=0)
+SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
 
 
 def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:
   """Idle over useful time with F = B = W = 1: (p-1)/m for AFAB and 1F1B, (p-1)/(v m) for
-  interleaved, and for ZB-H1 (p-1)(F+B-W) / (m (F+B+W)) = (p-1)/(3m)."""
+  interleaved, and for ZB-H1 (p-1)(F+B-W) / (m (F+B+W)) = (p-1)/(3m). V-shaped, 6m useful ticks
+  a stage: ZB-V idles each stage only while the pipeline fills and drains, p − 1 ticks (the
+  paper's zero bubble: every stage busy from its first action to its last), or 2(2p − 1 − m)
+  when fewer than 2p − 1 micro-batches leave its warm-up short; DualPipeV the DualPipe report's
+  (PP/2 − 1)(F&B + B − 3W) with PP = 2p chunks, a pair F&B = F + B + W = 3 ticks and the full
+  backward B = 2: 2(p − 1) ticks."""
   if name == "interleaved":
     return (p - 1) / (v * m)
   if name == "zero_bubble":
     return (p - 1) / (3 * m)
+  if name == "zbv":
+    return max(p - 1, 2 * (2 * p - 1 - m)) / (6 * m)
+  if name == "dualpipev":
+    pp, f_and_b, b_full, w = 2 * p, 3, 2, 1  # PP: the report's stages, our chunks
+    return (pp / 2 - 1) * (f_and_b + b_full - 3 * w) / (6 * m)
   return (p - 1) / m
+
+
+def theory_in_flight(name: str, p: int, m: int, v: int = 1) -> int:
+  """The most residual sets (one chunk for one micro-batch) a stage holds at once, by the
+  papers: AFAB m, 1F1B p, interleaved v·p (Megatron), ZB-H1 2p − 1 here (its W keeps the whole
+  set), ZB-V 2p (1F1B's p micro-batches of a whole stage, in half-stage chunks) and DualPipeV
+  PP + 1 = 2p + 1 (the DualPipe report's table)."""
+  return {"afab": m, "1f1b": p, "interleaved": v * p, "zero_bubble": min(m, 2 * p - 1),
+          "zbv": 2 * p, "dualpipev": 2 * p + 1}[name]
 
 
 def why_not(name: str, p: int, m: int, v: int) -> str | None:
@@ -87,12 +78,20 @@ def why_not(name: str, p: int, m: int, v: int) -> str | None:
     if m % p:
       return (f"pipeline.schedule=interleaved needs pipeline.microbatches ({m}) to be a "
               f"multiple of mesh.stage ({p}): micro-batches go round in groups of p")
+  elif name in layout.V_SCHEDULES:
+    if v != 2:
+      return (f"pipeline.schedule={name} runs two chunks per stage in a V: set "
+              f"pipeline.virtual_stages=2 (not {v})")
   elif v != 1:
-    return (f"pipeline.virtual_stages={v} is only for pipeline.schedule=interleaved; "
-            "set it to 1")
-  if name in ("1f1b", "zero_bubble") and m < p:
+    return (f"pipeline.virtual_stages={v} is only for pipeline.schedule=interleaved (or 2 for "
+            "zbv and dualpipev); set it to 1")
+  if name in ("1f1b", "zero_bubble", "zbv") and m < p:
     return (f"pipeline.schedule={name} needs pipeline.microbatches ({m}) >= mesh.stage "
             f"({p}) to fill the pipeline; raise microbatches or use afab")
+  if name == "dualpipev" and m < 2 * p:
+    return (f"pipeline.schedule=dualpipev needs pipeline.microbatches ({m}) >= 2 x mesh.stage "
+            f"({2 * p}): its steady state pairs a forward with an older micro-batch's "
+            "backward; raise microbatches or use zbv")
   return None
 
 
@@ -105,6 +104,11 @@ def check_args(name: str, p: int, m: int, v: int) -> None:
 def make_table(name: str, p: int, m: int, v: int = 1) -> Table:
   """The action table of schedule `name` for p stages, m micro-batches, v chunks per stage."""
   check_args(name, p, m, v)
+  bound = theory_in_flight(name, p, m, v)
+  if name in layout.V_SCHEDULES:
+    orders = (vshape.zbv_orders if name == "zbv" else vshape.dualpipev_orders)(p, m)
+    kind, mb, chunk, fuse = vshape.place(p, orders)
+    return Table(name, p, m, v, True, bound, kind, mb, chunk, placement="v", fuse=fuse)
   # Forward order on each stage: micro-batches in groups of p, going through the stage's
   # chunks group by group (Megatron's interleaved order; plain micro-batch order when v = 1).
   order = [((k // (p * v)) * p + k % p, (k % (p * v)) // p) for k in range(m * v)]
@@ -115,13 +119,17 @@ def make_table(name: str, p: int, m: int, v: int = 1) -> Table:
   else:  # in flight at once: p - s (1F1B), plus a round of p per extra chunk when interleaved
     limit, f_first = [(v - 1) * p + p - s for s in range(p)], True
   split = name == "zero_bubble"
-  bound = {"afab": m, "1f1b": p, "interleaved": v * p, "zero_bubble": min(m, 2 * p - 1)}[name]
   kind, mb, chunk = _simulate(p, v, fwd, bwd, limit, split, f_first)
   return Table(name, p, m, v, split, bound, kind, mb, chunk)
 
 
-def forward_table(p: int, m: int, v: int = 1) -> Table:
-  """Forwards only (evaluation): every stage runs its forwards as soon as their inputs arrive."""
+def forward_table(p: int, m: int, v: int = 1, placement: str = "interleaved") -> Table:
+  """Forwards only (evaluation): every stage runs its forwards as soon as their inputs arrive
+  (V placement: in ZB-V's order)."""
+  if placement == "v":
+    kind, mb, chunk, fuse = vshape.place(p, vshape.forward_orders(p, m))
+    return Table("forward", p, m, v, False, m * v, kind, mb, chunk, backward=False,
+                 placement="v", fuse=fuse)
   order = [((k // (p * v)) * p + k % p, (k % (p * v)) // p) for k in range(m * v)]
   fwd = [[(mb, j * p + s) for mb, j in order] for s in range(p)]
   kind, mb, chunk = _simulate(p, v, fwd, [[] for _ in range(p)], [m * v] * p, False, True)
@@ -182,8 +190,9 @@ def _simulate(p, v, fwd, bwd, limit, split, f_first):
 
 def validate(table: Table) -> None:
   """Raises ValueError unless `table` is runnable: chunks on their stage, each (micro-batch,
-  chunk) with exactly one F, B and W, dependencies one tick or more apart, and at most
-  `table.bound` residual sets held by any stage."""
+  chunk) with exactly one F, B and W, fused ops a full backward or a forward + backward pair,
+  every input produced before the op that needs it starts (an op hands its outputs on when it
+  ends), and at most `table.bound` residual sets held by any stage."""
   p, C = table.p, table.chunks
   at: dict[tuple[int, int, int], tuple[int, int]] = {}
   for t, s in zip(*np.nonzero(table.kind)):
@@ -191,8 +200,8 @@ def validate(table: Table) -> None:
     where = f"tick {t}, stage {s}: {NAMES[key[0]]} mb {key[1]} chunk {key[2]}"
     if not (0 <= key[1] < table.m and 0 <= key[2] < C):
       raise ValueError(f"{where}: micro-batch or chunk out of range")
-    if key[2] % p != s:
-      raise ValueError(f"{where}: chunk {key[2]} lives on stage {key[2] % p}")
+    if table.stage_of(key[2]) != s:
+      raise ValueError(f"{where}: chunk {key[2]} lives on stage {table.stage_of(key[2])}")
     if key in at:
       raise ValueError(f"{where}: already ran at tick {at[key][0]}")
     at[key] = (int(t), int(s))
@@ -202,21 +211,26 @@ def validate(table: Table) -> None:
       missing = [NAMES[k] for k in kinds if (k, mb, c) not in at]
       if missing:
         raise ValueError(f"mb {mb} chunk {c}: no {'/'.join(missing)}")
+  _check_fused(table)
+  start, end = table.starts(), table.ends()
+  begins = lambda key: start[at[key]]  # the op of `key` starts / ends
+  ends = lambda key: end[at[key]]
   for mb in range(table.m):
     for c in range(C):
       if not table.backward:
         if any((k, mb, c) in at for k in (B, W)):
           raise ValueError(f"forward table: mb {mb} chunk {c} has a B or W")
-        if c and at[(F, mb, c)][0] <= at[(F, mb, c - 1)][0]:
+        if c and begins((F, mb, c)) <= ends((F, mb, c - 1)):
           raise ValueError(f"mb {mb} chunk {c}: F must come after F of the chunk before")
         continue
       ticks = {k: at[(k, mb, c)][0] for k in (F, B, W)}
-      need = [(F, ticks[F] > (at[(F, mb, c - 1)][0] if c else -1), "after F of the chunk before"),
-              (B, ticks[B] > ticks[F], "after its F"),
+      need = [(F, not c or begins((F, mb, c)) > ends((F, mb, c - 1)),
+               "after F of the chunk before"),
+              (B, begins((B, mb, c)) > ends((F, mb, c)), "after its F"),
               (W, ticks[W] > ticks[B], "after its B")]
       if c < C - 1:
-        before = at[(B if table.split else W, mb, c + 1)][0]
-        need.append((B, ticks[B] > before, "after the backward of the chunk after"))
+        need.append((B, begins((B, mb, c)) > ends((B, mb, c + 1)),
+                     "after the backward of the chunk after"))
       if not table.split:
         need.append((W, ticks[W] == ticks[B] + 1, "right after its B (no split)"))
       for k, ok, what in need:
@@ -225,3 +239,20 @@ def validate(table: Table) -> None:
   peak = int(table.live().max())
   if peak > table.bound:
     raise ValueError(f"a stage holds {peak} residual sets, above the bound {table.bound}")
+
+
+def _check_fused(table: Table) -> None:
+  """Fused ops are a full backward (B then its W) or a pair: F, then a B (and its W)."""
+  fused = table.with_next()
+  for t, s in zip(*np.nonzero(fused & (table.starts() == np.arange(table.ticks)[:, None]))):
+    n = table.ends()[t, s] - t + 1
+    cells = [(int(table.kind[u, s]), int(table.mb[u, s]), int(table.chunk[u, s]))
+             for u in range(t, t + n)]
+    kinds = tuple(k for k, _, _ in cells)
+    backward = cells[1:] if kinds[0] == F else cells
+    ok = (kinds in ((B, W), (F, B), (F, B, W)) and table.backward
+          and (len(backward) == 1 or backward[0][1:] == backward[1][1:]))
+    if not ok:
+      raise ValueError(f"tick {t}, stage {s}: fused {''.join(NAMES[k] for k in kinds)} is "
+                       "neither a full backward (B then its W) nor a pair (F, then B, "
+                       "optionally its W)")

@@ -1,29 +1,48 @@
-"""Pictures of an action table: an ASCII timeline and a PNG (matplotlib, imported on use)."""
+"""Pictures of an action table: an ASCII timeline and a PNG (matplotlib, imported on use).
+A forward + backward pair (DualPipeV) shows as one op: its backward's cells marked "&" in the
+ASCII timeline, one black frame round its cells in the PNG."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from jscale.parallel.pipeline.schedules import IDLE, NAMES, Table, theory_bubble
+from jscale.parallel.pipeline import layout
+from jscale.parallel.pipeline.schedules import (IDLE, NAMES, SCHEDULES, Table, theory_bubble,
+                                                theory_in_flight)
 
 
-def _cell(table: Table, t: int, s: int) -> str:
+def _local(table: Table, t: int, s: int) -> int:
+  return layout.local_of(int(table.chunk[t, s]), table.p, table.placement)
+
+
+def _cell(table: Table, t: int, s: int, in_pair: np.ndarray) -> str:
   k = int(table.kind[t, s])
   if k == IDLE:
     return "."
-  text = f"{NAMES[k]}{table.mb[t, s]}"
+  text = ("&" if in_pair[t, s] else "") + f"{NAMES[k]}{table.mb[t, s]}"
   if table.v > 1:  # which of the stage's chunks: a, b, c, ...
-    text += "abcdefgh"[table.chunk[t, s] // table.p]
+    text += "abcdefgh"[_local(table, t, s)]
   return text
+
+
+def _pair_cells(table: Table) -> np.ndarray:
+  """[T, p] bool: the cells after a pair's F, inside its op."""
+  starts = table.starts()
+  return np.take_along_axis(table.paired(), starts, axis=0) & (
+      starts != np.arange(table.ticks)[:, None])
 
 
 def ascii_timeline(table: Table) -> str:
   """One row per stage, one column per tick: F3 = forward of micro-batch 3 (F3b: of the stage's
   second chunk), B = input gradient, W = weight gradient, . = idle."""
-  cells = [[_cell(table, t, s) for t in range(table.ticks)] for s in range(table.p)]
+  in_pair = _pair_cells(table)
+  cells = [[_cell(table, t, s, in_pair) for t in range(table.ticks)] for s in range(table.p)]
   width = max(len(c) for row in cells for c in row)
   lines = [f"{table.name}: p={table.p} m={table.m} v={table.v}, {table.ticks} ticks, bubble "
            f"{table.bubble():.3f} (theory {theory_bubble(table.name, table.p, table.m, table.v):.3f})"]
+  if table.name in SCHEDULES:
+    lines[0] += (f", residual sets {table.live().max()} (theory "
+                 f"{theory_in_flight(table.name, table.p, table.m, table.v)})")
   for s, row in enumerate(cells):
     lines.append(f"stage {s} |" + " ".join(c.rjust(width) for c in row))
   return "\n".join(lines)
@@ -44,10 +63,13 @@ def render_png(table: Table, path: str) -> None:
       k = int(table.kind[t, s])
       if k == IDLE:
         continue
-      fade = (table.chunk[t, s] // table.p) / max(1, table.v)
+      fade = _local(table, t, s) / max(1, table.v)
       color = tuple(c + (1 - c) * 0.55 * fade for c in _COLORS[k])
       ax.add_patch(plt.Rectangle((t, s), 1, 1, facecolor=color, edgecolor="white", lw=0.8))
       ax.text(t + 0.5, s + 0.5, str(table.mb[t, s]), ha="center", va="center", fontsize=7)
+  for t, s in zip(*np.nonzero(table.paired())):  # a pair: one op, one frame
+    n = table.ends()[t, s] - t + 1
+    ax.add_patch(plt.Rectangle((t, s), n, 1, fill=False, edgecolor="black", lw=1.2))
   ax.set_xlim(0, table.ticks)
   ax.set_ylim(table.p, 0)
   ax.set_yticks(np.arange(table.p) + 0.5, [f"stage {s}" for s in range(table.p)])
