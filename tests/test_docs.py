@@ -2,8 +2,10 @@
 a relative link in README.md and docs/*.md names a file or directory of this repository."""
 
 import glob
+import json
 import os
 import re
+import sys
 
 import pytest
 
@@ -109,3 +111,17 @@ def test_there_are_docs():
 def test_cited_paths_exist(doc):
   problems = sorted(set(_cited(doc)))
   assert not problems, "\n".join(f"{doc}: `{t}`: {why}" for t, why in problems)
+
+
+def test_readme_quickstart_figures_are_the_measured_ones():
+  """The README's quick-start sentence is `scripts/quickstart_figures.py`'s rendering of
+  results/quickstart.json (a measured tiny run and test count), not typed figures."""
+  sys.path.insert(0, os.path.join(ROOT, "scripts"))
+  import quickstart_figures as qf  # pylint: disable=import-outside-toplevel
+  with open(qf.RESULT, encoding="utf-8") as f:
+    fig = json.load(f)
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    text = f.read()
+  said = text[text.index(qf.BEGIN) + len(qf.BEGIN):text.index(qf.END)].strip()
+  assert said == qf.render(fig), "rerun python scripts/quickstart_figures.py"
+  assert fig["last_loss"] < fig["first_loss"] - 2
