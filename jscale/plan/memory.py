@@ -171,7 +171,9 @@ def schedule_table(schedule: str, p: int, m: int, v: int) -> schedules.Table:
 def channels(schedule: str, p: int, m: int, v: int) -> int:
   """Activation-sized sends a stage makes every tick (`pipeline.program`'s channels: 2, one
   each way; DualPipeV 4, since a pair sends its forward's and its backward's the same way)."""
-  return len(program.compile_program(schedule_table(schedule, p, m, v)).channels)
+  # A property of the schedule's shape, not of m: read it off 2p micro-batches (valid for every
+  # schedule), since compiling the program of a large m takes seconds per candidate.
+  return len(program.compile_program(schedule_table(schedule, p, min(m, 2 * p), v)).channels)
 
 
 def in_flight(schedule: str, p: int, m: int, v: int) -> int:
