@@ -22,7 +22,8 @@ from jax.sharding import Mesh
 
 from jscale import distributed
 from jscale.ckpt import init_from
-from jscale.config import Config, ConfigError, ModelConfig, MoeConfig, choices
+from jscale.config import (Config, ConfigError, ModelConfig, MoeConfig, RopeScalingConfig,
+                           choices)
 from jscale.data import tokenizer_vocab_size
 from jscale.fp8 import linears as fp8_linears
 from jscale.model import attention as attn_lib
@@ -78,11 +79,21 @@ def check_config(cfg: Config) -> None:
                       f"{m.n_kv_heads}: set n_kv_heads to a divisor of n_heads (GQA groups)")
   if m.rope_scaling is not None:
     rs = m.rope_scaling
+    if rs.rope_type not in choices(RopeScalingConfig, "rope_type"):
+      raise ConfigError(f"model.rope_scaling.rope_type={rs.rope_type!r}: choose "
+                        f"{' or '.join(choices(RopeScalingConfig, 'rope_type'))}")
     if rs.factor < 1 or rs.low_freq_factor <= 0 or rs.high_freq_factor <= rs.low_freq_factor:
       raise ConfigError("model.rope_scaling needs factor >= 1 and 0 < low_freq_factor < "
                         f"high_freq_factor, got {rs}")
   if m.moe is not None:
     _check_moe(m)
+  if m.mla is not None or (m.rope_scaling is not None and m.rope_scaling.rope_type == "yarn"):
+    _check_mla(m)
+  if m.mtp is not None:
+    _check_mtp(cfg)
+  if cfg.fp8.enabled and (m.mla is not None or m.mtp is not None or m.first_dense):
+    raise ConfigError("fp8.enabled with model.mla, model.mtp or model.moe.first_dense: FP8 "
+                      "linears cover the Llama / Mixtral blocks only; set fp8.enabled=false")
   if cfg.fp8.enabled:
     _check_fp8(cfg)
   if t.batch_size % t.microbatches:
@@ -149,8 +160,79 @@ def _check_moe(m: ModelConfig) -> None:
                       f"{m.n_layers} (layers are stacked in groups of every-1 dense + 1 MoE)")
   if e.capacity_factor <= 0:
     raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} must be positive")
-  if e.aux_loss_weight < 0 or e.z_loss_weight < 0:
-    raise ConfigError("model.moe.aux_loss_weight and z_loss_weight must be >= 0 (0 disables)")
+  if e.aux_loss_weight < 0 or e.z_loss_weight < 0 or e.seq_aux_loss_weight < 0:
+    raise ConfigError("model.moe.aux_loss_weight, z_loss_weight and seq_aux_loss_weight must be "
+                      ">= 0 (0 disables)")
+  _check_routing(m)
+
+
+def _check_routing(m: ModelConfig) -> None:
+  """DeepSeek-V3's routing keys (`jscale.model.router`)."""
+  e = m.moe
+  if e.router not in choices(MoeConfig, "router"):
+    raise ConfigError(f"model.moe.router={e.router!r}: choose "
+                      f"{' or '.join(choices(MoeConfig, 'router'))}")
+  if e.n_group < 1 or e.n_experts % e.n_group:
+    raise ConfigError(f"model.moe.n_group={e.n_group} must be >= 1 and divide "
+                      f"model.moe.n_experts={e.n_experts} (equal groups of experts)")
+  if e.n_group > 1 and e.n_experts // e.n_group < 2:
+    raise ConfigError(f"model.moe.n_group={e.n_group} leaves {e.n_experts // e.n_group} expert "
+                      "per group: a group is scored by its two best experts; use fewer groups")
+  if not 1 <= e.topk_group <= e.n_group:
+    raise ConfigError(f"model.moe.topk_group={e.topk_group} must lie in [1, model.moe.n_group="
+                      f"{e.n_group}]")
+  if e.top_k > e.topk_group * (e.n_experts // e.n_group):
+    raise ConfigError(f"model.moe.top_k={e.top_k} exceeds the {e.topk_group} x "
+                      f"{e.n_experts // e.n_group} experts of topk_group groups: raise "
+                      "model.moe.topk_group or lower top_k")
+  if e.bias_update_rate < 0 or (e.bias_update_rate and e.router != "sigmoid"):
+    raise ConfigError(f"model.moe.bias_update_rate={e.bias_update_rate}: must be >= 0, and the "
+                      "balancing bias exists with model.moe.router=sigmoid only")
+  if e.routed_scaling_factor <= 0:
+    raise ConfigError(f"model.moe.routed_scaling_factor={e.routed_scaling_factor} must be "
+                      "positive")
+  if e.first_dense < 0 or e.first_dense >= m.n_layers:
+    raise ConfigError(f"model.moe.first_dense={e.first_dense} must lie in [0, model.n_layers="
+                      f"{m.n_layers}) (the leading dense layers, then the MoE stack)")
+  if e.first_dense and e.every != 1:
+    raise ConfigError(f"model.moe.first_dense={e.first_dense} with model.moe.every={e.every}: "
+                      "use one of them (DeepSeek: every=1 after the dense prefix)")
+
+
+def _check_mla(m: ModelConfig) -> None:
+  """Multi-head latent attention and YaRN (`jscale.model.mla`, `jscale.model.rope`)."""
+  if m.mla is None:
+    raise ConfigError("model.rope_scaling.rope_type=yarn needs model.mla: jscale applies YaRN's "
+                      "attention scales in MLA only (DeepSeek-V3's); use rope_type=llama3")
+  a = m.mla
+  for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+    if getattr(a, key) <= 0:
+      raise ConfigError(f"model.mla.{key}={getattr(a, key)} must be positive")
+  if a.q_lora_rank < 0:
+    raise ConfigError(f"model.mla.q_lora_rank={a.q_lora_rank} must be >= 0 (0: no low-rank "
+                      "query)")
+  if a.qk_rope_head_dim % 2:
+    raise ConfigError(f"model.mla.qk_rope_head_dim={a.qk_rope_head_dim} must be even for RoPE")
+  if m.n_kv_heads != m.n_heads:
+    raise ConfigError(f"model.mla with model.n_kv_heads={m.n_kv_heads}: MLA's keys and values "
+                      f"have one head per query head; set model.n_kv_heads={m.n_heads}")
+  rs = m.rope_scaling
+  if rs is not None and rs.rope_type == "yarn" and (rs.beta_fast <= rs.beta_slow or
+                                                    rs.beta_slow <= 0):
+    raise ConfigError(f"model.rope_scaling (yarn) needs beta_fast > beta_slow > 0, got "
+                      f"{rs.beta_fast} and {rs.beta_slow}")
+
+
+def _check_mtp(cfg: Config) -> None:
+  """Multi-token prediction (`jscale.model.mtp`)."""
+  mtp = cfg.model.mtp
+  if mtp.depth < 1:
+    raise ConfigError(f"model.mtp.depth={mtp.depth} must be >= 1 (or model.mtp: null)")
+  if mtp.loss_weight < 0:
+    raise ConfigError(f"model.mtp.loss_weight={mtp.loss_weight} must be >= 0")
+  if mtp.depth >= cfg.train.seq_len:
+    raise ConfigError(f"model.mtp.depth={mtp.depth} must be below train.seq_len="
+                      f"{cfg.train.seq_len}: depth d predicts token t+1+d within the window")
 
 
 def _check_fp8(cfg: Config) -> None:
@@ -194,6 +276,14 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
       raise ConfigError(f"model.attention_impl=cudnn with mesh.sequence={cp}: cuDNN's mask is "
                         "by index, not by token position; use model.attention_impl=ring, "
                         "pallas (the ring with flash-kernel blocks) or xla")
+    if m.mtp is not None:
+      raise ConfigError(f"model.mtp with mesh.sequence={cp}: multi-token prediction shifts the "
+                        "labels along the sequence, which context parallelism splits; set "
+                        "mesh.sequence=1 or model.mtp=null")
+  if m.attention_impl == "cudnn" and m.v_head_dim != m.qk_head_dim:
+    raise ConfigError(f"model.attention_impl=cudnn with model.mla: V's head size "
+                      f"{m.v_head_dim} differs from Q's {m.qk_head_dim}, which cuDNN "
+                      "(jax.nn.dot_product_attention) cannot take; use xla, pallas or ring")
   check_backend(cfg, mesh.devices.flat[0].platform)
   if m.attention_impl == "pallas":
     check_flash_attention(cfg, sizes)
@@ -261,14 +351,17 @@ def flash_attention_why_not(cfg: Config, sizes: dict[str, int]) -> str | None:
   dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
   b = max(t.batch_size // (dp * t.microbatches), 1)
   h, g = m.n_heads // sizes["tensor"], m.n_kv_heads // sizes["tensor"]
-  k = m.resolved_head_dim
+  k, kv = m.qk_head_dim, m.v_head_dim
   # Under context parallelism the kernel runs on the ring's blocks: one sequence chunk each.
   cp = sizes["sequence"]
   chunk = t.seq_len // (cp * parts(cfg.parallel.context_layout)) if cp > 1 else t.seq_len
-  why = flash_why_not((b, chunk, h, k), (b, chunk, g, k), causal=True)
+  why = flash_why_not((b, chunk, h, k), (b, chunk, g, k), causal=True,
+                      v_shape=(b, chunk, g, kv))
   if why is None:
     return None
-  key = f"model.head_dim={k}" if "head_dim" in why else f"train.seq_len={t.seq_len}"
+  key = ((f"model.head_dim={k}" if m.mla is None else
+          f"model.mla (q/k head {k}, v head {kv})") if "head_dim" in why
+         else f"train.seq_len={t.seq_len}")
   return (f"model.attention_impl=pallas cannot run with {key}: {why}; use "
           "model.attention_impl=xla, or a shape the kernel tiles")
 
@@ -291,9 +384,13 @@ def _check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
   if why is not None:
     raise ConfigError(why)
   chunks = p * pc.virtual_stages
-  if cfg.model.n_layers % chunks:
-    raise ConfigError(f"model.n_layers={cfg.model.n_layers} is not divisible by mesh.stage x "
-                      f"pipeline.virtual_stages ({chunks}): each chunk needs as many layers")
+  stack = cfg.model.stack_layers
+  if stack % chunks:
+    dense = (f" - model.moe.first_dense={cfg.model.first_dense} (those run in the first stage)"
+             if cfg.model.first_dense else "")
+    raise ConfigError(f"model.n_layers={cfg.model.n_layers}{dense} is not divisible by "
+                      f"mesh.stage x pipeline.virtual_stages ({chunks}): each chunk needs as "
+                      "many layers")
   if t.microbatches != 1:
     raise ConfigError(f"train.microbatches={t.microbatches} with mesh.stage={p}: the pipeline "
                       "splits the batch itself; set pipeline.microbatches instead (and "

@@ -13,6 +13,9 @@ import jax.numpy as jnp
 from jscale.parallel.comms import LOCAL, Comms
 
 Batch = dict[str, jax.Array]
+# The loss function's statistics that are terms of the objective (already means over tokens
+# and micro-batches): MoE's weighted router losses, multi-token prediction's.
+OBJECTIVE = ("moe_loss", "mtp_objective")
 
 
 class Grads(NamedTuple):
@@ -71,7 +74,8 @@ def _grad_loop(comms: Comms, loss_fn: Callable, params, dot_state, batch: Batch,
   def scaled_loss(p, d, mb):
     loss_sum, _, stats = loss_fn(p, mb, comms=step_comms, dot_state=d)
     stats = jax.tree.map(lambda x: x / microbatches, stats)
-    return loss_sum * scale + stats.pop("moe_loss", 0.0), (loss_sum * scale, stats)
+    return (loss_sum * scale + sum(stats.pop(k, 0.0) for k in OBJECTIVE),
+            (loss_sum * scale, stats))
 
   grad_fn = jax.value_and_grad(scaled_loss, argnums=(0, 1), has_aux=True)
 
@@ -94,7 +98,7 @@ def _grad_loop(comms: Comms, loss_fn: Callable, params, dot_state, batch: Batch,
   first = jax.tree.map(lambda x: x[0], mbs)
   stats = jax.eval_shape(lambda: loss_fn(wrt, first, comms=step_comms,
                                          dot_state=dot_state)[2])  # forward only
-  stats0 = {k: jnp.zeros(v.shape, v.dtype) for k, v in stats.items() if k != "moe_loss"}
+  stats0 = {k: jnp.zeros(v.shape, v.dtype) for k, v in stats.items() if k not in OBJECTIVE}
   zeros = (comms.zero_grads(params), jax.tree.map(jnp.zeros_like, dot_state),
            (jnp.zeros((), jnp.float32), stats0))
   (grads, new_dots, (loss, stats)), _ = jax.lax.scan(body, zeros, mbs)

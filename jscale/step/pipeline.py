@@ -21,7 +21,7 @@ from jscale.model import moe as moe_lib
 from jscale.parallel.comms import Comms
 from jscale.parallel.pipeline import executor, program as prog_lib, schedules
 from jscale.step.accumulate import Grads, split_microbatches, token_count
-from jscale.step.loss import head_loss_sums
+from jscale.step.loss import head_loss_sums, mtp_terms
 
 
 class Settings(NamedTuple):
@@ -57,11 +57,12 @@ def stage_fns(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
   model = lambda shared: nnx.merge(graphdef, {**shared, "blocks": params["blocks"]}, *extra)
   block_graphdef = nnx.split(nnx.merge(graphdef, params, *extra).blocks)[0]
 
-  def embed(shared, tokens_bL):
-    return model(shared).embed_tokens(tokens_bL, comms)
+  def embed(shared, tokens_bL):  # and the dense prefix (model.moe.first_dense), if any
+    m = model(shared)
+    return m.dense_prefix(m.embed_tokens(tokens_bL, comms), None, comms, s.remat)
 
   moe = s.model.moe
-  stack = s.model.n_layers // (moe.every if moe is not None else 1)
+  stack = s.model.stack_layers // (moe.every if moe is not None else 1)
 
   def layers(chunk, dots, x_bLD, positions_bL):
     y, stats = llama.run_layers(block_graphdef, chunk, x_bLD, positions_bL, s.model, comms,
@@ -75,8 +76,15 @@ def stage_fns(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
   def head_loss(shared, x_bLD, labels_bL, mask_bL):
     m = model(shared)
     h_bLD, head_DV = m.head_inputs(x_bLD, comms)
-    return head_loss_sums(h_bLD, head_DV, labels_bL, mask_bL, comms, s.logits_chunk_mb,
-                          m.head_dot)[0]
+    loss, count = head_loss_sums(h_bLD, head_DV, labels_bL, mask_bL, comms, s.logits_chunk_mb,
+                                 m.head_dot)
+    if s.model.mtp is None:
+      return loss, 0.0, {}
+    # (A pipeline has no context parallelism: positions are the tokens' indices.)
+    terms = mtp_terms(m, x_bLD, labels_bL, mask_bL, count, None, comms, s.remat,
+                      s.logits_chunk_mb, head_DV=head_DV)
+    per_mb = 1.0 / s.pipeline.microbatches  # the step's statistics: means over micro-batches
+    return loss, terms["mtp_objective"] * per_mb, {"mtp_loss": terms["mtp_loss"] * per_mb}
 
   return executor.StageFns(embed, layers, head_loss)
 
