@@ -256,14 +256,13 @@ class Llama(nnx.Module):
       first += n
     return x_BLD, cache
 
-  def dense_prefix(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None,
-                   comms: Seam = LOCAL, remat: str = "none") -> jax.Array:
+  def dense_prefix(self, x_BLD: jax.Array, positions_BL: jax.Array, comms: Seam = LOCAL,
+                   remat: str = "none") -> jax.Array:
     """The leading dense layers (`model.moe.first_dense`; identity without), a scan whose
-    weights are gathered once per call (ZeRO-3), like the embedding's."""
+    weights are gathered once per call (ZeRO-3), like the embedding's. `positions_BL`: the
+    whole sequence's (under SP `x_BLD` holds a part of it)."""
     if not self.cfg.first_dense:
       return x_BLD
-    if positions_BL is None:
-      positions_BL = jnp.broadcast_to(jnp.arange(x_BLD.shape[1]), x_BLD.shape[:2])
     graphdef, weights, rest = nnx.split(self.dense_blocks, nnx.Param, ...)
     weights = comms.gather_params(weights, self.cfg.dtype)
     inv_freq = rope.for_model(self.cfg)
@@ -282,8 +281,8 @@ class Llama(nnx.Module):
     depth d = 1..D, after their final norms: what the shared head reads to predict token
     t+1+d. `x_BLD`: the trunk's output (before the final norm)."""
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-    if positions_BL is None:
-      positions_BL = jnp.broadcast_to(jnp.arange(x_BLD.shape[1]), x_BLD.shape[:2])
+    if positions_BL is None:  # from the labels: under SP x_BLD holds 1/t of the sequence
+      positions_BL = jnp.broadcast_to(jnp.arange(labels_BL.shape[1]), labels_BL.shape)
     if embed_VD is None:
       embed_VD = comms.gather_params(self.embed, dt)[...]
     norm_graphdef, norm_state = nnx.split(self.final_norm)

@@ -59,7 +59,9 @@ def stage_fns(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
 
   def embed(shared, tokens_bL):  # and the dense prefix (model.moe.first_dense), if any
     m = model(shared)
-    return m.dense_prefix(m.embed_tokens(tokens_bL, comms), None, comms, s.remat)
+    # (No context parallelism in a pipeline: positions are the tokens' indices.)
+    positions_bL = jnp.broadcast_to(jnp.arange(tokens_bL.shape[1]), tokens_bL.shape)
+    return m.dense_prefix(m.embed_tokens(tokens_bL, comms), positions_bL, comms, s.remat)
 
   moe = s.model.moe
   stack = s.model.stack_layers // (moe.every if moe is not None else 1)
