@@ -1,25 +1,22 @@
 """DeepSeek-V3's routing (`jscale.model.router`): group-limited top-k, gates and bias against
 transformers' router, the bias's cotangent as the expert loads, the sequence-wise balance
-loss against its formula, the train step's bias update, and a tiny DeepSeek run: loss
-falling, bias moved, MTP metrics logged, resumed bit-exactly from its checkpoint."""
+loss against its formula, and 3 steps of a tiny DeepSeek: the train step's bias update, loss
+falling, MTP metrics, a resume from the Checkpointer bit-exact."""
 
-import json
-import shutil
-
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import deepseek_case
 import parity
 from jscale import runtime
-from jscale import train as train_lib
+from jscale.ckpt.checkpoint import Checkpointer
 from jscale.config import MoeConfig
 from jscale.model import router
 from jscale.model.seam import LOCAL
-from jscale.step import router_bias, train_step as ts
+from jscale.step import router_bias
 
 MOE = MoeConfig(n_experts=16, top_k=4, router="sigmoid", n_group=4, topk_group=2,
                 routed_scaling_factor=2.5)
@@ -90,64 +87,77 @@ def test_sequence_balance_loss_equals_its_formula():
   np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-def test_train_step_moves_the_bias_by_the_sign_of_the_load_error():
-  """One step on one device: each router's bias becomes rate · sign(mean load - load), the
-  loads being its cotangent (complete: they sum to tokens · top_k per layer), untouched by
-  Adam and weight decay; the other weights are Adam's."""
-  # (2 layers, no MTP: the cheapest model with a routed layer; its compiles dominate)
-  cfg = deepseek_case.config("mesh.data=1", *parity.BASE, "model.n_layers=2", "model.mtp=null")
-  rt = runtime.build(cfg, jax.devices()[:1])
-  state = rt.init_state()
-  batch = jax.device_put(parity.batches(cfg)[0], rt.layouts.batch())
-  loss_fn = ts.make_loss_fn(rt.graphdef, cfg)
-  grads = jax.jit(jax.grad(lambda p: loss_fn(p, batch)[0]))(state["params"])
-  loads = grads["blocks"]["mlp"][router.BIAS]  # [MoE layers, E]
-  tokens = cfg.train.batch_size * cfg.train.seq_len
-  np.testing.assert_allclose(np.sum(loads, -1), tokens * cfg.model.moe.top_k)
-  before = jax.device_get(state["params"])
-  new, _ = rt.train_step()(state, batch)
-  mean = tokens * cfg.model.moe.top_k / cfg.model.moe.n_experts
-  want = cfg.model.moe.bias_update_rate * np.sign(mean - np.asarray(loads))
-  np.testing.assert_allclose(new["params"]["blocks"]["mlp"][router.BIAS], want, atol=1e-7)
-  assert np.abs(want).sum() > 0
-  assert not np.allclose(new["params"]["blocks"]["mlp"]["router"],
-                         before["blocks"]["mlp"]["router"])
-  assert router_bias.balanced(cfg.model.moe)
-
-
 @pytest.fixture(scope="module")
-def deepseek_run(tmp_path_factory, data_cache):
+def stepped(tmp_path_factory):
+  """A tiny DeepSeek (1 dense + 1 MoE layer, MTP on) on one device: 3 steps on one batch,
+  the state after step 2 saved through the Checkpointer, restored and stepped again.
+  (cfg, metrics of steps 1-3, host states after steps 0-3, restored state, its step-3 state and
+  metrics). One compiled step serves every test below (compiles dominate)."""
   out = tmp_path_factory.mktemp("deepseek")
-  cfg = deepseek_case.config(f"train.output_dir={out}", f"data.cache_dir={data_cache}",
-                             "checkpoint.every=3", "train.steps=6", "train.lr=1e-2")
-  return cfg, out, train_lib.run(cfg)
+  cfg = deepseek_case.config("mesh.data=1", *parity.BASE, "model.n_layers=2",
+                             "train.batch_size=8", "train.seq_len=16", "train.lr=1e-2",
+                             f"train.output_dir={out}", "checkpoint.async_save=false")
+  rt = runtime.build(cfg, jax.devices()[:1])
+  step = rt.train_step()
+  batch = jax.device_put(parity.batches(cfg, steps=1)[0], rt.layouts.batch())
+  state = rt.init_state()
+  states, metrics = [jax.device_get(state)], []
+  ckptr = Checkpointer(cfg)
+  data_iter = iter(grain.MapDataset.range(4).to_iter_dataset())  # the checkpoint's data item
+  for i in range(3):
+    if i == 2:
+      assert ckptr.save(2, state, data_iter, force=True)
+      ckptr.wait()
+    state, m = step(state, batch)  # (donates the old state's buffers)
+    states.append(jax.device_get(state))
+    metrics.append(jax.device_get(m))
+  restored = ckptr.restore(2, rt.abstract_state(), data_iter)
+  restored_host = jax.device_get(restored)
+  resumed, resumed_metrics = jax.device_get(step(restored, batch))
+  ckptr.close()
+  return cfg, metrics, states, restored_host, resumed, resumed_metrics
 
 
-def test_tiny_deepseek_trains_logs_mtp_and_moves_the_bias(deepseek_run):
-  cfg, out, summary = deepseek_run
-  rows = [json.loads(l) for l in open(out / "metrics.jsonl", encoding="utf-8")]
-  rows = [r for r in rows if "loss" in r]
-  assert len(rows[-1]["mtp_loss"]) == 1 and rows[-1]["mtp_loss"][0] > 0
-  assert "moe_seq_aux_loss" in rows[-1] and len(rows[-1]["expert_load"]) == 8
-  assert summary["losses"][6] < summary["losses"][1]
-  bias = np.asarray(summary["state"]["params"]["blocks"]["mlp"][router.BIAS])
+def test_train_step_moves_the_bias_by_the_sign_of_the_load_error(stepped):
+  """Step 1: each router's bias becomes rate · sign(mean load - load), the loads being the
+  expert assignments the step counted (its `expert_load` metric, one routed layer), untouched
+  by Adam and weight decay; the other weights are Adam's. (The bias's update is made from its
+  cotangent, so this checks the cotangent through the whole step.)"""
+  cfg, metrics, states, *_ = stepped
+  moe = cfg.model.moe
+  tokens = cfg.train.batch_size * cfg.train.seq_len
+  loads = np.round(np.asarray(metrics[0]["expert_load"]) * tokens * moe.top_k)
+  assert loads.sum() == tokens * moe.top_k
+  want = moe.bias_update_rate * np.sign(tokens * moe.top_k / moe.n_experts - loads)
+  np.testing.assert_allclose(states[1]["params"]["blocks"]["mlp"][router.BIAS], want[None],
+                             atol=1e-7)
+  assert np.abs(want).sum() > 0
+  assert np.abs(states[1]["params"]["mtp"]["block"]["mlp"][router.BIAS]).max() > 0
+  assert not np.allclose(states[1]["params"]["blocks"]["mlp"]["router"],
+                         states[0]["params"]["blocks"]["mlp"]["router"])
+  assert router_bias.balanced(moe)
+
+
+def test_tiny_deepseek_trains_reports_mtp_and_moves_the_bias(stepped):
+  cfg, metrics, states, *_ = stepped
+  last = metrics[-1]
+  assert np.shape(last["mtp_loss"]) == (1,) and last["mtp_loss"][0] > 0
+  assert "moe_seq_aux_loss" in last and len(last["expert_load"]) == 8
+  assert metrics[2]["loss"] < metrics[0]["loss"]  # (the same batch each step)
+  bias = np.asarray(states[3]["params"]["blocks"]["mlp"][router.BIAS])
   rate = cfg.model.moe.bias_update_rate
-  assert np.abs(bias).max() > 0 and np.abs(bias).max() <= 6 * rate + 1e-6
+  assert np.abs(bias).max() > 0 and np.abs(bias).max() <= 3 * rate + 1e-6
   np.testing.assert_allclose(bias / rate, np.round(bias / rate), atol=1e-4)  # whole steps
 
 
-def test_bias_and_mtp_weights_resume_from_the_checkpoint(deepseek_run):
-  """The run's last checkpoint removed, the same config resumes from step 3: steps 4-6 and the
-  final bias and MTP weights bit for bit those of the uninterrupted run (after the test
-  above, which reads the run's own files)."""
-  cfg, out, full = deepseek_run
-  shutil.rmtree(out / "checkpoints" / "6")
-  second = train_lib.run(cfg)
-  assert sorted(second["losses"]) == [4, 5, 6]
-  assert second["losses"] == {s: full["losses"][s] for s in second["losses"]}
-  a, b = full["state"]["params"], second["state"]["params"]
-  for key in (("blocks", "mlp", router.BIAS), ("mtp",)):
-    x, y = a, b
-    for k in key:
-      x, y = x[k], y[k]
-    assert all(np.array_equal(p, q) for p, q in zip(jax.tree.leaves(x), jax.tree.leaves(y)))
+def test_bias_and_mtp_weights_resume_from_the_checkpoint(stepped):
+  """The state saved after step 2 restores bit for bit (bias and MTP weights included), and
+  step 3 from it equals the uninterrupted step 3 bit for bit."""
+  _, metrics, states, restored, resumed, resumed_metrics = stepped
+  for want, got in ((states[2], restored), (states[3], resumed)):
+    for key in (("blocks", "mlp", router.BIAS), ("mtp",), ()):
+      x, y = want["params"], got["params"]
+      for k in key:
+        x, y = x[k], y[k]
+      assert all(np.array_equal(p, q) for p, q in zip(jax.tree.leaves(x), jax.tree.leaves(y)))
+  assert resumed_metrics["loss"] == metrics[2]["loss"]
