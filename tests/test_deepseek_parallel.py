@@ -7,7 +7,9 @@ Compiles dominate (one per layout and mode, one per reference), so each layout c
 several axes, the single-device references are computed once for the module, and a layout
 starts from its reference's initial state placed in its own shardings (not a compiled init
 of its own: the same values, as every layout's init equals one device's):
-- data x fsdp (ZeRO-3) x tensor with sequence parallelism, MTP on;
+- data x fsdp (ZeRO-3) x tensor with sequence parallelism, 2 accumulated micro-batches, MTP
+  on (MTP's loss is a token sum over the step's token count, as the token loss: the split into
+  micro-batches and devices does not change it, `accumulate.TOKEN_SUMS`);
 - expert x sequence (context parallelism) x tensor, MTP off (it shifts labels along the
   sequence, which CP splits: refused by `validate.check_mesh`);
 - stage x expert: a pipeline, MTP in the last stage, the dense layer in the first.
@@ -30,14 +32,13 @@ DS = (*deepseek_case.DS, "model.n_layers=3", "train.batch_size=8", "train.seq_le
 NO_MTP = ("model.mtp=null",)
 # (layout overrides, devices, the reference's numerics / model overrides)
 LAYOUTS = {
-    "dp-zero3-tp-sp": (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.zero_stage=3",
-                        "parallel.sequence_parallel=true"), 8, ()),
+    "dp-zero3-tp-sp-accum": (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+                              "parallel.zero_stage=3", "parallel.sequence_parallel=true",
+                              "train.microbatches=2"), 8, ()),
     "ep-cp-tp": (("mesh.data=1", "mesh.expert=2", "mesh.sequence=2", "mesh.tensor=2", *NO_MTP),
                  8, NO_MTP),
-    # The reference accumulates the same 2 micro-batches: MTP's and the sequence-wise
-    # balance loss's terms are per micro-batch means, as under train.microbatches.
     "pp-ep": (("mesh.data=1", "mesh.stage=2", "mesh.expert=2", "pipeline.microbatches=2"), 4,
-              ("train.microbatches=2",)),
+              ()),
 }
 
 
@@ -48,7 +49,7 @@ def _losses(overrides, devices, host_state=None):
   rt = runtime.build(cfg, devices)
   if host_state is None:
     state = rt.init_state()
-    host_state = jax.device_get(state)
+    host_state = jax.tree.map(np.array, jax.device_get(state))  # (a copy: the step donates)
   else:
     placed = {**host_state, "params": rt.params_to_storage(host_state["params"])}
     state = jax.tree.map(jax.device_put, placed, rt.state_shardings)

@@ -10,8 +10,9 @@ t_{i+d} is the label of position i+d-1 (`shift(labels, d-1)`); the target is
 `shift(labels, d)`, masked where it falls past the window.
 
 Training only: generation never calls them. Their loss, λ / D · Σ_d CE_d (each CE_d a sum
-over the micro-batch's target tokens over the main loss's token count, the paper's 1/T), is
-added to the objective by the step (`jscale.step.loss.mtp_terms`); their MoE blocks' router
+over the step's target tokens over the main loss's token count in the step, the paper's 1/T,
+whatever the split into micro-batches), is added to the objective by the step
+(`jscale.step.loss.mtp_terms`); their MoE blocks' router
 statistics are not added to the metrics or the router losses (their balancing bias is still
 moved by their loads).
 

@@ -169,14 +169,15 @@ def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int,
 
 
 def mtp_terms(model, x_BLD: jax.Array, labels_BL: jax.Array, mask_BL: jax.Array,
-              count: jax.Array, positions_BL: jax.Array | None = None, comms: Seam = LOCAL,
+              positions_BL: jax.Array | None = None, comms: Seam = LOCAL,
               remat: str = "none", budget_mb: float = 0.0, embed_VD: jax.Array | None = None,
               head_DV: jax.Array | None = None) -> dict[str, jax.Array]:
-  """Multi-token prediction's terms for one micro-batch (`jscale.model.mtp`): "mtp_loss" [D],
-  each depth's cross-entropy summed over its targets and divided by the main loss's token
-  count (`count`, this device's; summed over devices, as the router statistics are), and
-  "mtp_objective", loss_weight times their mean: what the objective adds. `model`: a
-  `Llama` with `cfg.mtp`; `x_BLD`: its trunk's output."""
+  """Multi-token prediction's terms for one micro-batch (`jscale.model.mtp`), token sums over
+  this device's targets like the main loss's `head_loss_sums` (`accumulate.TOKEN_SUMS`):
+  "mtp_loss" [D], each depth's cross-entropy, and "mtp_objective", loss_weight times their
+  mean. The step scales both by its 1 / (the main loss's token count over the whole batch), as
+  it does the token loss, so they do not depend on how the batch is split into micro-batches
+  and devices. `model`: a `Llama` with `cfg.mtp`; `x_BLD`: its trunk's output."""
   if head_DV is None:
     head_DV = model.head_inputs(x_BLD, comms, embed_VD)[1]
   sums = []
@@ -185,6 +186,6 @@ def mtp_terms(model, x_BLD: jax.Array, labels_BL: jax.Array, mask_BL: jax.Array,
     h_BLD = comms.enter_tensor_parallel(h_BLD).astype(head_DV.dtype)
     sums.append(head_loss_sums(h_BLD, head_DV, mtp.shift(labels_BL, d), mtp.shift(mask_BL, d),
                                comms, budget_mb, model.head_dot, model.head_stored)[0])
-  per_depth = comms.token_sum(jnp.stack(sums)) / jnp.maximum(comms.token_sum(count), 1.0)
+  per_depth = jnp.stack(sums)
   return {"mtp_loss": per_depth,
           "mtp_objective": model.cfg.mtp.loss_weight * jnp.mean(per_depth)}

@@ -20,7 +20,7 @@ from jscale.model import llama
 from jscale.model import moe as moe_lib
 from jscale.parallel.comms import Comms
 from jscale.parallel.pipeline import executor, program as prog_lib, schedules
-from jscale.step.accumulate import Grads, split_microbatches, token_count
+from jscale.step.accumulate import Grads, batch_sums, split_microbatches, token_count
 from jscale.step.loss import head_loss_sums, mtp_terms
 
 
@@ -78,15 +78,15 @@ def stage_fns(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
   def head_loss(shared, x_bLD, labels_bL, mask_bL):
     m = model(shared)
     h_bLD, head_DV = m.head_inputs(x_bLD, comms)
-    loss, count = head_loss_sums(h_bLD, head_DV, labels_bL, mask_bL, comms, s.logits_chunk_mb,
-                                 m.head_dot)
+    loss, _ = head_loss_sums(h_bLD, head_DV, labels_bL, mask_bL, comms, s.logits_chunk_mb,
+                             m.head_dot)
     if s.model.mtp is None:
       return loss, 0.0, {}
-    # (A pipeline has no context parallelism: positions are the tokens' indices.)
-    terms = mtp_terms(m, x_bLD, labels_bL, mask_bL, count, None, comms, s.remat,
-                      s.logits_chunk_mb, head_DV=head_DV)
-    per_mb = 1.0 / s.pipeline.microbatches  # the step's statistics: means over micro-batches
-    return loss, terms["mtp_objective"] * per_mb, {"mtp_loss": terms["mtp_loss"] * per_mb}
+    # (A pipeline has no context parallelism: positions are the tokens' indices.) Token sums,
+    # as the loss: the executor scales all three by the step's 1 / token count.
+    terms = mtp_terms(m, x_bLD, labels_bL, mask_bL, None, comms, s.remat, s.logits_chunk_mb,
+                      head_DV=head_DV)
+    return loss, terms["mtp_objective"], {"mtp_loss": terms["mtp_loss"]}
 
   return executor.StageFns(embed, layers, head_loss)
 
@@ -133,7 +133,7 @@ def grads(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
     # Embedding and head gradients come from the first and the last stage (both to a tied
     # embedding); every stage keeps the shared weights, so they are summed over stages.
     dshared = jax.lax.psum(run.dshared, "stage")
-    stats = dict(run.stats)
+    stats = batch_sums(dict(run.stats), inner)  # (MTP's, summed over rows as the loss)
     stats.pop("moe_loss", None)  # in the gradients already
     return ({**dshared, "blocks": run.dblocks}, jax.lax.psum((run.loss, stats), "stage"),
             run.codes, run.ddots)

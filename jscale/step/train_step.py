@@ -30,7 +30,8 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
 
   MoE terms ({} for a dense model): the router statistics averaged over layers and
   "moe_loss", their weighted sum to add to the mean token loss (already a mean over tokens);
-  with `model.mtp` also "mtp_loss" (each depth's) and "mtp_objective" (`loss.mtp_terms`).
+  with `model.mtp` also "mtp_loss" (each depth's) and "mtp_objective" (`loss.mtp_terms`:
+  token sums, which the step scales as the token loss, `accumulate.TOKEN_SUMS`).
   """
   moe = cfg.model.moe
 
@@ -45,7 +46,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
                                        model.head_stored)
       stats = moe_lib.with_objective(stats, moe) if moe is not None else stats
       if cfg.model.mtp is not None:
-        stats = {**stats, **mtp_terms(model, x_BLD, mb["labels"], mb["loss_mask"], count,
+        stats = {**stats, **mtp_terms(model, x_BLD, mb["labels"], mb["loss_mask"],
                                       mb.get("positions"), comms, cfg.train.remat,
                                       cfg.train.logits_chunk_mb, embed_VD, head_DV)}
     return loss_sum, count, stats

@@ -39,9 +39,10 @@ class StageFns(NamedTuple):
   # share of the step's router statistics ({} if dense); its "moe_loss" is part of the
   # objective. `chunk dots`: the chunk's product state ({} without).
   layers: Callable
-  # (shared, x_bLD, labels_bL, mask_bL) -> (loss sum, extra objective, stats): the extra term
-  # is added to the differentiated objective as is (multi-token prediction's), the stats
-  # join the layers' in `Run.stats` (0.0 and {} for a plain head)
+  # (shared, x_bLD, labels_bL, mask_bL) -> (loss sum, extra objective, stats), all sums over
+  # the micro-batch's tokens: the extra term (multi-token prediction's) is added to the loss
+  # sum in the differentiated objective, and the stats join the layers' in `Run.stats`, all
+  # scaled by `scale` as the loss is (0.0 and {} for a plain head)
   head_loss: Callable
 
 
@@ -157,7 +158,7 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
 
       def head(sh, y):
         loss, extra, stats = fns.head_loss(sh, y, mb["labels"], mb["loss_mask"])
-        return loss * scale + extra, (loss * scale, stats)
+        return (loss + extra) * scale, (loss * scale, jax.tree.map(lambda v: v * scale, stats))
 
       (_, (loss, stats)), (dshared, dy) = jax.value_and_grad(head, argnums=(0, 1),
                                                              has_aux=True)(shared, y)
