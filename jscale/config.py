@@ -19,11 +19,36 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScalingConfig:
-  """Llama-3 RoPE frequency scaling (HF `rope_type: llama3`)."""
+  """RoPE frequency scaling: Llama-3's (HF `rope_type: llama3`) or YaRN as DeepSeek-V3 ships it
+  (`rope_type: yarn`, `jscale.model.rope`; MLA only, which applies its attention scales)."""
+  rope_type: Literal["llama3", "yarn"] = "llama3"
   factor: float = 8.0
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
+  low_freq_factor: float = 1.0  # llama3
+  high_freq_factor: float = 4.0  # llama3
   original_max_position_embeddings: int = 8192
+  beta_fast: float = 32.0  # yarn: rotations where the ramp from extrapolation starts
+  beta_slow: float = 1.0  # yarn: ... and where pure interpolation begins
+  mscale: float = 1.0  # yarn: cos / sin scaled by mscale(factor, mscale) / mscale(factor, all)
+  mscale_all_dim: float = 0.0  # yarn: softmax scale times mscale(factor, this)^2 (0: none)
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig:
+  """Multi-head latent attention (DeepSeek-V2/V3, `jscale.model.mla`) in place of GQA: keys and
+  values come from one compressed latent per token, plus a RoPE key shared by all heads."""
+  q_lora_rank: int = 0  # low-rank query (with its norm); 0: queries projected directly
+  kv_lora_rank: int = 512  # the key / value latent (what the generation cache holds)
+  qk_nope_head_dim: int = 128  # per-head query / key dims without position
+  qk_rope_head_dim: int = 64  # the decoupled RoPE dims (the key's shared across heads)
+  v_head_dim: int = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpConfig:
+  """Multi-token prediction (DeepSeek-V3, `jscale.model.mtp`): `depth` sequential modules after
+  the trunk, module d predicting token t+1+d; training only."""
+  depth: int = 1  # HF num_nextn_predict_layers
+  loss_weight: float = 0.3  # lambda: the objective adds lambda x the mean of the depths' losses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +68,17 @@ class MoeConfig:
   aux_loss_weight: float = 0.01  # Switch load-balancing loss
   z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
   every: int = 1  # MoE in every k-th layer (layers k-1, 2k-1, ...), dense SwiGLU in the others
+  # DeepSeek-V3 routing (`jscale.model.router`): sigmoid affinities, top-k on affinity + a
+  # per-expert bias moved after each step by the sign of the expert's load error
+  # (`bias_update_rate`, aux-loss-free balancing; the bias lives in the params, not trained)
+  router: Literal["softmax", "sigmoid"] = "softmax"
+  n_group: int = 1  # experts in n_group equal groups (a node's experts) ...
+  topk_group: int = 1  # ... and each token's top-k come from at most topk_group of them
+  norm_topk_prob: bool = True  # gates renormalised to sum to one (then scaled)
+  routed_scaling_factor: float = 1.0  # gates times this
+  bias_update_rate: float = 0.0  # sigmoid router: bias step per optimizer step; 0: frozen
+  seq_aux_loss_weight: float = 0.0  # DeepSeek-V3's sequence-wise balance loss
+  first_dense: int = 0  # the first k layers dense SwiGLU (HF first_k_dense_replace)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +109,8 @@ class ModelConfig:
   # slow, for CPU tests and debugging; without it they need a GPU.
   kernel_interpret: bool = False
   moe: MoeConfig | None = None  # None: dense SwiGLU MLPs
+  mla: MlaConfig | None = None  # None: grouped-query attention
+  mtp: MtpConfig | None = None  # None: next-token prediction only
   dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # compute dtype
   # master weights (and optimizer state)
   param_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -80,6 +118,32 @@ class ModelConfig:
   @property
   def resolved_head_dim(self) -> int:
     return self.head_dim or self.d_model // self.n_heads
+
+  @property
+  def qk_head_dim(self) -> int:
+    """Query / key head size: MLA's nope + rope dims, else the head dim."""
+    return (self.resolved_head_dim if self.mla is None
+            else self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim)
+
+  @property
+  def v_head_dim(self) -> int:
+    """Value (and attention output) head size: MLA's own, else the head dim."""
+    return self.resolved_head_dim if self.mla is None else self.mla.v_head_dim
+
+  @property
+  def rope_dim(self) -> int:
+    """The dims RoPE rotates per head: MLA's decoupled rope part, else the whole head."""
+    return self.resolved_head_dim if self.mla is None else self.mla.qk_rope_head_dim
+
+  @property
+  def first_dense(self) -> int:
+    """Leading dense layers before the MoE stack (`moe.first_dense`; 0 without MoE)."""
+    return 0 if self.moe is None else self.moe.first_dense
+
+  @property
+  def stack_layers(self) -> int:
+    """The layers of the scanned (and pipelined) stack `blocks`: all but the dense prefix."""
+    return self.n_layers - self.first_dense
 
 
 @dataclasses.dataclass

@@ -4,7 +4,7 @@ MFU = model FLOPs per step / (step time x number of devices x per-device peak). 
 token are 6·N (N = parameters that take part in matmuls: every block weight plus the LM head,
 not the embedding lookup) plus the causal attention term 6·n_layers·seq·(n_heads·head_dim):
 QKᵀ and PV are 2·2·seq·H·K FLOPs per token forward without a mask, halved by causality, times
-3 for forward + backward.
+3 for forward + backward (MLA: 3·n_layers·seq·H·(K_qk + K_v)).
 """
 
 from __future__ import annotations
@@ -28,30 +28,55 @@ PEAK_FLOPS: dict[str, dict[str, float | None]] = {
 }
 
 
+def attention_params(cfg: ModelConfig) -> tuple[int, int]:
+  """(one attention module's parameters, those of them in matmuls): GQA's four projections, or
+  MLA's (`model.mla`): the (low-rank) query, the latent and RoPE key, its key / value
+  up-projections and the output, plus the latent norms' scales."""
+  d, h = cfg.d_model, cfg.n_heads
+  if cfg.mla is None:
+    g, k = cfg.n_kv_heads, cfg.resolved_head_dim
+    return 2 * d * h * k + 2 * d * g * k, 2 * d * h * k + 2 * d * g * k
+  m = cfg.mla
+  qk, q, r = m.qk_nope_head_dim + m.qk_rope_head_dim, m.q_lora_rank, m.kv_lora_rank
+  query = d * q + q * h * qk if q else d * h * qk
+  matmul = query + d * (r + m.qk_rope_head_dim) + r * h * (m.qk_nope_head_dim + m.v_head_dim) \
+      + h * m.v_head_dim * d
+  return matmul + q + r, matmul
+
+
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
   """Parameter counts: total, and the matmul-participating part used for MFU (for MoE, the
-  active part: the router, top_k experts and the shared expert, as each token sees them)."""
-  d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.d_ff
-  attn = 2 * d * h * k + 2 * d * g * k
+  active part: the router, top_k experts and the shared expert, as each token sees them;
+  with `model.mtp`, its modules too, which train on every token)."""
+  d, f = cfg.d_model, cfg.d_ff
+  attn, attn_mm = attention_params(cfg)
   mlp = active = 0
   if cfg.moe is not None:
     m = cfg.moe
     expert, shared = 3 * d * (m.d_ff or f), 3 * d * m.shared_d_ff
     mlp = d * m.n_experts + m.n_experts * expert + shared
+    mlp += m.n_experts if m.router == "sigmoid" else 0  # the balancing bias
     active = d * m.n_experts + m.top_k * expert + shared
-  n_moe = cfg.n_layers // cfg.moe.every if cfg.moe is not None else 0
+  n_moe = cfg.stack_layers // cfg.moe.every if cfg.moe is not None else 0
   n_dense = cfg.n_layers - n_moe
   embed = cfg.vocab_size * d
   head = 0 if cfg.tie_embeddings else d * cfg.vocab_size
-  total = (embed + n_dense * (attn + 3 * d * f + 2 * d) + n_moe * (attn + mlp + 2 * d) + d
-           + head)
-  matmul = n_dense * (attn + 3 * d * f) + n_moe * (attn + active) + d * cfg.vocab_size
+  moe_block = (attn + mlp + 2 * d, attn_mm + active) if n_moe else (attn + 3 * d * f + 2 * d,
+                                                                    attn_mm + 3 * d * f)
+  total = embed + n_dense * (attn + 3 * d * f + 2 * d) + n_moe * moe_block[0] + d + head
+  matmul = n_dense * (attn_mm + 3 * d * f) + n_moe * moe_block[1] + d * cfg.vocab_size
+  if cfg.mtp is not None:  # per depth: 3 norms, eh_proj [2D, D], a block; the head again
+    total += cfg.mtp.depth * (3 * d + 2 * d * d + moe_block[0])
+    matmul += cfg.mtp.depth * (2 * d * d + moe_block[1] + d * cfg.vocab_size)
   return {"total": total, "matmul": matmul}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-  """Model FLOPs (forward + backward) per trained token, causal attention counted honestly."""
-  attention = 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.resolved_head_dim
+  """Model FLOPs (forward + backward) per trained token, causal attention counted honestly
+  (MLA: scores over the q / k head size, the context over the value head size; MTP's blocks
+  attend too)."""
+  blocks = cfg.n_layers + (cfg.mtp.depth if cfg.mtp is not None else 0)
+  attention = 3 * blocks * seq_len * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
   return 6 * param_counts(cfg)["matmul"] + attention
 
 

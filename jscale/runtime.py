@@ -58,7 +58,7 @@ class Runtime:
   def params_to_storage(self, tree: dict) -> dict:
     """`tree` (params or dot_state in model layer order: init_from's, a loaded model's) in
     the layer order this runtime's pipeline stores (`state.params_to_storage`)."""
-    return state_lib.params_to_storage(tree, self.cfg.model.n_layers, self.mesh.shape["stage"],
+    return state_lib.params_to_storage(tree, self.cfg.model.stack_layers, self.mesh.shape["stage"],
                                        self.cfg.pipeline)
 
   def abstract_state(self) -> state_lib.State:
@@ -90,8 +90,9 @@ def resolve_attention(cfg: Config, mesh: Mesh) -> tuple[Config, str]:
   device, cp = mesh.devices.flat[0], mesh.shape["sequence"]
   flash_tiles = cp == 1 or device.platform != "gpu" or validate.flash_attention_why_not(
       _with_attention(cfg, "pallas"), dict(mesh.shape)) is None
-  impl, why = attn_lib.auto_impl(device.platform, m.dtype, m.resolved_head_dim, cp > 1,
-                                 flash_tiles, getattr(device, "compute_capability", None))
+  impl, why = attn_lib.auto_impl(device.platform, m.dtype, m.qk_head_dim, cp > 1,
+                                 flash_tiles, getattr(device, "compute_capability", None),
+                                 m.v_head_dim)
   return _with_attention(cfg, impl), why
 
 
@@ -104,10 +105,10 @@ def pallas_kernels(cfg: Config, mesh: Mesh) -> tuple[str, str]:
   if m.kernel_interpret or mesh.shape["sequence"] > 1:
     return "portable", ("the Pallas interpreter" if m.kernel_interpret
                         else "ring-attention blocks (mesh.sequence > 1)")
-  seq, hd = cfg.train.seq_len, m.resolved_head_dim
+  seq, hd = cfg.train.seq_len, m.qk_head_dim
   cc = attn_lib.compute_capability(mesh.devices.flat[0])
   return attn_lib.pallas_backend((1, seq, m.n_heads, hd), (1, seq, m.n_kv_heads, hd),
-                                 (1, seq, m.n_kv_heads, hd), m.dtype, True, cc)
+                                 (1, seq, m.n_kv_heads, m.v_head_dim), m.dtype, True, cc)
 
 
 def norm_kernels(cfg: Config, mesh: Mesh) -> tuple[str, str]:

@@ -36,6 +36,8 @@ RULES: Rules = {
     "sublayers": (),  # MoE every k-th layer: the k-1 dense layers inside one stacked group
     "experts": ("expert",),
     "router": (),  # the router's expert dim: every device routes its own tokens
+    "expert_bias": (),  # DeepSeek's balancing bias: a few fp32s per layer, never split
+    "latent": (),  # MLA's latent dims: down projections replicated inside the TP region
     "amax_history": (),  # FP8's amax histories: a few floats, whole on every device
 }
 
@@ -72,8 +74,8 @@ def add_fsdp(names: Sequence[str], shape: Sequence[int], s: P, fsdp: int) -> P:
   if fsdp == 1 or "fsdp" in spec_axes(s):
     return s
   entries = list(s) + [None] * (len(shape) - len(s))
-  free = [i for i, n in enumerate(names) if n not in ("layers", "sublayers") and entries[i] is None
-          and shape[i] % fsdp == 0]
+  free = [i for i, n in enumerate(names) if n not in ("layers", "sublayers", "expert_bias")
+          and entries[i] is None and shape[i] % fsdp == 0]
   if not free:
     return s  # tiny or odd-sized: stays replicated over fsdp
   entries[free[0]] = "fsdp"

@@ -69,7 +69,7 @@ def _restacked(rt: runtime.Runtime, state: Any, plan: run_dir.Plan) -> Any:
   if saved is None:
     return state
   cfg = rt.cfg
-  restack = lambda s: state_lib.restack(s, cfg.model.n_layers, rt.mesh.shape["stage"],
+  restack = lambda s: state_lib.restack(s, cfg.model.stack_layers, rt.mesh.shape["stage"],
                                         dataclasses.replace(cfg.pipeline, schedule=saved),
                                         cfg.pipeline)
   return jax.jit(restack, out_shardings=rt.state_shardings)(state)

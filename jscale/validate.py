@@ -20,9 +20,10 @@ import typing
 import jax
 from jax.sharding import Mesh
 
-from jscale import distributed
+from jscale import distributed, validate_deepseek
 from jscale.ckpt import init_from
-from jscale.config import Config, ConfigError, ModelConfig, MoeConfig, choices
+from jscale.config import (Config, ConfigError, ModelConfig, MoeConfig, RopeScalingConfig,
+                           choices)
 from jscale.data import tokenizer_vocab_size
 from jscale.fp8 import linears as fp8_linears
 from jscale.model import attention as attn_lib
@@ -78,11 +79,21 @@ def check_config(cfg: Config) -> None:
                       f"{m.n_kv_heads}: set n_kv_heads to a divisor of n_heads (GQA groups)")
   if m.rope_scaling is not None:
     rs = m.rope_scaling
+    if rs.rope_type not in choices(RopeScalingConfig, "rope_type"):
+      raise ConfigError(f"model.rope_scaling.rope_type={rs.rope_type!r}: choose "
+                        f"{' or '.join(choices(RopeScalingConfig, 'rope_type'))}")
     if rs.factor < 1 or rs.low_freq_factor <= 0 or rs.high_freq_factor <= rs.low_freq_factor:
       raise ConfigError("model.rope_scaling needs factor >= 1 and 0 < low_freq_factor < "
                         f"high_freq_factor, got {rs}")
   if m.moe is not None:
     _check_moe(m)
+  if m.mla is not None or (m.rope_scaling is not None and m.rope_scaling.rope_type == "yarn"):
+    validate_deepseek.check_mla(m)
+  if m.mtp is not None:
+    validate_deepseek.check_mtp(cfg)
+  if cfg.fp8.enabled and (m.mla is not None or m.mtp is not None or m.first_dense):
+    raise ConfigError("fp8.enabled with model.mla, model.mtp or model.moe.first_dense: FP8 "
+                      "linears cover the Llama / Mixtral blocks only; set fp8.enabled=false")
   if cfg.fp8.enabled:
     _check_fp8(cfg)
   if t.batch_size % t.microbatches:
@@ -149,8 +160,10 @@ def _check_moe(m: ModelConfig) -> None:
                       f"{m.n_layers} (layers are stacked in groups of every-1 dense + 1 MoE)")
   if e.capacity_factor <= 0:
     raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} must be positive")
-  if e.aux_loss_weight < 0 or e.z_loss_weight < 0:
-    raise ConfigError("model.moe.aux_loss_weight and z_loss_weight must be >= 0 (0 disables)")
+  if e.aux_loss_weight < 0 or e.z_loss_weight < 0 or e.seq_aux_loss_weight < 0:
+    raise ConfigError("model.moe.aux_loss_weight, z_loss_weight and seq_aux_loss_weight must be "
+                      ">= 0 (0 disables)")
+  validate_deepseek.check_routing(m)
 
 
 def _check_fp8(cfg: Config) -> None:
@@ -194,6 +207,14 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
       raise ConfigError(f"model.attention_impl=cudnn with mesh.sequence={cp}: cuDNN's mask is "
                         "by index, not by token position; use model.attention_impl=ring, "
                         "pallas (the ring with flash-kernel blocks) or xla")
+    if m.mtp is not None:
+      raise ConfigError(f"model.mtp with mesh.sequence={cp}: multi-token prediction shifts the "
+                        "labels along the sequence, which context parallelism splits; set "
+                        "mesh.sequence=1 or model.mtp=null")
+  if m.attention_impl == "cudnn" and m.v_head_dim != m.qk_head_dim:
+    raise ConfigError(f"model.attention_impl=cudnn with model.mla: V's head size "
+                      f"{m.v_head_dim} differs from Q's {m.qk_head_dim}, which cuDNN "
+                      "(jax.nn.dot_product_attention) cannot take; use xla, pallas or ring")
   check_backend(cfg, mesh.devices.flat[0].platform)
   if m.attention_impl == "pallas":
     check_flash_attention(cfg, sizes)
@@ -261,14 +282,17 @@ def flash_attention_why_not(cfg: Config, sizes: dict[str, int]) -> str | None:
   dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
   b = max(t.batch_size // (dp * t.microbatches), 1)
   h, g = m.n_heads // sizes["tensor"], m.n_kv_heads // sizes["tensor"]
-  k = m.resolved_head_dim
+  k, kv = m.qk_head_dim, m.v_head_dim
   # Under context parallelism the kernel runs on the ring's blocks: one sequence chunk each.
   cp = sizes["sequence"]
   chunk = t.seq_len // (cp * parts(cfg.parallel.context_layout)) if cp > 1 else t.seq_len
-  why = flash_why_not((b, chunk, h, k), (b, chunk, g, k), causal=True)
+  why = flash_why_not((b, chunk, h, k), (b, chunk, g, k), causal=True,
+                      v_shape=(b, chunk, g, kv))
   if why is None:
     return None
-  key = f"model.head_dim={k}" if "head_dim" in why else f"train.seq_len={t.seq_len}"
+  key = ((f"model.head_dim={k}" if m.mla is None else
+          f"model.mla (q/k head {k}, v head {kv})") if "head_dim" in why
+         else f"train.seq_len={t.seq_len}")
   return (f"model.attention_impl=pallas cannot run with {key}: {why}; use "
           "model.attention_impl=xla, or a shape the kernel tiles")
 
@@ -291,9 +315,13 @@ def _check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
   if why is not None:
     raise ConfigError(why)
   chunks = p * pc.virtual_stages
-  if cfg.model.n_layers % chunks:
-    raise ConfigError(f"model.n_layers={cfg.model.n_layers} is not divisible by mesh.stage x "
-                      f"pipeline.virtual_stages ({chunks}): each chunk needs as many layers")
+  stack = cfg.model.stack_layers
+  if stack % chunks:
+    dense = (f" - model.moe.first_dense={cfg.model.first_dense} (those run in the first stage)"
+             if cfg.model.first_dense else "")
+    raise ConfigError(f"model.n_layers={cfg.model.n_layers}{dense} is not divisible by "
+                      f"mesh.stage x pipeline.virtual_stages ({chunks}): each chunk needs as "
+                      "many layers")
   if t.microbatches != 1:
     raise ConfigError(f"train.microbatches={t.microbatches} with mesh.stage={p}: the pipeline "
                       "splits the batch itself; set pipeline.microbatches instead (and "

@@ -60,6 +60,11 @@ ROWS: dict[str, tuple[str, ...]] = {
     "3b selective b2": (*L3B, "train.batch_size=2", "train.remat=selective"),
     "8b-8L full b1": (*L8B, "train.batch_size=1", "train.remat=full"),
     "8b-8L selective b2": (*L8B, "train.batch_size=2", "train.remat=selective"),
+    # DeepSeek-V3 16B-like (docs/deepseek.md): its first 3 layers (1 dense + 2 MoE of 64
+    # experts, top-6, 2 shared) + its MTP module fit one GPU; attention auto (V's head size
+    # differs from Q's: not cuDNN), experts' matmul auto (the Hopper grouped kernel on an H100).
+    "dsv3-16b-3L selective b2": ("model.preset=deepseek_v3_16b", "model.n_layers=3",
+                                 "train.batch_size=2", "train.remat=selective"),
 }
 # Rows run with these XLA flags added (XLA's Triton gemm fusions read the fp32 master weights
 # and cast inside the gemm; without them cuBLAS runs every gemm after a separate convert).

@@ -8,6 +8,7 @@ There, one device-tool call per part, `carry: [".whl"]`:
   python3 scripts/gpu_session.py run kernels # issue 19: compiled Hopper kernel tests, bench_kernels
   python3 scripts/gpu_session.py run moe     # issue 20: grouped matmul kernels, MoE training rows
   python3 scripts/gpu_session.py run fp8     # issue 18: FP8 gemms and llama3_1b rows
+  python3 scripts/gpu_session.py run deepseek  # issue 41: DeepSeek-V3 16B-like MFU
   python3 scripts/gpu_session.py plan        # every part's commands, runnable by hand
 A part installs the wheels into /tmp/site (no network there), runs its commands in order, each
 with what is left of --budget-s (default 540 s, under the tool's 600), logs to $OUT/<part>.log
@@ -92,6 +93,12 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
          [PY, "scripts/bench_moe_gpu.py", "--part", "train", "--only",
           "dropless pallas,dropless tiled,capacity 1.25"], {},
          ["results/bench_moe_gpu.md", "results/bench_moe_gpu.csv"]),
+    ],
+    "deepseek": [  # issue 41: MFU of a DeepSeek-V3 16B-like shape on one GPU
+        ("bench_train: DeepSeek-V3 16B-like, 3 layers + MTP", [PY, "scripts/bench_train.py",
+         "--exact", "--steps", "15", "--only", "dsv3-16b-3L selective b2", "--out",
+         "results/bench_train_deepseek.md"], {},
+         ["results/bench_train_deepseek.md", "results/bench_train_deepseek.csv"]),
     ],
     "fp8": [
         ("bench_fp8: FP8 gemms and llama3_1b rows", [PY, "scripts/bench_fp8.py", "--only",

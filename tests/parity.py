@@ -27,11 +27,11 @@ ACCUMULATE = [("train.microbatches=2", "train.remat=full"),
               ("train.microbatches=2", "train.remat=selective")]
 
 
-def batches(cfg, reorder=None):
+def batches(cfg, reorder=None, steps: int = STEPS):
   rng = np.random.default_rng(0)
   b, l = cfg.train.batch_size, cfg.train.seq_len
   out = []
-  for _ in range(STEPS):
+  for _ in range(steps):
     t = rng.integers(0, cfg.model.vocab_size, (b, l + 1)).astype(np.int32)
     mask = np.ones((b, l), np.float32)
     mask[0, l // 2:] = 0.0
@@ -40,13 +40,13 @@ def batches(cfg, reorder=None):
   return out
 
 
-def losses(overrides, devices=None) -> np.ndarray:
-  """[STEPS, 2]: loss and gradient norm of each step."""
+def losses(overrides, devices=None, steps: int = STEPS) -> np.ndarray:
+  """[steps, 2]: loss and gradient norm of each step."""
   cfg = small_config(None, *BASE, *overrides)
   rt = runtime.build(cfg, devices)
   state, step = rt.init_state(), rt.train_step()
   out = []
-  for b in batches(cfg, rt.reorder()):
+  for b in batches(cfg, rt.reorder(), steps):
     state, m = step(state, jax.device_put(b, rt.layouts.batch()))
     out.append((float(m["loss"]), float(m["grad_norm"])))
   return np.array(out)

@@ -174,8 +174,9 @@ def _not_under(*prefixes: str):
 
 
 # The model's own files: the network the seam implementations must never reach into.
-_MODEL_FILES = tuple(f"jscale.model.{m}" for m in ("llama", "gqa", "mlp", "moe", "layers",
-                                                   "kv_cache", "rope", "remat"))
+_MODEL_FILES = tuple(f"jscale.model.{m}" for m in ("llama", "gqa", "mla", "mlp", "moe",
+                                                   "router", "mtp", "layers", "kv_cache",
+                                                   "rope", "remat"))
 
 
 @pytest.mark.parametrize("pattern, allowed", [

@@ -119,8 +119,9 @@ def test_model_config_comes_from_the_checkpoint(files, tmp_path, data_cache, kin
   assert cfg.model.rope_theta == 10000.0 and cfg.model.rope_scaling.factor == 4.0
   assert init_from.overrides(cfg) == [
       "model.rope_theta=10000.0 (checkpoint: 500000.0)",
-      "model.rope_scaling={factor: 4.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
-      "original_max_position_embeddings: 8192} (checkpoint: null)",
+      "model.rope_scaling={rope_type: llama3, factor: 4.0, low_freq_factor: 1.0, "
+      "high_freq_factor: 4.0, original_max_position_embeddings: 8192, beta_fast: 32.0, "
+      "beta_slow: 1.0, mscale: 1.0, mscale_all_dim: 0.0} (checkpoint: null)",
       "model.dtype=float32 (checkpoint: bfloat16)"]
 
 

@@ -208,3 +208,24 @@ H100_MEASURED = [("llama3_1b", (), Layout(mbs=4, remat="selective"), 57_952),
 def test_step_time_against_measured_h100(preset, overrides, lay, measured):
   model = load_config(None, [f"model.preset={preset}", *overrides]).model
   assert evaluate(model, lay, 4096, H100).tokens_per_s == pytest.approx(measured, rel=0.10)
+
+
+@pytest.mark.parametrize("remat", ["selective", "full"])
+def test_mla_layer_activations_are_what_jax_saves(remat):
+  """MLA (`model.mla`: V's head size unlike Q's): the estimate's q, k, v and attention output
+  terms over the expanded heads equal what JAX saves (the latents are recomputed)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=import-outside-toplevel
+  from jscale.model import llama  # pylint: disable=import-outside-toplevel
+  cfg = _model("model.preset=deepseek_v3_tiny", "model.n_kv_heads=4", "model.moe=null",
+               "model.mtp=null", "model.rope_scaling=null", "model.mla.qk_nope_head_dim=16",
+               "model.mla.v_head_dim=16",
+               "model.attention_impl=pallas", "model.kernel_interpret=true")
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: llama.create(cfg)))
+  loss = lambda p, t: nnx.merge(graphdef, p).trunk(t, remat=remat)[0].astype(jnp.float32).sum()
+  tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
+  saved = sum(a.size * a.dtype.itemsize for a, why in saved_residuals(loss, params, tokens)
+              if "run_layers" in why) / cfg.n_layers
+  assert saved == memory.layer_activation_bytes(cfg, Layout(), 128, remat) > 0

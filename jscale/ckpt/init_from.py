@@ -37,7 +37,7 @@ from flax import nnx
 from jscale.ckpt import params_io
 from jscale.config import Config, ConfigError, ModelConfig
 from jscale.config_dict import from_dict
-from jscale.convert import hf_weights
+from jscale.convert import hf_deepseek, hf_weights
 from jscale.convert.hf_config import config_from_hf, read_hf_config
 from jscale.data.tokenizer import tokenizer_vocab_size
 from jscale.model import llama
@@ -71,9 +71,11 @@ def checkpoint_model(path: str) -> ModelConfig:
   if not is_hf_dir(path):
     return params_io.load_model_config(path)  # names the fix when model.yaml is missing
   try:
-    return config_from_hf(read_hf_config(path), dtype=_HF_DTYPE, param_dtype=_HF_PARAM_DTYPE)
+    cfg = config_from_hf(read_hf_config(path), dtype=_HF_DTYPE, param_dtype=_HF_PARAM_DTYPE)
   except ConfigError as e:
     raise ConfigError(f"checkpoint.init_from={path} (config.json): {e}") from None
+  with _open_safetensors(path) as reader:  # (headers only) DeepSeek: MTP only if stored
+    return hf_deepseek.without_absent_mtp(cfg, reader.files)
 
 
 def merge_model(raw: dict[str, Any]) -> dict[str, Any]:

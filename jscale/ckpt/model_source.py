@@ -198,5 +198,5 @@ def _restore_train_params(src: Source, stored: dict) -> dict:
   params = out["params"]
   v = run.pipeline.virtual_stages if src.stages > 1 else 1
   return {**params,
-          "blocks": layout.to_model(params["blocks"], run.model.n_layers, src.stages, v,
+          "blocks": layout.to_model(params["blocks"], run.model.stack_layers, src.stages, v,
                                     layout.placement_of(run.pipeline.schedule))}

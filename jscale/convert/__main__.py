@@ -1,4 +1,5 @@
-"""`python -m jscale.convert`: Hugging Face Llama / Mixtral <-> jscale params checkpoints.
+"""`python -m jscale.convert`: Hugging Face Llama / Mixtral / DeepSeek-V3 <-> jscale params
+checkpoints.
 
   hf-to-jscale --hf DIR --out DIR    HF dir -> params checkpoint for `checkpoint.init_from`
   jscale-to-hf --ckpt DIR --out DIR  a trained run / checkpoint -> HF dir (`from_pretrained`)
@@ -110,7 +111,8 @@ def _jscale_to_hf(args) -> None:
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
-  arch = "LlamaForCausalLM" if cfg.moe is None else "MixtralForCausalLM"
+  arch = ("DeepseekV3ForCausalLM" if cfg.mla is not None else "LlamaForCausalLM"
+          if cfg.moe is None else "MixtralForCausalLM")
   tok = ("; its tokenizer.json copied beside" if tokenizer else
          "; no tokenizer.json (the byte tokenizer has none: token id = byte value)")
   print(f"wrote {args.out} from {src.label()}{tok}; load it with "

@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from jscale.config import ConfigError, ModelConfig, MoeConfig, RopeScalingConfig
+from jscale.convert import hf_deepseek
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                 "original_max_position_embeddings")
@@ -99,11 +100,13 @@ def _mixtral_moe(hf: dict[str, Any], max_seq_len: int) -> MoeConfig:
 def config_from_hf(hf: dict[str, Any], *, dtype: str = "float32",
                    param_dtype: str = "float32") -> ModelConfig:
   """A ModelConfig equivalent to the HF Llama or Mixtral config dict `hf`; raises ConfigError
-  otherwise."""
+  otherwise. DeepSeek-V3 (`model_type: deepseek_v3`): `jscale.convert.hf_deepseek`."""
   model_type = hf.get("model_type")
+  if model_type == hf_deepseek.MODEL_TYPE:
+    return hf_deepseek.config_from_hf(hf, dtype=dtype, param_dtype=param_dtype)
   if model_type not in _DEFAULTS:
-    raise ConfigError(f"model_type={model_type!r}: only 'llama' and 'mixtral' checkpoints "
-                      "convert")
+    raise ConfigError(f"model_type={model_type!r}: only 'llama', 'mixtral' and 'deepseek_v3' "
+                      "checkpoints convert")
   defaults = _DEFAULTS[model_type]
   if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # HF treats swish as silu
     raise ConfigError(f"hidden_act={hf['hidden_act']!r}: jscale's MLP is SwiGLU (silu) only")
@@ -147,7 +150,10 @@ def config_to_hf(cfg: ModelConfig, *, dtype: str) -> dict[str, Any]:
   LlamaForCausalLM, or MixtralForCausalLM when `cfg.moe` is set.
 
   Also writes top-level `rope_theta` / `rope_scaling` so transformers 4.x reads the same rope.
+  A model with `cfg.mla` exports as DeepseekV3ForCausalLM (`jscale.convert.hf_deepseek`).
   """
+  if hf_deepseek.is_deepseek(cfg):
+    return hf_deepseek.config_to_hf(cfg, dtype=dtype)
   rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
   if cfg.rope_scaling is not None:
     rs = cfg.rope_scaling

@@ -1,4 +1,4 @@
-"""load_hf / save_hf: whole-model conversion between HF Llama / Mixtral dirs and jscale models."""
+"""load_hf / save_hf: whole-model conversion between HF Llama / Mixtral / DeepSeek-V3 dirs and jscale models."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jscale.config import ConfigError, ModelConfig
-from jscale.convert import hf_weights
+from jscale.convert import hf_deepseek, hf_weights
 from jscale.convert.hf_config import config_from_hf, config_to_hf, read_hf_config
 from jscale.model import llama
 
@@ -53,6 +53,7 @@ def load_hf(path: str, *, dtype: str = "float32", param_dtype: str = "float32",
   """
   cfg = config_from_hf(read_hf_config(path), dtype=dtype, param_dtype=param_dtype)
   with hf_weights.SafetensorsReader(path) as reader:
+    cfg = hf_deepseek.without_absent_mtp(cfg, reader.files)
     pure = hf_weights.hf_to_pure(reader, cfg, jnp.dtype(param_dtype))
   return cfg, model_from_pure(cfg, pure, shardings)
 

@@ -1,4 +1,4 @@
-"""HF Llama / Mixtral safetensors <-> jscale parameter pure dicts, in numpy (no torch).
+"""HF Llama / Mixtral (DeepSeek-V3: `jscale.convert.hf_deepseek`) safetensors <-> jscale parameter pure dicts, in numpy (no torch).
 
 HF stores every projection as a Linear weight [out, in] per layer; jscale keeps [in, ..., out]
 with heads split out and layers stacked on a leading axis. All conversions here are transposes,
@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jscale.config import ConfigError, ModelConfig
+from jscale.convert import hf_deepseek
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -147,6 +148,8 @@ def _experts_from_hf(reader: SafetensorsReader, cfg: ModelConfig, i: int, param_
 
 def hf_to_pure(reader: SafetensorsReader, cfg: ModelConfig, param_dtype) -> dict:
   """jscale's parameter pure dict, read tensor by tensor from `reader` and cast to param_dtype."""
+  if hf_deepseek.is_deepseek(cfg):
+    return hf_deepseek.hf_to_pure(reader, cfg, param_dtype)
   pure: dict = {}
   used: set[str] = set()
   for path, name, shape, to_jscale, _ in _specs(cfg):
@@ -180,6 +183,9 @@ def pure_to_hf(pure: dict, cfg: ModelConfig, dtype=None) -> Iterator[tuple[str, 
   """(HF name, array) pairs for jscale's parameter pure dict; cast to `dtype` if given.
 
   Mixtral experts are written per expert (w1 / w2 / w3), the published layout."""
+  if hf_deepseek.is_deepseek(cfg):
+    yield from hf_deepseek.pure_to_hf(pure, cfg, dtype)
+    return
   def out(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w if dtype is None else w.astype(dtype))
 

@@ -28,8 +28,8 @@ def for_this_backend(cfg: ModelConfig, model: Llama, dtype: str | None = None
   XLA's off the GPU (`auto`'s tiled grouped matmul); MoE dropless."""
   dtype = dtype or cfg.dtype
   on_gpu = jax.default_backend() == "gpu"
-  impl = attention.local_impl("auto", jax.ShapeDtypeStruct((1, 1, 1, cfg.resolved_head_dim),
-                                                           dtype))
+  impl = attention.local_impl("auto", jax.ShapeDtypeStruct((1, 1, 1, cfg.qk_head_dim), dtype),
+                              jax.ShapeDtypeStruct((1, 1, 1, cfg.v_head_dim), dtype))
   moe = cfg.moe
   if moe is not None:
     moe = dataclasses.replace(moe, dispatch="dropless",  # generation never drops a token

@@ -122,9 +122,13 @@ BACKENDS: dict[str, tuple[str, ...]] = {"xla": ("cpu", "gpu", "tpu"), "cudnn": (
                                         "auto": ("cpu", "gpu", "tpu")}
 
 
-def cudnn_applies(dtype, head_dim: int, compute_capability: str | None = None) -> str | None:
+def cudnn_applies(dtype, head_dim: int, compute_capability: str | None = None,
+                  v_head_dim: int | None = None) -> str | None:
   """None if cuDNN's fused flash attention runs this attention, else why not: it takes fp16 /
-  bf16 operands, head dims that are multiples of 8 up to 128, and Ampere or newer GPUs."""
+  bf16 operands, head dims that are multiples of 8 up to 128, V's equal to Q's (MLA's is
+  not), and Ampere or newer GPUs."""
+  if v_head_dim is not None and v_head_dim != head_dim:
+    return f"v head_dim {v_head_dim} != q head_dim {head_dim} (jax.nn.dot_product_attention)"
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"model.dtype={jnp.dtype(dtype).name} (cuDNN flash attention needs bf16 or fp16)"
   if head_dim % 8 or head_dim > 128:
@@ -135,8 +139,8 @@ def cudnn_applies(dtype, head_dim: int, compute_capability: str | None = None) -
 
 
 def auto_impl(platform: str, dtype, head_dim: int, context_parallel: bool = False,
-              flash_tiles: bool = True, compute_capability: str | None = None
-              ) -> tuple[str, str]:
+              flash_tiles: bool = True, compute_capability: str | None = None,
+              v_head_dim: int | None = None) -> tuple[str, str]:
   """(impl, why) that `model.attention_impl: auto` runs: under context parallelism the ring
   (its blocks the Pallas flash kernel on GPU where it tiles them, else plain jnp); on a GPU
   cuDNN's fused flash attention where it applies; plain XLA otherwise (CPU)."""
@@ -146,7 +150,7 @@ def auto_impl(platform: str, dtype, head_dim: int, context_parallel: bool = Fals
     return "ring", "mesh.sequence > 1: ring attention" + (
         ", plain blocks (the flash kernel does not tile them)" if platform == "gpu" else "")
   if platform == "gpu":
-    why_not = cudnn_applies(dtype, head_dim, compute_capability)
+    why_not = cudnn_applies(dtype, head_dim, compute_capability, v_head_dim)
     if why_not is None:
       return "cudnn", f"GPU, {jnp.dtype(dtype).name}, head_dim {head_dim}: cuDNN flash attention"
     return "xla", f"GPU, but cuDNN does not apply: {why_not}"
@@ -158,19 +162,20 @@ Q_NAMES = ("batch", "seq", "heads", "head_dim")
 KV_NAMES = ("batch", "seq", "kv_heads", "head_dim")
 
 
-def local_impl(impl: str, q_BLHK: jax.Array) -> str:
+def local_impl(impl: str, q_BLHK: jax.Array, v_BSGV: jax.Array | None = None) -> str:
   """`impl`, with "auto" resolved for the default backend as for one device without context
   parallelism (a model used without a runtime; the runtime resolves it for its mesh)."""
   if impl != "auto":
     return impl
-  return auto_impl(jax.default_backend(), q_BLHK.dtype, q_BLHK.shape[-1])[0]
+  return auto_impl(jax.default_backend(), q_BLHK.dtype, q_BLHK.shape[-1],
+                   v_head_dim=None if v_BSGV is None else v_BSGV.shape[-1])[0]
 
 
 def attention(q_BLHK, k_BSGK, v_BSGK, impl: str = "xla", causal: bool = True,
               positions=None, interpret: bool = False) -> jax.Array:
   """Dispatches to `impl`; a non-kernel result is named for selective rematerialisation.
   `interpret`: Pallas impls only (run in the Pallas interpreter)."""
-  impl = local_impl(impl, q_BLHK)
+  impl = local_impl(impl, q_BLHK, v_BSGK)
   kwargs = {"interpret": interpret} if impl == "pallas" else {}
   ctx_BLHK = IMPLS[impl](q_BLHK, k_BSGK, v_BSGK, causal=causal, positions=positions, **kwargs)
   return ctx_BLHK if impl in KERNEL_IMPLS else named(ctx_BLHK)

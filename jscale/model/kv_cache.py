@@ -10,8 +10,12 @@ holds (zeros, a padded prompt's filler) is never seen. The prefill (positions 0.
 row) attends over its own fresh K / V with the model's attention impl (causal by index, so
 right padding cannot reach a real token); a decode step attends over the cache by position.
 
+MLA (`jscale.model.mla`) caches its compressed latent instead (`LatentCache`): the normed
+kv latent and the RoPE key shared by the heads, kv_lora_rank + rope values per token and
+layer whatever the head count (`bytes_per_token` compares the layouts).
+
 Shape suffixes: N layers, B batch, S cache length, L new tokens, H query heads, G kv heads,
-K head dim.
+K head dim, R kv_lora_rank, P rope dims.
 """
 
 from __future__ import annotations
@@ -35,14 +39,43 @@ class KVCache(NamedTuple):
     return self.k.shape[2]
 
 
+class LatentCache(NamedTuple):
+  """MLA's cache: the normed kv latent [N, B, S, R] and the RoPE key [N, B, S, P] (RoPE
+  applied) of every layer."""
+  latent: jax.Array
+  rope: jax.Array
+
+  @property
+  def length(self) -> int:
+    return self.latent.shape[2]
+
+
 # Logical names of the cache's dims (`jscale.sharding` maps kv_heads over tensor).
 NAMES = (None, "batch", None, "kv_heads", "head_dim")
+LATENT_NAMES = (None, "batch", None, None)  # shared by the heads: whole on every tensor rank
 
 
-def init(cfg: ModelConfig, batch: int, length: int) -> KVCache:
+def names(cfg: ModelConfig) -> tuple:
+  """The logical names of every array of the model's cache."""
+  return NAMES if cfg.mla is None else LATENT_NAMES
+
+
+def init(cfg: ModelConfig, batch: int, length: int) -> KVCache | LatentCache:
   """A zero cache for `batch` rows of `length` positions, in the compute dtype."""
+  if cfg.mla is not None:
+    lead = (cfg.n_layers, batch, length)
+    return LatentCache(jnp.zeros((*lead, cfg.mla.kv_lora_rank), cfg.dtype),
+                       jnp.zeros((*lead, cfg.mla.qk_rope_head_dim), cfg.dtype))
   shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.resolved_head_dim)
   return KVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+
+
+def bytes_per_token(cfg: ModelConfig) -> int:
+  """Cache bytes one token takes over all layers: 2·G·K per layer for GQA (G = H: MHA),
+  kv_lora_rank + rope for MLA, times the compute dtype's size."""
+  per_layer = (2 * cfg.n_kv_heads * cfg.resolved_head_dim if cfg.mla is None
+               else cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
+  return cfg.n_layers * per_layer * jnp.dtype(cfg.dtype).itemsize
 
 
 def write(cache: KVCache, layer: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
@@ -51,6 +84,15 @@ def write(cache: KVCache, layer: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array
   rows_B1 = jnp.arange(k_BLGK.shape[0])[:, None]
   return KVCache(cache.k.at[layer, rows_B1, positions_BL].set(k_BLGK.astype(cache.k.dtype)),
                  cache.v.at[layer, rows_B1, positions_BL].set(v_BLGK.astype(cache.v.dtype)))
+
+
+def write_latent(cache: LatentCache, layer: jax.Array, c_BLR: jax.Array, k_rope_BLP: jax.Array,
+                 positions_BL: jax.Array) -> LatentCache:
+  """`cache` with layer `layer`'s latent and RoPE key of these tokens at their positions."""
+  rows_B1 = jnp.arange(c_BLR.shape[0])[:, None]
+  return LatentCache(
+      cache.latent.at[layer, rows_B1, positions_BL].set(c_BLR.astype(cache.latent.dtype)),
+      cache.rope.at[layer, rows_B1, positions_BL].set(k_rope_BLP.astype(cache.rope.dtype)))
 
 
 def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, cache: KVCache,

@@ -57,12 +57,13 @@ class RMSNorm(nnx.Module):
   no-op for the model's residual stream), run on each device's rows through `comms.kernel`:
   the Mosaic GPU kernels (`pallas_kernels.rms_norm.hopper`) where `norm_backend` picks them
   for the mesh's device, else the portable one (`pallas_kernels.rms_norm`); `interpret` runs
-  the portable kernel in the Pallas interpreter.
+  the portable kernel in the Pallas interpreter. `names`: the scale's logical dim name (MLA's
+  latent norms: "latent").
   """
 
   def __init__(self, dim: int, eps: float, dtype, param_dtype, impl: str = "xla",
-               interpret: bool = False):
-    self.scale = ones_param((dim,), ("embed",), param_dtype)
+               interpret: bool = False, names: tuple[str] = ("embed",)):
+    self.scale = ones_param((dim,), names, param_dtype)
     self.eps = eps
     self.dtype = dtype
     self.impl = impl

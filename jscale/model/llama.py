@@ -3,8 +3,12 @@
 Layers are created stacked along a leading `layers` axis (nnx.vmap) and run with `lax.scan`, so
 compile time does not grow with depth. Weights are stored in `param_dtype` (fp32 master) and
 cast to `dtype` (bf16) at use. Communication goes through the model's seam (`jscale.model.seam`).
-The blocks' attention and MLP modules are swappable (`Block`; GQA and SwiGLU or MoE by default),
-and every linear layer's product, the head's included, is `dot_general`'s (`jscale.model.matmul`).
+The blocks' attention and MLP modules are swappable (`Block`; GQA, or MLA with `model.mla`, and
+SwiGLU or MoE by default), and every linear layer's product, the head's included, is
+`dot_general`'s (`jscale.model.matmul`). With `model.moe.first_dense` = k the first k layers
+are dense blocks of their own stack (`dense_blocks`, run before the scanned MoE stack; a
+pipeline runs them in its first stage with the embedding), and with `model.mtp` the
+multi-token prediction modules (`jscale.model.mtp`) follow the trunk in training.
 
 Shape suffixes: B batch, L sequence, D d_model, H query heads, G kv heads, K head dim,
 F mlp hidden, V vocab.
@@ -21,13 +25,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jscale.config import ModelConfig
-from jscale.model import kv_cache, matmul
+from jscale.model import kv_cache, matmul, rope
 from jscale.model import remat as remat_lib
 from jscale.model.gqa import GQA
 from jscale.model.layers import RMSNorm, param
+from jscale.model.mla import MLA
 from jscale.model.mlp import Mlp
 from jscale.model.moe import MoE
-from jscale.model.rope import inv_frequencies
+from jscale.model.mtp import MtpModule, shift
 from jscale.model.seam import LOCAL, Seam
 
 class AttentionModule(Protocol):
@@ -69,11 +74,13 @@ class Block(nnx.Module):
   `cls(cfg, rngs, dot_general=...)`: GQA, and SwiGLU (`Mlp`) or `MoE` when `cfg.moe` is set.
   """
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention: type[AttentionModule] = GQA,
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs,
+               attention: type[AttentionModule] | None = None,
                mlp: type[MlpModule] | None = None,
                dot_general: matmul.DotGeneral = jax.lax.dot_general):
     pd = jnp.dtype(cfg.param_dtype)
     norm = dict(impl=cfg.norm_impl, interpret=cfg.kernel_interpret)
+    attention = attention or (GQA if cfg.mla is None else MLA)
     mlp = mlp or (Mlp if cfg.moe is None else MoE)
     # Attention before MLP: the order of the random draws, so seeded inits stay the same.
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.dtype, pd, **norm)
@@ -155,7 +162,8 @@ class Llama(nnx.Module):
   (`matmul.for_linear`; e.g. FP8 on chosen layers, `jscale.fp8`)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *,
-               attention: type[AttentionModule] = GQA, mlp: type[MlpModule] | None = None,
+               attention: type[AttentionModule] | None = None,
+               mlp: type[MlpModule] | None = None,
                dot_general: matmul.DotGeneral = jax.lax.dot_general):
     self.cfg = cfg
     self.head_dot = matmul.for_linear(dot_general, "lm_head")
@@ -166,8 +174,17 @@ class Llama(nnx.Module):
     self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, pd)
 
     every = cfg.moe.every if cfg.moe is not None else 1
+    if cfg.first_dense:
+      dense = dict(modules, mlp=None)
 
-    @nnx.split_rngs(splits=cfg.n_layers // every)
+      @nnx.split_rngs(splits=cfg.first_dense)
+      @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "sublayers"})
+      def make_dense(rngs):
+        return Block(dataclasses.replace(cfg, moe=None), rngs, **dense)
+
+      self.dense_blocks = make_dense(rngs)
+
+    @nnx.split_rngs(splits=cfg.stack_layers // every)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make_blocks(rngs):
       return Block(cfg, rngs, **modules) if every == 1 else MoeGroup(cfg, rngs, **modules)
@@ -178,6 +195,14 @@ class Llama(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                            cfg.init_std, pd)
+    if cfg.mtp is not None:
+
+      @nnx.split_rngs(splits=cfg.mtp.depth)
+      @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "sublayers"})
+      def make_mtp(rngs):
+        return MtpModule(cfg, rngs, Block, **modules)
+
+      self.mtp = make_mtp(rngs)
 
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
                comms: Seam = LOCAL, remat: str = "none") -> jax.Array:
@@ -199,7 +224,8 @@ class Llama(nnx.Module):
     # They are gathered once per step: the embedding's backward (a scatter-add) does not need
     # the table, and the head's backward runs right after its forward.
     embed_VD = comms.gather_params(self.embed, self.cfg.dtype)[...]
-    x_BLD = self.embed_tokens(tokens_BL, comms, embed_VD)
+    x_BLD = self.dense_prefix(self.embed_tokens(tokens_BL, comms, embed_VD), positions_BL,
+                              comms, remat)
     graphdef, weights, dot_state = nnx.split(self.blocks, nnx.Param, ...)
     x_BLD, stats = run_layers(graphdef, weights, x_BLD, positions_BL, self.cfg, comms, remat,
                               with_stats=True, dot_state=dot_state)
@@ -213,19 +239,71 @@ class Llama(nnx.Module):
     tokens' K / V stored. `prefill`: the tokens are positions 0..L-1 of every row."""
     embed_VD = self.embed[...].astype(self.cfg.dtype)
     x_BLD = self.embed_tokens(tokens_BL, LOCAL, embed_VD)
-    inv_freq = inv_frequencies(self.cfg.resolved_head_dim, self.cfg.rope_theta,
-                               self.cfg.rope_scaling)
-    graphdef, weights, rest = nnx.split(self.blocks, nnx.Param, ...)
+    inv_freq = rope.for_model(self.cfg)
+    first = 0
+    for stack in ([self.dense_blocks] if self.cfg.first_dense else []) + [self.blocks]:
+      graphdef, weights, rest = nnx.split(stack, nnx.Param, ...)
 
-    def layer(carry, inputs):
-      x_BLD, cache = carry
-      w, r, index = inputs
-      return nnx.merge(graphdef, w, r).cached(x_BLD, positions_BL, inv_freq, cache, index,
-                                              prefill), None
+      def layer(carry, inputs):
+        x_BLD, cache = carry
+        w, r, index = inputs
+        return nnx.merge(graphdef, w, r).cached(x_BLD, positions_BL, inv_freq, cache, index,
+                                                prefill), None
 
-    n = jax.tree.leaves(weights)[0].shape[0]
-    (x_BLD, cache), _ = jax.lax.scan(layer, (x_BLD, cache), (weights, rest, jnp.arange(n)))
+      n = jax.tree.leaves(weights)[0].shape[0]
+      (x_BLD, cache), _ = jax.lax.scan(layer, (x_BLD, cache),
+                                       (weights, rest, first + jnp.arange(n)))
+      first += n
     return x_BLD, cache
+
+  def dense_prefix(self, x_BLD: jax.Array, positions_BL: jax.Array, comms: Seam = LOCAL,
+                   remat: str = "none") -> jax.Array:
+    """The leading dense layers (`model.moe.first_dense`; identity without), a scan whose
+    weights are gathered once per call (ZeRO-3), like the embedding's. `positions_BL`: the
+    whole sequence's (under SP `x_BLD` holds a part of it)."""
+    if not self.cfg.first_dense:
+      return x_BLD
+    graphdef, weights, rest = nnx.split(self.dense_blocks, nnx.Param, ...)
+    weights = comms.gather_params(weights, self.cfg.dtype)
+    inv_freq = rope.for_model(self.cfg)
+
+    def layer(x_BLD, inputs):
+      return nnx.merge(graphdef, *inputs)(x_BLD, positions_BL, inv_freq, comms)[0], None
+
+    layer = remat_lib.checkpointed(layer, remat, self.cfg)
+    with jax.named_scope("dense_prefix"):
+      return jax.lax.scan(layer, x_BLD, (weights, rest))[0]
+
+  def mtp_hidden(self, x_BLD: jax.Array, labels_BL: jax.Array,
+                 positions_BL: jax.Array | None = None, comms: Seam = LOCAL,
+                 remat: str = "none", embed_VD: jax.Array | None = None) -> list[jax.Array]:
+    """The multi-token prediction modules' outputs (`jscale.model.mtp`), one [B, L, D] per
+    depth d = 1..D, after their final norms: what the shared head reads to predict token
+    t+1+d. `x_BLD`: the trunk's output (before the final norm)."""
+    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+    if positions_BL is None:  # from the labels: under SP x_BLD holds 1/t of the sequence
+      positions_BL = jnp.broadcast_to(jnp.arange(labels_BL.shape[1]), labels_BL.shape)
+    if embed_VD is None:
+      embed_VD = comms.gather_params(self.embed, dt)[...]
+    norm_graphdef, norm_state = nnx.split(self.final_norm)
+    h_BLD = nnx.merge(norm_graphdef, comms.gather_params(norm_state, dt))(x_BLD, comms)
+    graphdef, weights, rest = nnx.split(self.mtp, nnx.Param, ...)
+    weights = comms.gather_params(weights, dt)
+    inv_freq = rope.for_model(cfg)
+
+    def depth(h_BLD, inputs):
+      w, r, tokens_BL = inputs
+      e_BLD = self.embed_tokens(tokens_BL, comms, embed_VD)
+      return nnx.merge(graphdef, w, r)(h_BLD, e_BLD, positions_BL, inv_freq, comms)
+
+    depth = remat_lib.checkpointed(depth, remat, cfg)
+    out = []
+    with jax.named_scope("mtp"):
+      for d in range(cfg.mtp.depth):  # module d+1 embeds t_{i+d+1}: the label of i+d
+        h_BLD = depth(h_BLD, jax.tree.map(lambda a: a[d], (weights, rest)) +
+                      (shift(labels_BL, d),))
+        out.append(h_BLD)
+    return out
 
   def embed_tokens(self, tokens_BL: jax.Array, comms: Seam = LOCAL,
                    embed_VD: jax.Array | None = None) -> jax.Array:
@@ -281,7 +359,7 @@ def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, position
   weights but never gathered or cast. `unroll`: the layers as straight-line code, not a loop
   (a pipeline's forward + backward pairs, whose halves XLA can only interleave so)."""
   dt = jnp.dtype(cfg.dtype)
-  inv_freq = inv_frequencies(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
+  inv_freq = rope.for_model(cfg)
 
   def layer(x_BLD, inputs):
     weights, dots = inputs

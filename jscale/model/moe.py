@@ -1,5 +1,7 @@
 """Mixture-of-experts MLP: a softmax top-k router over SwiGLU experts (Mixtral), optionally with
-an always-on shared expert, plus the router's load-balancing and z losses.
+an always-on shared expert, plus the router's load-balancing and z losses. `moe.router:
+sigmoid` (or groups) routes as DeepSeek-V3 does (`jscale.model.router`: group-limited top-k,
+a balancing bias, scaled gates, the sequence-wise balance loss).
 
 Tokens are routed in groups (`Seam.expert_groups`: one per batch shard), and the experts run
 through the model's seam (`Seam.experts`): without a mesh (`LOCAL`), in manual mode, and in
@@ -22,7 +24,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jscale.config import ModelConfig
-from jscale.model import matmul, moe_gemm
+from jscale.model import matmul, moe_gemm, router
 from jscale.model.layers import einsum, param
 from jscale.model.moe_dispatch import ExpertWeights
 from jscale.model.seam import GATHERED, Seam
@@ -55,7 +57,8 @@ def with_objective(stats: dict[str, jax.Array], moe) -> dict[str, jax.Array]:
   """`stats` plus "moe_loss": the router losses weighted as the config asks (`moe`: the
   MoeConfig), the term added to the mean token loss."""
   return {**stats, "moe_loss": (moe.aux_loss_weight * stats["aux_loss"] +
-                                moe.z_loss_weight * stats["z_loss"])}
+                                moe.z_loss_weight * stats["z_loss"] +
+                                moe.seq_aux_loss_weight * stats.get("seq_aux_loss", 0.0))}
 
 
 class MoE(nnx.Module):
@@ -71,6 +74,9 @@ class MoE(nnx.Module):
     e, f = m.n_experts, m.d_ff or cfg.d_ff
     pd, std = jnp.dtype(cfg.param_dtype), cfg.init_std
     self.router = param(rngs, (d, e), ("embed", "router"), std, pd)
+    if m.router == "sigmoid":  # DeepSeek's balancing bias: fp32, never split, not trained
+      setattr(self, router.BIAS, nnx.Param(jnp.zeros((e,), jnp.float32),
+                                           out_sharding=("expert_bias",), eager_sharding=False))
     self.w_gate = param(rngs, (e, d, f), ("experts", "embed", "mlp"), std, pd)
     self.w_up = param(rngs, (e, d, f), ("experts", "embed", "mlp"), std, pd)
     self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), std, pd)
@@ -93,8 +99,18 @@ class MoE(nnx.Module):
     with matmul.fp32_scope("router"):
       logits_GTE = jnp.einsum("GTD,DE->GTE", comms.router_input(h_GTD).astype(jnp.float32),
                               self.router[...].astype(jnp.float32))
-    probs_GTE, ids_GTK, gates_GTK = route(logits_GTE, self.cfg.top_k)
+    if self.cfg.router == "softmax" and self.cfg.n_group == 1:
+      probs_GTE, ids_GTK, gates_GTK = route(logits_GTE, self.cfg.top_k)
+      scores_GTE = probs_GTE
+    else:
+      bias = getattr(self, router.BIAS, None)
+      scores_GTE, ids_GTK, gates_GTK = router.route(logits_GTE, None if bias is None
+                                                    else bias[...], self.cfg)
+      probs_GTE = router.normalized(scores_GTE)
     stats = router_losses(logits_GTE, probs_GTE, ids_GTK, comms)
+    if self.cfg.seq_aux_loss_weight:
+      stats["seq_aux_loss"] = router.sequence_balance_loss(
+          scores_GTE.reshape(b, l, -1), ids_GTK.reshape(b, l, -1), comms)
     # Cast in the seam's view (not saved by remat policies, like the dense layers' weights).
     w = ExpertWeights(*(checkpoint_name(x[...].astype(self.dtype), GATHERED)
                         for x in (self.w_gate, self.w_up, self.w_down)))

@@ -101,7 +101,7 @@ class Seam:
     K/V all-gathered, or a ring). `positions_BL` are the tokens' positions in their sequence.
     `interpret`: run a Pallas impl in the Pallas interpreter."""
     del positions_BL  # one device (or no context parallelism): tokens are in order
-    impl = attn_lib.local_impl(impl, q_BLHK)
+    impl = attn_lib.local_impl(impl, q_BLHK, v_BSGK)
     if impl in attn_lib.KERNEL_IMPLS:  # kernels: run on each device's shards of batch and heads
       # (cuDNN too: a custom call inside GSPMD regions such as a pipeline stage, and only ever
       # per-device work, so it gets the same per-shard dispatch as the Pallas kernel)
@@ -152,6 +152,12 @@ class Seam:
   def token_sum(self, x: jax.Array) -> jax.Array:
     """Sums a per-token statistic over the devices holding other tokens, inside the
     differentiated loss: each device's gradient stays its own tokens' share."""
+    return x
+
+  def sequence_sum(self, x: jax.Array) -> jax.Array:
+    """Sums a per-sequence statistic over the devices holding other parts of the same
+    sequences (manual context parallelism: a psum over `sequence`, which autodiff transposes
+    into another: every part's gradient sees the whole sequence's)."""
     return x
 
   def router_input(self, h_GTD: jax.Array) -> jax.Array:

@@ -115,8 +115,11 @@ class XlaExpert:
 
   def token_sum(self, x: jax.Array) -> jax.Array:
     # Router statistics: global under GSPMD; in a region manual over batch axes (the gradient
-    # loop, a pipeline stage) each shard adds the others' tokens explicitly.
-    return self._over_manual_batch(jax.lax.psum, x)
+    # loop, a pipeline stage) each shard adds the others' tokens explicitly. As in manual mode,
+    # the backward passes the gradient through: a plain psum's (in these regions, which run
+    # with check_vma=False) sums the shards' equal cotangents, multiplying every router
+    # loss's gradient by the shard count (seen as DP x accumulation not matching one device).
+    return self._over_manual_batch(tensor.reduce_from_tp, x)
 
   def expert_groups(self, batch: int) -> int:
     size = self.layouts.mesh.shape  # inside a region manual over batch axes: its shards' groups

@@ -83,9 +83,12 @@ class XlaZero:
     def gather(v: nnx.Variable):
       names = [n for n in v.get_metadata()["out_sharding"] if n != "layers"]
       compute = spec(names, rules)
-      shard = self._sharding(add_fsdp(names, v.shape, compute, fsdp))
+      sharded = add_fsdp(names, v.shape, compute, fsdp)
+      shard = self._sharding(sharded)
       x = _shard_cotangent(v[...], shard)
-      if self.layouts.zero_stage >= 3:
+      # A leaf too small to split is used as stored, as in manual mode (never cast: DeepSeek's
+      # fp32 balancing bias routes in fp32).
+      if self.layouts.zero_stage >= 3 and _fsdp_dim(sharded) >= 0:
         # Cast the shard (the model casts at use anyway): a bf16 gather moves half the bytes.
         x = jax.lax.with_sharding_constraint(x.astype(dtype), shard)
         # The barrier keeps the gather's operand this layer's 2-D slice: otherwise XLA:CPU
@@ -285,9 +288,12 @@ class ManualZero:
     axes = [a for a in self.dp_axes if a not in spec_axes(compute)]
     if self.fsdp > 1 and not (split and self.zero >= 1):
       axes.append("fsdp")  # replicated over fsdp: a plain data-parallel axis for this leaf
-    if self.sp and "tensor" not in spec_axes(compute) and "router" not in names:
-      # Norm weights: each tensor rank saw a different sequence slice (the MoE router sees
-      # the gathered sequence: its gradient is already whole).
+    replicated = self.tp > 1 and "tensor" not in spec_axes(compute)
+    if replicated and (("latent" in names) or
+                       (self.sp and not {"router", "expert_bias"} & set(names))):
+      # Norm weights under SP: each tensor rank saw a different sequence slice (the MoE
+      # router and its bias see the gathered sequence: their gradients are already whole).
+      # MLA's down projections and latent norms: each rank's gradient is its heads' share.
       axes.append("tensor")
     scatter = split and self.zero == 1
     return Plan(tuple(axes), "fsdp" if scatter else None, dim, self.fsdp if scatter else 1,

@@ -107,13 +107,14 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
                         2 * 2 * passes * layers * sbh + again + 4 * sbh + 3 * 2 * tokens * 4,
                         nodes("tensor"), ""))
   if lay.sequence > 1:
-    kv = tokens * model.n_kv_heads * model.resolved_head_dim / lay.tensor
+    kv = tokens * model.n_kv_heads * (model.qk_head_dim + model.v_head_dim) / 2 / lay.tensor
     fwd = 2 if lay.remat == "full" else 1
     ring = layers * ((fwd + 1) * (lay.sequence - 1) * 2 * kv * c + lay.sequence * 2 * kv * 4)
     out.append(Transfer("sequence", "ring attention K/V (+dK/dV) hops", "permute", ring,
                         nodes("sequence"), "step"))
   if lay.expert > 1 and model.moe is not None:
-    moe_layers = layers // model.moe.every
+    moe_layers = model.stack_layers / lay.stage // model.moe.every + (
+        model.mtp.depth if model.mtp is not None else 0)
     routed = tokens * model.moe.top_k * model.d_model * c
     # The buffer's own slice stays put, but volumes omit the (n-1)/n factor throughout.
     out.append(Transfer("expert", "token dispatch + combine all-to-all, fwd and bwd",

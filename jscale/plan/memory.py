@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jscale.config import ModelConfig, TrainConfig
 from jscale.step.loss import num_chunks
-from jscale.metrics import param_counts
+from jscale.metrics import attention_params, param_counts
 from jscale.parallel.pipeline import program, schedules
 from jscale.plan.layout import Layout
 
@@ -74,15 +74,19 @@ def local_params(model: ModelConfig, lay: Layout) -> float:
 def local_param_split(model: ModelConfig, lay: Layout) -> tuple[float, float]:
   """`local_params` as (the layer stack's, the rest: embedding, head, final norm)."""
   d, f, t = model.d_model, model.d_ff, lay.tensor
-  h, g, k = model.n_heads, model.n_kv_heads, model.resolved_head_dim
-  attn = (2 * d * h * k + 2 * d * g * k) / t
+  attn = attention_params(model)[0] / t  # (MLA's down projections and norms: split too, ~5%)
+  dense = attn + 3 * d * f / t + 2 * d
   if model.moe is None:
-    mlp = 3 * d * f / t
+    block = dense
   else:
     m = model.moe
-    mlp = (d * m.n_experts + m.n_experts * 3 * d * (m.d_ff or f) / (t * lay.expert)
-           + 3 * d * m.shared_d_ff / t)
-  layers = model.n_layers / lay.stage * (attn + mlp + 2 * d)
+    block = attn + 2 * d + (d * m.n_experts + m.n_experts * 3 * d * (m.d_ff or f) /
+                            (t * lay.expert) + 3 * d * m.shared_d_ff / t)
+  # The scanned stack is split over stages; the dense prefix (`moe.first_dense`, run with the
+  # embedding) and the MTP modules (with the head) are on every stage, as those are.
+  layers = model.stack_layers / lay.stage * block + model.first_dense * dense
+  if model.mtp is not None:
+    layers += model.mtp.depth * (block + 2 * d * d + 3 * d)
   vocab = model.vocab_size * d / t * (1 if model.tie_embeddings else 2)
   return layers, vocab + d
 
@@ -119,14 +123,16 @@ def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: 
   """
   c = jnp.dtype(model.dtype).itemsize
   d, t = model.d_model, lay.tensor
-  a, g, k = model.n_heads, model.n_kv_heads, model.resolved_head_dim
+  # q, k, v and the attention output: a·qk, g·qk, g·v, a·v (GQA: qk = v = the head dim; MLA:
+  # its expanded heads, g = a, and its latents, a few % more under `none`, left out)
+  a, g, qk, vk = model.n_heads, model.n_kv_heads, model.qk_head_dim, model.v_head_dim
   if remat == "full":
     return tokens * c * d / (t if lay.sequence_parallel else 1)
   moe, none = model.moe, remat == "none"
   f = model.d_ff if moe is None else moe.top_k * (moe.d_ff or model.d_ff) + moe.shared_d_ff
   mlp_input = moe is None or moe.shared_d_ff > 0  # a dense matmul reading the normed input
   h_terms = 16 * d + (3 + mlp_input) * c * d + 16 if none else 2 * d * c
-  split = c * (2 * a * k + 2 * g * k + (6 if none else 2) * f) + 4 * a
+  split = c * (a * qk + g * qk + g * vk + a * vk + (6 if none else 2) * f) + 4 * a
   if moe is not None:  # routing and rows: whole on every tensor-parallel device
     top = moe.top_k
     rows = (c * top * d + 4 * top * d + 4 * d + 4 * moe.n_experts + 16 + 20 * top if none
@@ -138,7 +144,8 @@ def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: 
 def cast_weights(model: ModelConfig, lay: Layout) -> float:
   """Bytes of one layer's weights in the compute dtype on one device (before ZeRO-3)."""
   layer_psi, _ = local_param_split(model, lay)
-  return jnp.dtype(model.dtype).itemsize * layer_psi / (model.n_layers / lay.stage)
+  extra = model.first_dense + (model.mtp.depth if model.mtp is not None else 0)
+  return jnp.dtype(model.dtype).itemsize * layer_psi / (model.stack_layers / lay.stage + extra)
 
 
 def vocab_gradient_bytes(model: ModelConfig, lay: Layout) -> float:
@@ -190,7 +197,9 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   grads = 4 * n / (f if zero >= 2 else 1)
   optimizer = 8 * n / (f if zero >= 1 else 1)
   tokens = tokens_per_microbatch(lay, seq)
-  layers_per_chunk = model.n_layers / (lay.stage * lay.virtual_stages)
+  # (the dense prefix and MTP blocks counted as one more chunk's layers each, on every stage)
+  extra = model.first_dense + (model.mtp.depth if model.mtp is not None else 0)
+  layers_per_chunk = model.stack_layers / (lay.stage * lay.virtual_stages) + extra
   per_layer = layer_activation_bytes(model, lay, tokens, lay.remat)
   pipe = lay.stage > 1
   # Under a pipeline the executor's residual buffer has a slot per set in flight plus a scratch

@@ -13,6 +13,16 @@ import jax.numpy as jnp
 from jscale.parallel.comms import LOCAL, Comms
 
 Batch = dict[str, jax.Array]
+# The loss function's statistics that are terms of the objective: MoE's weighted router
+# losses, multi-token prediction's.
+OBJECTIVE = ("moe_loss", "mtp_objective")
+# Those that are sums over this device's tokens of the micro-batch, as the token loss is
+# (multi-token prediction's): scaled alike by the step's 1 / token count and summed over the
+# batch's devices, so that they do not depend on the micro-batch split (a micro-batch mean
+# would weigh a micro-batch of few unmasked tokens as much as a full one). The others (the
+# router statistics, already global means over the micro-batch's tokens or sequences) are
+# averaged over micro-batches.
+TOKEN_SUMS = ("mtp_loss", "mtp_objective")
 
 
 class Grads(NamedTuple):
@@ -20,7 +30,8 @@ class Grads(NamedTuple):
   grads: Any  # fp32, not yet reduced over the data-parallel axes (`Comms.sync_grads`)
   loss: jax.Array  # mean token loss over the global batch
   count: jax.Array  # tokens in the global batch
-  stats: dict  # MoE router statistics, averaged over layers and micro-batches ({} if dense)
+  stats: dict  # MoE router statistics, averaged over layers and micro-batches ({} if dense);
+  # TOKEN_SUMS as means over the global batch's tokens
   dot_state: Any  # the products' new state (FP8's amax histories; {} without)
 
 
@@ -44,7 +55,8 @@ def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int,
   The token count is known before the backward (it is the mask's sum), so each micro-batch
   differentiates its loss sum divided by the total count: the summed gradients are the
   full-batch mean gradient (up to summation order), with no extra pass over them to divide.
-  An MoE model's router losses are added per micro-batch, divided by their number.
+  An MoE model's router losses are added per micro-batch, divided by their number; MTP's
+  token sums are scaled as the token loss (`TOKEN_SUMS`).
 
   `dot_state` (FP8's amax histories) is differentiated too: its "gradient" is its new value
   (`jscale.fp8.dot`), combined over micro-batches by a max (each micro-batch pushes its amaxes
@@ -63,6 +75,14 @@ def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int,
   return Grads(grads, comms.batch_sum(loss), count, stats, new_dots)
 
 
+def batch_sums(stats: dict, comms: Comms) -> dict:
+  """`stats` with the `TOKEN_SUMS` (already scaled by 1 / the step's token count) summed over
+  the devices holding other rows (`comms`: the gradient loop's, which inside xla mode's
+  per-shard region sums over its manual batch axes; the other statistics leave it as global
+  values, `XlaZero.over_batch`)."""
+  return {k: comms.batch_sum(v) if k in TOKEN_SUMS else v for k, v in stats.items()}
+
+
 def _grad_loop(comms: Comms, loss_fn: Callable, params, dot_state, batch: Batch, scale,
                microbatches: int):
   """(grads, loss sum, statistics, new dot_state) of `batch` in `microbatches` (a scan)."""
@@ -70,8 +90,9 @@ def _grad_loop(comms: Comms, loss_fn: Callable, params, dot_state, batch: Batch,
 
   def scaled_loss(p, d, mb):
     loss_sum, _, stats = loss_fn(p, mb, comms=step_comms, dot_state=d)
-    stats = jax.tree.map(lambda x: x / microbatches, stats)
-    return loss_sum * scale + stats.pop("moe_loss", 0.0), (loss_sum * scale, stats)
+    stats = {k: v * scale if k in TOKEN_SUMS else v / microbatches for k, v in stats.items()}
+    return (loss_sum * scale + sum(stats.pop(k, 0.0) for k in OBJECTIVE),
+            (loss_sum * scale, stats))
 
   grad_fn = jax.value_and_grad(scaled_loss, argnums=(0, 1), has_aux=True)
 
@@ -82,7 +103,7 @@ def _grad_loop(comms: Comms, loss_fn: Callable, params, dot_state, batch: Batch,
 
   if microbatches == 1:
     grads, new_dots, (loss, stats) = one(batch)
-    return grads, loss, stats, new_dots
+    return grads, loss, batch_sums(stats, comms), new_dots
 
   def body(carry, mb):
     g, d, aux = one(mb)
@@ -94,8 +115,8 @@ def _grad_loop(comms: Comms, loss_fn: Callable, params, dot_state, batch: Batch,
   first = jax.tree.map(lambda x: x[0], mbs)
   stats = jax.eval_shape(lambda: loss_fn(wrt, first, comms=step_comms,
                                          dot_state=dot_state)[2])  # forward only
-  stats0 = {k: jnp.zeros(v.shape, v.dtype) for k, v in stats.items() if k != "moe_loss"}
+  stats0 = {k: jnp.zeros(v.shape, v.dtype) for k, v in stats.items() if k not in OBJECTIVE}
   zeros = (comms.zero_grads(params), jax.tree.map(jnp.zeros_like, dot_state),
            (jnp.zeros((), jnp.float32), stats0))
   (grads, new_dots, (loss, stats)), _ = jax.lax.scan(body, zeros, mbs)
-  return grads, loss, stats, new_dots
+  return grads, loss, batch_sums(stats, comms), new_dots

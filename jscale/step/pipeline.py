@@ -20,8 +20,8 @@ from jscale.model import llama
 from jscale.model import moe as moe_lib
 from jscale.parallel.comms import Comms
 from jscale.parallel.pipeline import executor, layout, program as prog_lib, schedules
-from jscale.step.accumulate import Grads, split_microbatches, token_count
-from jscale.step.loss import head_loss_sums
+from jscale.step.accumulate import Grads, batch_sums, split_microbatches, token_count
+from jscale.step.loss import head_loss_sums, mtp_terms
 
 
 class Settings(NamedTuple):
@@ -60,11 +60,14 @@ def stage_fns(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
   model = lambda shared: nnx.merge(graphdef, {**shared, "blocks": params["blocks"]}, *extra)
   block_graphdef = nnx.split(nnx.merge(graphdef, params, *extra).blocks)[0]
 
-  def embed(shared, tokens_bL):
-    return model(shared).embed_tokens(tokens_bL, comms)
+  def embed(shared, tokens_bL):  # and the dense prefix (model.moe.first_dense), if any
+    m = model(shared)
+    # (No context parallelism in a pipeline: positions are the tokens' indices.)
+    positions_bL = jnp.broadcast_to(jnp.arange(tokens_bL.shape[1]), tokens_bL.shape)
+    return m.dense_prefix(m.embed_tokens(tokens_bL, comms), positions_bL, comms, s.remat)
 
   moe = s.model.moe
-  stack = s.model.n_layers // (moe.every if moe is not None else 1)
+  stack = s.model.stack_layers // (moe.every if moe is not None else 1)
 
   def layers(chunk, dots, x_bLD, positions_bL):
     y, stats = llama.run_layers(block_graphdef, chunk, x_bLD, positions_bL, s.model, comms,
@@ -79,8 +82,15 @@ def stage_fns(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
   def head_loss(shared, x_bLD, labels_bL, mask_bL):
     m = model(shared)
     h_bLD, head_DV = m.head_inputs(x_bLD, comms)
-    return head_loss_sums(h_bLD, head_DV, labels_bL, mask_bL, comms, s.logits_chunk_mb,
-                          m.head_dot)[0]
+    loss, _ = head_loss_sums(h_bLD, head_DV, labels_bL, mask_bL, comms, s.logits_chunk_mb,
+                             m.head_dot)
+    if s.model.mtp is None:
+      return loss, 0.0, {}
+    # (A pipeline has no context parallelism: positions are the tokens' indices.) Token sums,
+    # as the loss: the executor scales all three by the step's 1 / token count.
+    terms = mtp_terms(m, x_bLD, labels_bL, mask_bL, None, comms, s.remat, s.logits_chunk_mb,
+                      head_DV=head_DV)
+    return loss, terms["mtp_objective"], {"mtp_loss": terms["mtp_loss"]}
 
   return executor.StageFns(embed, layers, head_loss)
 
@@ -128,7 +138,7 @@ def grads(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
     # Embedding and head gradients come from the first and the last stage (both to a tied
     # embedding); every stage keeps the shared weights, so they are summed over stages.
     dshared = jax.lax.psum(run.dshared, "stage")
-    stats = dict(run.stats)
+    stats = batch_sums(dict(run.stats), inner)  # (MTP's, summed over rows as the loss)
     stats.pop("moe_loss", None)  # in the gradients already
     return ({**dshared, "blocks": run.dblocks}, jax.lax.psum((run.loss, stats), "stage"),
             run.codes, run.ddots)

@@ -103,7 +103,8 @@ def init_state(cfg: Config, shardings: Any = None, stages: int = 1) -> State:
 
   def init():
     model = create_model(cfg)
-    stored = lambda tree: params_to_storage(tree, cfg.model.n_layers, stages, cfg.pipeline)
+    stored = lambda tree: params_to_storage(tree, cfg.model.stack_layers, stages,
+                                           cfg.pipeline)
     params = stored(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     return state_from_params(params, optimizer, cfg.train.seed,
                              stored(initial_dot_state(model)))

@@ -18,9 +18,9 @@ from jscale.config import Config
 from jscale.model import moe as moe_lib
 from jscale.optim import lr_schedule, make_optimizer
 from jscale.parallel.comms import LOCAL, Comms
-from jscale.step import pipeline as pipeline_step
+from jscale.step import pipeline as pipeline_step, router_bias
 from jscale.step.accumulate import Batch, accumulate_grads
-from jscale.step.loss import head_loss_sums
+from jscale.step.loss import head_loss_sums, mtp_terms
 from jscale.step.state import State, merge
 
 
@@ -29,7 +29,9 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
   MoE terms). `dot_state`: the products' state (FP8's amax histories), if the model has any.
 
   MoE terms ({} for a dense model): the router statistics averaged over layers and
-  "moe_loss", their weighted sum to add to the mean token loss (already a mean over tokens).
+  "moe_loss", their weighted sum to add to the mean token loss (already a mean over tokens);
+  with `model.mtp` also "mtp_loss" (each depth's) and "mtp_objective" (`loss.mtp_terms`:
+  token sums, which the step scales as the token loss, `accumulate.TOKEN_SUMS`).
   """
   moe = cfg.model.moe
 
@@ -42,7 +44,12 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
       loss_sum, count = head_loss_sums(h_BLD, head_DV, mb["labels"], mb["loss_mask"], comms,
                                        cfg.train.logits_chunk_mb, model.head_dot,
                                        model.head_stored)
-    return loss_sum, count, (moe_lib.with_objective(stats, moe) if moe is not None else stats)
+      stats = moe_lib.with_objective(stats, moe) if moe is not None else stats
+      if cfg.model.mtp is not None:
+        stats = {**stats, **mtp_terms(model, x_BLD, mb["labels"], mb["loss_mask"],
+                                      mb.get("positions"), comms, cfg.train.remat,
+                                      cfg.train.logits_chunk_mb, embed_VD, head_DV)}
+    return loss_sum, count, stats
 
   return loss_fn
 
@@ -66,6 +73,7 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
   schedule = lr_schedule(cfg.train)
   loss_fn = make_loss_fn(graphdef, cfg, comms)
   stages = pipeline_step.Settings.of(cfg)
+  balance = router_bias.balanced(cfg.model.moe)
 
   def step(state: State, batch: Batch):
     _check_positions(batch, batch_sharding)
@@ -77,6 +85,7 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
                              state.get("dot_state"))
     loss, count, stats, dot_state = out.loss, out.count, out.stats, out.dot_state
     grads = comms.sync_grads(out.grads)
+    loads, grads = grads, (router_bias.without_loads(grads) if balance else grads)
     with jax.named_scope("optimizer"):
       grad_norm = comms.grad_norm(grads)
       # Never apply a NaN or inf: loss and norm are global (every device decides alike); the
@@ -85,13 +94,17 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
       mine = comms.params_for_update(params)
       updates, opt_state = optimizer.update(grads, state["opt_state"], mine, grad_norm=grad_norm,
                                             finite=finite)
+      if balance:  # the routers' bias: moved by its load, not by the optimizer
+        tokens = comms.batch_sum(jnp.asarray(batch["tokens"].size, jnp.float32))
+        updates = router_bias.bias_steps(updates, loads, tokens, cfg.model.moe, finite)
       params = comms.gather_updated_params(optax.apply_updates(mine, updates), params)
       if dot_state:  # FP8 amax histories: keep the last finite ones
         dot_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), dot_state,
                                  state["dot_state"])
     metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": ~finite,
                "lr": schedule(state["step"]), "tokens": count,
-               **{f"moe_{k}" if "loss" in k else k: v for k, v in stats.items()}}
+               **{f"moe_{k}" if "loss" in k and not k.startswith("mtp_") else k: v
+                  for k, v in stats.items()}}
     new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1,
                  "rng": state["rng"]}
     if dot_state:

@@ -41,6 +41,9 @@ class XlaContext:
 class ManualContext:
   """CP by hand (mixed into `ManualComms`: uses `cp`, `layouts`)."""
 
+  def sequence_sum(self, x: jax.Array) -> jax.Array:
+    return jax.lax.psum(x, "sequence") if self.cp > 1 else x
+
   def attention(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, impl: str,
                 interpret: bool = False) -> jax.Array:
     if self.cp == 1:  # a Pallas impl runs on this device's shards as they are

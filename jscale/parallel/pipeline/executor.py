@@ -40,7 +40,11 @@ class StageFns(NamedTuple):
   # share of the step's router statistics ({} if dense); its "moe_loss" is part of the
   # objective. `chunk dots`: the chunk's product state ({} without).
   layers: Callable
-  head_loss: Callable  # (shared, x_bLD, labels_bL, mask_bL) -> loss sum
+  # (shared, x_bLD, labels_bL, mask_bL) -> (loss sum, extra objective, stats), all sums over
+  # the micro-batch's tokens: the extra term (multi-token prediction's) is added to the loss
+  # sum in the differentiated objective, and the stats join the layers' in `Run.stats`, all
+  # scaled by `scale` as the loss is (0.0 and {} for a plain head)
+  head_loss: Callable
 
 
 class Run(NamedTuple):
@@ -116,9 +120,12 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
   mb0 = jax.tree.map(lambda x: x[0], microbatches)
   act = jax.eval_shape(fns.embed, shared, mb0["tokens"])
   stats_shape = jax.eval_shape(fns.layers, one_chunk, one_dots, act, mb0["positions"])[1]
-  zero_stats = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats_shape)
+  layer_stats = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats_shape)
+  head_shape = jax.eval_shape(lambda sh, y: fns.head_loss(sh, y, mb0["labels"],
+                                                          mb0["loss_mask"])[2], shared, act)
+  zero_stats = {**layer_stats, **jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), head_shape)}
   # The objective's cotangent for a chunk's statistics: only its "moe_loss" is minimised.
-  d_stats = {k: jnp.ones_like(v) if k == "moe_loss" else v for k, v in zero_stats.items()}
+  d_stats = {k: jnp.ones_like(v) if k == "moe_loss" else v for k, v in layer_stats.items()}
   res_shapes = (jax.eval_shape(lambda c, d, x, pos: _forward_with_residuals(fns, c, d, x, pos)[1],
                                one_chunk, one_dots, act, mb0["positions"]) if train else [])
   buffer = lambda n, a: jnp.zeros((n + 1, *a.shape), a.dtype)  # + the scratch slot
@@ -151,18 +158,25 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
       x = fns.embed(shared, mb["tokens"]) if first else x_in
       out = dict(out)
       if train:
-        (y, out["stats"]), out["res"], _, _ = _forward_with_residuals(fns, chunk, dots, x,
-                                                                      mb["positions"])
+        (y, stats), out["res"], _, _ = _forward_with_residuals(fns, chunk, dots, x,
+                                                               mb["positions"])
       else:
-        y, out["stats"] = fns.layers(chunk, dots, x, mb["positions"])
+        y, stats = fns.layers(chunk, dots, x, mb["positions"])
+      out["stats"] = {**zero_stats, **stats}
       if not last:
         return {**out, "out_f": y}
       if not train:
-        return {**out, "loss": fns.head_loss(shared, y, mb["labels"], mb["loss_mask"])}
-      head = lambda sh, y: fns.head_loss(sh, y, mb["labels"], mb["loss_mask"]) * scale
-      loss, (dsh, dy) = jax.value_and_grad(head, argnums=(0, 1))(shared, y)
-      return {**out, "loss": loss, "dshared": add_shared(out["dshared"], dsh),
-              "out_b": dy.astype(act.dtype)}
+        loss, _, stats = fns.head_loss(shared, y, mb["labels"], mb["loss_mask"])
+        return {**out, "loss": loss, "stats": {**out["stats"], **stats}}
+
+      def head(sh, y):
+        loss, extra, stats = fns.head_loss(sh, y, mb["labels"], mb["loss_mask"])
+        return (loss + extra) * scale, (loss * scale, jax.tree.map(lambda v: v * scale, stats))
+
+      (_, (loss, stats)), (dsh, dy) = jax.value_and_grad(head, argnums=(0, 1),
+                                                         has_aux=True)(shared, y)
+      return {**out, "loss": loss, "stats": {**out["stats"], **stats},
+              "dshared": add_shared(out["dshared"], dsh), "out_b": dy.astype(act.dtype)}
 
     def backward(first, need_dx, need_dw, dy, out=nothing):
       if not train:  # forward-only programs never take these branches

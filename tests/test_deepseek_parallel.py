@@ -1,0 +1,76 @@
+"""The tiny DeepSeek-V3 model (MLA, sigmoid group-limited routing with the balancing bias, a
+shared expert, a dense first layer, MTP) under every parallelism, in both collective modes,
+against one device: loss and gradient norm of 2 steps (`tests/parity.py`; step 2 runs on the
+weights and the bias that step 1 moved, the bias by the loads summed across devices).
+
+Compiles dominate (one per layout and mode, one per reference), so each layout combines
+several axes, the single-device references are computed once for the module, and a layout
+starts from its reference's initial state placed in its own shardings (not a compiled init
+of its own: the same values, as every layout's init equals one device's):
+- data x fsdp (ZeRO-3) x tensor with sequence parallelism, 2 accumulated micro-batches, MTP
+  on (MTP's loss is a token sum over the step's token count, as the token loss: the split into
+  micro-batches and devices does not change it, `accumulate.TOKEN_SUMS`);
+- expert x sequence (context parallelism) x tensor, MTP off (it shifts labels along the
+  sequence, which CP splits: refused by `validate.check_mesh`);
+- stage x expert: a pipeline, MTP in the last stage, the dense layer in the first.
+"""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import deepseek_case
+import parity
+from conftest import small_config
+from jscale import runtime
+
+STEPS = 2
+# 8 rows of 16 tokens: data x fsdp x micro-batches divides them in every layout.
+DS = (*deepseek_case.DS, "model.n_layers=3", "train.batch_size=8", "train.seq_len=16")
+NO_MTP = ("model.mtp=null",)
+# (layout overrides, devices, the reference's numerics / model overrides)
+LAYOUTS = {
+    "dp-zero3-tp-sp-accum": (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+                              "parallel.zero_stage=3", "parallel.sequence_parallel=true",
+                              "train.microbatches=2"), 8, ()),
+    "ep-cp-tp": (("mesh.data=1", "mesh.expert=2", "mesh.sequence=2", "mesh.tensor=2", *NO_MTP),
+                 8, NO_MTP),
+    "pp-ep": (("mesh.data=1", "mesh.stage=2", "mesh.expert=2", "pipeline.microbatches=2"), 4,
+              ()),
+}
+
+
+def _losses(overrides, devices, host_state=None):
+  """(losses [STEPS, 2] as `parity.losses`, the initial state on the host); `host_state`: a
+  single-device initial state to place in this layout's shardings instead of initialising."""
+  cfg = small_config(None, *parity.BASE, *DS, *overrides)
+  rt = runtime.build(cfg, devices)
+  if host_state is None:
+    state = rt.init_state()
+    host_state = jax.tree.map(np.array, jax.device_get(state))  # (a copy: the step donates)
+  else:
+    placed = {**host_state, "params": rt.params_to_storage(host_state["params"])}
+    state = jax.tree.map(jax.device_put, placed, rt.state_shardings)
+  step, out = rt.train_step(), []
+  for b in parity.batches(cfg, rt.reorder(), STEPS):
+    state, m = step(state, jax.device_put(b, rt.layouts.batch()))
+    out.append((float(m["loss"]), float(m["grad_norm"])))
+  return np.array(out), host_state
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """The single-device run (losses, initial state) for a reference's overrides, computed
+  once per module."""
+  return functools.cache(lambda ref: _losses(("mesh.data=1", *ref), jax.devices()[:1]))
+
+
+@pytest.mark.parametrize("mode", ["xla", "manual"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_deepseek_layout_matches_one_device(name, mode, reference):
+  layout, n, ref = LAYOUTS[name]
+  want, init = reference(ref)
+  got, _ = _losses((*layout, f"parallel.collectives={mode}"), jax.devices()[:n], init)
+  np.testing.assert_allclose(got, want, rtol=1e-4)
