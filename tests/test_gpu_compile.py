@@ -33,6 +33,8 @@ from jscale.plan import hardware  # noqa: E402
 from jscale.plan.layout import Layout  # noqa: E402
 from jscale.plan.rank import evaluate  # noqa: E402
 from jscale.plan.verify import compare  # noqa: E402
+import planner_vs_gpu  # noqa: E402  (scripts/, on the path from conftest)
+from planner_vs_gpu import CHECKED  # noqa: E402
 
 H100 = hardware.GPUS["h100"]
 # Steps compile with the launcher's overlap flags (`introspect.compile_train_step`), whose
@@ -155,34 +157,13 @@ def test_fp8_linears_run_fp8_gemms_on_h100():
 
 # The planner against XLA:GPU at real sizes (seq 4096), one H100 and 8: the model state exactly,
 # the rest (gradients, activations, transients at the peak) within 15%, the collective volume
-# within 10% (manual mode: the collectives jscale writes, in its dtypes).
-B1, B3, B8 = ("llama3_1b", ()), ("llama3_3b", ()), ("llama3_8b", ("model.n_layers=8",))
-REAL = [(B1, 1, Layout(mbs=2, remat="selective")), (B1, 1, Layout(mbs=2, remat="none")),
-        (B1, 1, Layout(mbs=4, remat="full")),
-        (B1, 8, Layout(data=8, remat="selective")),
-        (B1, 8, Layout(fsdp=8, zero_stage=3, remat="selective")),
-        (B1, 8, Layout(fsdp=8, zero_stage=1, remat="none")),
-        (B1, 8, Layout(data=2, tensor=4, mbs=2, remat="selective")),
-        (B1, 8, Layout(data=2, tensor=4, sequence_parallel=True, mbs=2, remat="selective")),
-        (B1, 8, Layout(data=2, sequence=4, remat="selective")),
-        (B1, 8, Layout(data=2, stage=4, accum=8, remat="selective")),
-        (B1, 8, Layout(data=8, accum=4, remat="selective")),
-        (B1, 8, Layout(fsdp=8, zero_stage=3, accum=4, remat="selective")),
-        (B1, 8, Layout(fsdp=8, zero_stage=1, accum=2, remat="selective")),
-        (B1, 8, Layout(fsdp=8, zero_stage=2, accum=4, remat="selective")),
-        (B3, 1, Layout(mbs=2, remat="full")),
-        (B8, 1, Layout(remat="full")), (B8, 8, Layout(fsdp=8, zero_stage=3, remat="full")),
-        (B8, 8, Layout(data=2, tensor=4, sequence_parallel=True, remat="selective"))]
-
-
-@pytest.mark.parametrize("model,n,lay", REAL, ids=lambda x: x.describe().replace(" ", "-")
+# within 10% (manual mode: the collectives jscale writes, in its dtypes). One layout per axis;
+# scripts/planner_vs_gpu.py runs the whole sweep.
+@pytest.mark.parametrize("model,n,lay", CHECKED, ids=lambda x: x.describe().replace(" ", "-")
                          if isinstance(x, Layout) else f"h100x{x}" if isinstance(x, int)
                          else x[0])
 def test_estimate_against_xla_gpu(model, n, lay):
-  preset, overrides = model
-  row = evaluate(load_config(None, [f"model.preset={preset}", *overrides]).model, lay, 4096, H100)
-  r = compare(preset, list(overrides), row, 4096, H100, gpu_target.devices(f"h100x{n}"),
-              collectives="manual")
+  r = planner_vs_gpu.check(model, n, lay)
   assert r["state_compiled"] == pytest.approx(r["state_estimate"], rel=1e-3), r
   assert r["rest_compiled"] == pytest.approx(r["rest_estimate"], rel=0.15), r
   assert r["volume_compiled"] == pytest.approx(r["volume_estimate"], rel=0.10, abs=1), r
