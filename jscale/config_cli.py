@@ -221,3 +221,16 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
   sys.exit(main())
+
+
+def parse(parser, argv):
+  """(args, overrides): `argv` (sys.argv[1:] if None) through `parser`, `--section.key=value`
+  split off as `section.key=value`; a bad or unknown option is `parser.error` with a hint."""
+  try:
+    rest, overrides = split_argv(sys.argv[1:] if argv is None else argv)
+  except ConfigError as e:
+    parser.error(str(e))
+  args, unknown = parser.parse_known_args(rest)
+  if unknown:
+    parser.error(unknown_option(unknown[0]))
+  return args, overrides

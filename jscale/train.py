@@ -155,13 +155,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   """CLI entry point; returns the exit status (see the module docstring)."""
   parser = _parser()
-  try:
-    rest, overrides = config_cli.split_argv(sys.argv[1:] if argv is None else argv)
-  except ConfigError as e:
-    parser.error(str(e))
-  args, unknown = parser.parse_known_args(rest)
-  if unknown:
-    parser.error(config_cli.unknown_option(unknown[0]))
+  args, overrides = config_cli.parse(parser, argv)
   args.overrides += overrides
   if args.print_config:
     try:

@@ -93,13 +93,7 @@ def run_cli(parser, run, argv: list[str] | None) -> int:
   """Parses `argv` (`--section.key=value` as `section.key=value`, for a parser with
   `overrides`), calls `run(args)`; a user error (bad config, missing file, bad value) is one
   `error: ...` line on stderr and exit status 2, not a traceback."""
-  try:
-    rest, overrides = config_cli.split_argv(sys.argv[1:] if argv is None else argv)
-  except ConfigError as e:
-    parser.error(str(e))
-  args, unknown = parser.parse_known_args(rest)
-  if unknown:
-    parser.error(config_cli.unknown_option(unknown[0]))
+  args, overrides = config_cli.parse(parser, argv)
   if overrides and not hasattr(args, "overrides"):
     parser.error(f"{overrides[0]}: {parser.prog} takes no config keys (--help lists its options)")
   if overrides:
