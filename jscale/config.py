@@ -79,6 +79,10 @@ class MoeConfig:
   bias_update_rate: float = 0.0  # sigmoid router: bias step per optimizer step; 0: frozen
   seq_aux_loss_weight: float = 0.0  # DeepSeek-V3's sequence-wise balance loss
   first_dense: int = 0  # the first k layers dense SwiGLU (HF first_k_dense_replace)
+  # manual expert parallelism, dropless: flat (one all-to-all over mesh.expert) | node_limited
+  # (the n_group groups tile mesh.expert, a group per node: a token crosses nodes once per
+  # chosen group, then fans out to its experts inside the node; DeepSeek-V3's dispatch)
+  exchange: Literal["flat", "node_limited"] = "flat"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -306,6 +306,8 @@ def _check_experts(cfg: Config, sizes: dict[str, int]) -> None:
   if moe.n_experts % ep:
     raise ConfigError(f"model.moe.n_experts={moe.n_experts} is not divisible by mesh.expert={ep}: "
                       "each device must hold the same number of experts")
+  if moe.exchange == "node_limited" and ep > 1:
+    validate_deepseek.check_node_limited(cfg, ep)
 
 
 def _check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:

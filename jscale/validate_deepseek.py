@@ -13,6 +13,9 @@ def check_routing(m: ModelConfig) -> None:
   if e.router not in choices(MoeConfig, "router"):
     raise ConfigError(f"model.moe.router={e.router!r}: choose "
                       f"{' or '.join(choices(MoeConfig, 'router'))}")
+  if e.exchange not in choices(MoeConfig, "exchange"):
+    raise ConfigError(f"model.moe.exchange={e.exchange!r}: choose "
+                      f"{' or '.join(choices(MoeConfig, 'exchange'))}")
   if e.n_group < 1 or e.n_experts % e.n_group:
     raise ConfigError(f"model.moe.n_group={e.n_group} must be >= 1 and divide "
                       f"model.moe.n_experts={e.n_experts} (equal groups of experts)")
@@ -38,6 +41,19 @@ def check_routing(m: ModelConfig) -> None:
   if e.first_dense and e.every != 1:
     raise ConfigError(f"model.moe.first_dense={e.first_dense} with model.moe.every={e.every}: "
                       "use one of them (DeepSeek: every=1 after the dense prefix)")
+
+
+def check_node_limited(cfg: Config, ep: int) -> None:
+  """What `model.moe.exchange=node_limited` needs on mesh.expert = `ep` > 1 devices."""
+  e = cfg.model.moe
+  fix = "or set model.moe.exchange=flat"
+  if cfg.parallel.collectives != "manual" or e.dispatch != "dropless":
+    raise ConfigError("model.moe.exchange=node_limited is the hand-written dropless exchange: "
+                      "set parallel.collectives=manual and model.moe.dispatch=dropless, " + fix)
+  if e.n_group < 2 or ep % e.n_group:
+    raise ConfigError(f"model.moe.exchange=node_limited needs model.moe.n_group={e.n_group} "
+                      f"groups to tile mesh.expert={ep} (n_group > 1 dividing it: a group per "
+                      f"node), {fix}")
 
 
 def check_mla(m: ModelConfig) -> None:

@@ -74,3 +74,12 @@ def test_deepseek_layout_matches_one_device(name, mode, reference):
   want, init = reference(ref)
   got, _ = _losses((*layout, f"parallel.collectives={mode}"), jax.devices()[:n], init)
   np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+def test_deepseek_node_limited_dispatch_matches_one_device(reference):
+  # Manual EP over 4 devices as 2 "nodes" of the tiny model's 2 groups of 4 experts
+  # (topk_group 1): DeepSeek-V3's two-hop dispatch (tests/test_node_limited.py) in training.
+  want, init = reference(())
+  got, _ = _losses(("mesh.data=2", "mesh.expert=4", "parallel.collectives=manual",
+                    "model.moe.exchange=node_limited"), jax.devices()[:8], init)
+  np.testing.assert_allclose(got, want, rtol=1e-4)

@@ -277,14 +277,14 @@ def test_native_ragged_all_to_all_traces_forward_and_backward():
   # GPU's ragged_all_to_all has no CPU implementation: trace (not compile) the dropless
   # exchange with it, gradients included, to check shapes and JAX's transpose rule.
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  from jscale.parallel import expert  # pylint: disable=import-outside-toplevel
+  from jscale.parallel import expert_exchange as ex  # pylint: disable=import-outside-toplevel
   x, ids, gates, w, _ = _inputs(t=16, e=4)
   mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2],
                        axis_types=(jax.sharding.AxisType.Auto,))
 
   def loss(x, w):
-    y = expert.dropless_exchange(x, ids[:8], gates[:8], w, jnp.float32, "expert", 2,
-                                 native_ragged=True)
+    y = ex.dropless_exchange(x, ids[:8], gates[:8], w, jnp.float32, ex.Peers.whole("expert", 2),
+                             native_ragged=True)
     return jnp.sum(y ** 2)
 
   grad = jax.shard_map(jax.grad(loss, (0, 1)), mesh=mesh, in_specs=(P("expert"), P("expert")),

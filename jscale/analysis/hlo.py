@@ -229,6 +229,18 @@ def collectives(hlo_text: str) -> list[Collective]:
   return out
 
 
+def bytes_across_nodes(c: Collective, per_node: int) -> int:
+  """Bytes an all-to-all (or ragged one: its buffer, an upper bound) sends per device per
+  execution to devices of other nodes (`per_node` consecutive devices each): one
+  bytes / group-size slice per group member outside the sender's node (the most of any device)."""
+  if c.kind not in ("all-to-all", "ragged-all-to-all"):
+    raise ValueError(f"{c.name}: bytes_across_nodes counts all-to-alls, not {c.kind}")
+  if c.groups is None:
+    raise ValueError(f"{c.name}: no replica groups parsed ({c.replica_groups!r})")
+  return max(c.bytes // len(g) * sum(j // per_node != i // per_node for j in g)
+             for g in c.groups for i in g)
+
+
 def summary(hlo_text: str) -> dict[str, dict[str, int]]:
   """{kind: {"count": runs per step, "bytes": bytes per step}}, loop trip counts multiplied."""
   out: dict[str, dict[str, int]] = {}

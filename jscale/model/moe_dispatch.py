@@ -95,12 +95,13 @@ class Sorted(NamedTuple):
 
 
 def sort_by_expert(ids_TK: jax.Array, n_experts: int) -> Sorted:
-  """Stable sort of the T·K assignments by expert (ties keep token order)."""
+  """Stable sort of the T·K assignments by expert (ties keep token order). Ids >= n_experts
+  ("none": an exchange's rows going nowhere) sort last and are not counted in sizes_E."""
   k = ids_TK.shape[1]
   flat_A = ids_TK.reshape(-1)
   order_A = jnp.argsort(flat_A, stable=True).astype(jnp.int32)
   rank_A = inverse_permutation(order_A)
-  sizes_E = jnp.zeros((n_experts,), jnp.int32).at[flat_A].add(1)
+  sizes_E = jnp.zeros((n_experts,), jnp.int32).at[flat_A].add(1, mode="drop")
   return Sorted(order_A, rank_A, flat_A[order_A], sizes_E, k)
 
 

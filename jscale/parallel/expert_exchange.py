@@ -1,0 +1,242 @@
+"""Expert parallelism's hand-written exchanges (manual mode, inside shard_map): tokens go to the
+devices holding their experts by all-to-all, are computed there and come back the same way.
+Autodiff transposes each all-to-all into the reverse one, so gradients flow back alike.
+
+Device j of the n_ep devices on the expert axis holds experts [j·E_l, (j+1)·E_l), E_l = E / n_ep.
+
+  * `capacity_exchange`: the [E, C, D] slot buffer split by expert owner: one tiled all_to_all
+    sends C·E_l slots to each device. Bytes per direction: E·C·D = capacity_factor · T·K·D.
+  * `dropless_exchange` (flat): rows sorted by expert go out in one ragged all-to-all
+    (per-destination sizes, the per-expert counts exchanged first) into a buffer with room for
+    the most a device can receive (T·min(K, E_l) rows per source: a token picks an expert at
+    most once); the receiver regroups them by local expert for one grouped matmul. On GPU it
+    is `ragged_all_to_all`, which moves only the real rows; it has no CPU implementation, so
+    there the same semantics run as padded blocks through `all_to_all`.
+  * `node_limited_exchange`: DeepSeek-V3's two hops for group-limited routing (playbook:
+    "Expert parallelism": tokens sent "to at most 4 nodes ... to reduce communication
+    overhead"). The n_group groups of experts tile the devices, a group per node of
+    m = n_ep / n_group devices. Hop 1 crosses nodes: one copy of each token per chosen group
+    goes to the device at the same place in that group's node (replica groups {p, p+m, ...});
+    hop 2 stays in the node (replica groups {a·m, ..., a·m+m-1}): the copy fans out to the
+    devices of its experts there, and their gated sum comes back to hop 1's device as one row.
+    A token choosing `topk_group` groups crosses nodes topk_group times, not K times as in the
+    flat exchange, and no row goes to a node outside its chosen groups.
+
+Shape suffixes: T local tokens, K experts per token, A assignments (rows), E experts, D model,
+C slots, N peers, R received rows, G groups.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from jscale.model import moe_dispatch as md
+from jscale.model.moe_gemm import GroupedDot
+
+
+class Peers(NamedTuple):
+  """The devices of `axis` (n in all) one exchange runs among: groups of `size` devices,
+  `stride` apart on the axis (size n: the whole axis)."""
+  axis: str
+  n: int
+  size: int
+  stride: int = 1
+
+  @classmethod
+  def whole(cls, axis: str, n: int) -> "Peers":
+    return cls(axis, n, n)
+
+  @classmethod
+  def within_nodes(cls, axis: str, n: int, per_node: int) -> "Peers":
+    """Each node's `per_node` consecutive devices."""
+    return cls(axis, n, per_node)
+
+  @classmethod
+  def across_nodes(cls, axis: str, n: int, per_node: int) -> "Peers":
+    """The devices at the same place p of every node: {p, p + per_node, ...}."""
+    return cls(axis, n, n // per_node, per_node)
+
+  def groups(self) -> list[list[int]] | None:
+    """`axis_index_groups` of the collectives (None: the whole axis)."""
+    if self.size == self.n:
+      return None
+    firsts = [i for i in range(self.n) if (i // self.stride) % self.size == 0]
+    return [[i + j * self.stride for j in range(self.size)] for i in firsts]
+
+  def index(self) -> jax.Array:
+    """This device's place in its group."""
+    return (jax.lax.axis_index(self.axis) // self.stride) % self.size
+
+  def all_to_all(self, x: jax.Array) -> jax.Array:
+    """Tiled all_to_all over dim 0 among the group."""
+    return jax.lax.all_to_all(x, self.axis, 0, 0, tiled=True, axis_index_groups=self.groups())
+
+
+def capacity_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, factor: float,
+                      axis: str, n_ep: int):
+  """Capacity-mode experts over `axis`: (output [T, D], dropped assignments)."""
+  e = w.gate_EDF.shape[0] * n_ep
+  cap = md.capacity(x_TD.shape[0], ids_TK.shape[1], e, factor)
+  pos_TK = md.slots(ids_TK, e)
+  buf_ECD = md.dispatch(x_TD.astype(dtype), ids_TK, pos_TK, e, cap)
+  # [E, C, D] -> this device's experts' slots from every source: [E_l, n_ep * C, D].
+  mine = jax.lax.all_to_all(buf_ECD, axis, split_axis=0, concat_axis=1, tiled=True)
+  y = md.dense_ffn(mine, w, dtype)
+  y_ECD = jax.lax.all_to_all(y, axis, split_axis=1, concat_axis=0, tiled=True)
+  return md.combine(y_ECD, ids_TK, pos_TK, gates_TK), jnp.sum(pos_TK >= cap)
+
+
+def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                      peers: Peers, rows: int, native: bool):
+  """`jax.lax.ragged_all_to_all` among `peers` (native: GPU, which moves only the real rows) or
+  the same semantics on any backend (`padded_all_to_all`, `rows` per peer); differentiable
+  by one transpose for both (`_transposed`), so CPU tests check the one GPU runs."""
+  if native:
+    groups = peers.groups()
+    bind = lambda *args: jax.lax.ragged_all_to_all(*args, axis_name=peers.axis,
+                                                   axis_index_groups=groups)
+  else:
+    bind = lambda *args: padded_all_to_all(*args, peers=peers, rows=rows)
+  return _transposed(bind, peers, operand.shape, operand.dtype)(
+      operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+
+
+def padded_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                      *, peers: Peers, rows: int):
+  """ragged_all_to_all's semantics as `rows`-padded blocks through a tiled all_to_all,
+  written at the senders' output offsets (XLA:CPU has no ragged-all-to-all)."""
+  i_R = jnp.arange(rows)
+  src_NR = jnp.minimum(input_offsets[:, None] + i_R, operand.shape[0] - 1)
+  valid_NR = (i_R < send_sizes[:, None]).reshape(send_sizes.shape + (rows,) + (1,) * (
+      operand.ndim - 1))
+  got_NR = peers.all_to_all(jnp.where(valid_NR, operand[src_NR], 0))
+  # Where each source's rows go; named so `remat: selective` keeps it, not exchanging it again.
+  at_N = checkpoint_name(peers.all_to_all(output_offsets), "moe_counts")
+  dest_NR = jnp.where(i_R < recv_sizes[:, None], at_N[:, None] + i_R, output.shape[0])
+  return output.at[dest_NR].set(got_NR.astype(output.dtype), mode="drop")
+
+
+def _transposed(bind: Callable, peers: Peers, shape, dtype) -> Callable:
+  """`bind` (a ragged all-to-all among `peers`) with its transpose written here: JAX's (0.10)
+  exchanges the offsets over the whole axis, ignoring `axis_index_groups`."""
+
+  @jax.custom_vjp
+  def exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
+    return bind(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+
+  def fwd(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
+    out = bind(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    return out, (input_offsets, send_sizes, output_offsets, recv_sizes)
+
+  def bwd(res, g):
+    input_offsets, send_sizes, output_offsets, recv_sizes = res
+    # Each peer sends back the rows it was sent: from where they landed in its output (the
+    # senders' output offsets) to where they came from (the senders' input offsets).
+    landed_N = peers.all_to_all(output_offsets)
+    operand_g = bind(g, jnp.zeros(shape, dtype), landed_N, recv_sizes,
+                     peers.all_to_all(input_offsets), send_sizes)
+    edges = jnp.zeros(g.shape[0] + 1, jnp.int32).at[landed_N].add(1).at[
+        landed_N + recv_sizes].add(-1)
+    received = (jnp.cumsum(edges)[:-1] > 0).reshape((-1,) + (1,) * (g.ndim - 1))
+    no_grad = lambda x: np.zeros(x.shape, jax.dtypes.float0)
+    return (operand_g, jnp.where(received, 0, g), *map(no_grad, res))
+
+  exchange.defvjp(fwd, bwd)
+  return exchange
+
+
+def round_trip(rows, s: md.Sorted, per_device: int, peers: Peers, cap: int, native: bool,
+               compute: Callable) -> jax.Array:
+  """Sends the sorted assignment rows (a pytree of [A, ...] arrays in `s`'s order; row r goes to
+  peer s.expert_A[r] // per_device, ids past the peers' experts nowhere) out, runs
+  `compute(received, sizes_NE)` on each peer and brings its [N·cap, D] result back: [A, D] in
+  sorted order, zero for the rows that went nowhere.
+
+  Both directions land in a padded [N·cap, ...] layout: source (or destination) j's rows at
+  j·cap, sorted by local expert (`sizes_NE`: how many per source and local expert), so the
+  receiver never needs the senders' offsets. `cap`: the most rows one peer sends another."""
+  n = peers.size
+  per_dev_N = s.sizes_E.reshape(n, per_device).sum(axis=1)
+  start_N = jnp.cumsum(per_dev_N) - per_dev_N  # sorted rows are contiguous per destination
+  sizes_NE = checkpoint_name(  # kept by `remat: selective`: the backward exchanges no counts
+      peers.all_to_all(s.sizes_E.reshape(n, per_device)), "moe_counts")
+  recv_N = sizes_NE.sum(axis=1)
+  mine_N = jnp.full((n,), peers.index() * cap, jnp.int32)
+  block_N = jnp.arange(n, dtype=jnp.int32) * cap
+  exchange = lambda x, in_off, send, recv: ragged_all_to_all(
+      x, jnp.zeros((n * cap,) + x.shape[1:], x.dtype), in_off, send, mine_N, recv, peers, cap,
+      native)
+  got = jax.tree.map(lambda x: exchange(x, start_N, per_dev_N, recv_N), rows)
+  back_NRD = exchange(compute(got, sizes_NE), block_N, recv_N, per_dev_N).reshape(n, cap, -1)
+  # Sorted row r went to peer j = expert // per_device as its row r - start_N[j].
+  dev_A = s.expert_A // per_device
+  sent_A = dev_A < n
+  j_A = jnp.minimum(dev_A, n - 1)
+  out_AD = back_NRD[j_A, jnp.clip(jnp.arange(dev_A.shape[0]) - start_N[j_A], 0, cap - 1)]
+  return jnp.where(sent_A[:, None], out_AD, 0)
+
+
+def _received_by_expert(x_RD, sizes_NE, cap: int, w: md.ExpertWeights, dtype,
+                        gemm: GroupedDot) -> jax.Array:
+  """The experts on the received [N·cap, D] rows (each source's block sorted by local expert):
+  regrouped by expert for one grouped matmul and put back in place; padding rows give zero."""
+  i_R = jnp.arange(cap)
+  # Padding rows get local expert E_l: sorted last, past every expert's rows.
+  local_NR = jax.vmap(lambda c: jnp.searchsorted(c, i_R, side="right"))(jnp.cumsum(sizes_NE, 1))
+  order = jnp.argsort(local_NR.reshape(-1), stable=True).astype(jnp.int32)
+  inverse = md.inverse_permutation(order)
+  out = md.ragged_ffn(md.permute(x_RD, order, inverse), sizes_NE.sum(0), w, dtype, gemm)
+  return md.permute(out, inverse, order)
+
+
+def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, peers: Peers,
+                      native_ragged: bool = False, gemm: GroupedDot = GroupedDot()):
+  """Dropless experts among `peers`: output [T, D] (nothing is dropped). Expert ids index the
+  peers' experts (peer j holds [j·E_l, (j+1)·E_l)); ids >= size·E_l mean "none here" and need
+  gate 0. `native_ragged`: the backend's ragged_all_to_all (GPU), else its padded emulation.
+  `gemm`: the grouped matmul of the received rows."""
+  e_l = w.gate_EDF.shape[0]
+  t, k = ids_TK.shape
+  s = md.sort_by_expert(ids_TK, e_l * peers.size)
+  cap = t * min(k, e_l)  # the most rows one device can be sent by this one
+  ffn = lambda got, sizes_NE: _received_by_expert(got, sizes_NE, cap, w, dtype, gemm)
+  out_AD = round_trip(md.dispatch_sorted(x_TD.astype(dtype), s), s, e_l, peers, cap,
+                      native_ragged, ffn)
+  return md.combine_sorted(out_AD, s, gates_TK)
+
+
+def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis: str,
+                          n_ep: int, n_group: int, native_ragged: bool = False,
+                          gemm: GroupedDot = GroupedDot()):
+  """Dropless experts over `axis` in DeepSeek-V3's two hops (module docstring): output [T, D],
+  equal to `dropless_exchange` over the whole axis. The n_group groups of experts tile the
+  n_ep devices (n_group divides n_ep)."""
+  per_node = n_ep // n_group
+  e_g = w.gate_EDF.shape[0] * per_node  # experts per group: a node's
+  t, k = ids_TK.shape
+  g_G = jnp.arange(n_group, dtype=ids_TK.dtype)
+  in_TGK = (ids_TK // e_g)[:, None, :] == g_G[None, :, None]
+  chosen_TG = jnp.any(in_TGK, axis=-1)
+  # Hop 1's rows: one per (token, chosen group), sorted by group; unchosen pairs go nowhere.
+  pairs = md.sort_by_expert(jnp.where(chosen_TG, g_G, n_group), n_group)
+  # Each copy carries its experts in that group (group-local ids; others "none", gate 0).
+  local_AK = jnp.where(in_TGK, ids_TK[:, None] - g_G[None, :, None] * e_g, e_g).reshape(-1, k)
+  gates_AK = jnp.where(in_TGK, gates_TK[:, None], 0).reshape(-1, k)
+  rows = (md.dispatch_sorted(x_TD.astype(dtype), pairs), local_AK[pairs.order_A],
+          md.permute(gates_AK, pairs.order_A, pairs.rank_A))
+
+  def in_node(got, sizes_N1):
+    x_RD, local_RK, gates_RK = got
+    real_R = (jnp.arange(t) < sizes_N1).reshape(-1)  # padding rows: no experts
+    return dropless_exchange(x_RD, jnp.where(real_R[:, None], local_RK, e_g), gates_RK, w,
+                             dtype, Peers.within_nodes(axis, n_ep, per_node), native_ragged,
+                             gemm)
+
+  out_AD = round_trip(rows, pairs, 1, Peers.across_nodes(axis, n_ep, per_node), t,
+                      native_ragged, in_node)
+  return md.combine_sorted(out_AD, pairs, chosen_TG.astype(jnp.float32))

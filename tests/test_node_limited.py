@@ -1,0 +1,143 @@
+"""DeepSeek-V3's node-limited dispatch (`expert_exchange.node_limited_exchange`) on 8 simulated
+devices taken as nodes: values and gradients equal a one-device reference (and so the flat
+exchange's); the compiled HLO shows every row that crosses nodes going, one copy per token and
+chosen group, to the device at the same place of a chosen node, against the flat exchange's
+copy per expert; XLA:GPU compiles the native ragged exchange with the same replica groups; the
+tiny DeepSeek model trains with it as on one device (test_deepseek_parallel)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import deepseek_case
+from jscale import runtime
+from jscale.analysis import gpu_target, hlo
+from jscale.config import ConfigError
+from jscale.model import moe_dispatch as md
+from jscale.model import router
+from jscale.parallel import expert_exchange as ex
+
+N, T, D, F, E, K = 8, 16, 8, 8, 16, 4  # devices, tokens per device, model, hidden, experts, top-k
+W_SPEC = md.ExpertWeights(P("expert"), P("expert"), P("expert"))
+
+
+def _inputs(n_group, topk_group, dtype=jnp.float32):
+  rng = np.random.default_rng(n_group)
+  x = jnp.asarray(rng.normal(size=(N * T, D)), dtype)
+  scores = jnp.asarray(rng.normal(size=(N * T, E)), jnp.float32)
+  ids = router.group_limited_top_k(scores, K, n_group, topk_group)
+  gates = jax.nn.softmax(jnp.take_along_axis(scores, ids, -1), -1)
+  w = md.ExpertWeights(*(jnp.asarray(rng.normal(size=s) * 0.3, dtype)
+                         for s in ((E, D, F), (E, D, F), (E, F, D))))
+  return x, ids, gates, w
+
+
+def _objective(y):
+  return jnp.sum(jnp.sin(y) * 3)
+
+
+def _step(exchange, devices):
+  """jit(shard_map) over `expert`: (loss, y, grads wrt x, gates, w) of `exchange`."""
+  def body(x, ids, gates, w):
+    loss = lambda x, gates, w: (_objective(y := exchange(x, ids, gates, w)), y)
+    (l, y), g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(x, gates, w)
+    return jax.lax.psum(l, "expert"), y, g
+  mesh = Mesh(np.array(devices), ("expert",))
+  rows = P("expert")
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, W_SPEC),
+                               out_specs=(P(), rows, (rows, rows, W_SPEC)), check_vma=False))
+
+
+def _flat(native=False, dtype=jnp.float32):
+  return lambda x, i, g, w: ex.dropless_exchange(x, i, g, w, dtype, ex.Peers.whole("expert", N),
+                                                 native)
+
+
+def _node_limited(n_group, native=False, dtype=jnp.float32):
+  return lambda x, i, g, w: ex.node_limited_exchange(x, i, g, w, dtype, "expert", N, n_group,
+                                                     native)
+
+
+@functools.cache
+def _compiled(name):
+  """(jitted step, its optimized HLO) on the 8 CPU devices, 2 groups, topk_group 1."""
+  fn = _step(_flat() if name == "flat" else _node_limited(2), jax.devices()[:N])
+  return fn, fn.lower(*_inputs(2, 1)).compile().as_text()
+
+
+@pytest.mark.parametrize("n_group, topk_group", [(2, 1), (4, 2)],
+                         ids=["2-nodes-of-4-top1-group", "4-nodes-of-2-top2-groups"])
+def test_node_limited_values_and_grads_equal_one_device(n_group, topk_group):
+  args = _inputs(n_group, topk_group)
+  x, ids, gates, w = args
+  ref = lambda x, gates, w: (_objective(y := md.dropless(x, ids, gates, w, jnp.float32)), y)
+  (want_loss, want_y), want_g = jax.value_and_grad(ref, (0, 1, 2), has_aux=True)(x, gates, w)
+  fn = (_compiled("node_limited")[0] if n_group == 2 else
+        _step(_node_limited(n_group), jax.devices()[:N]))
+  loss, y, g = fn(*args)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  np.testing.assert_allclose(y, want_y, atol=1e-5)
+  for got, want in zip(jax.tree.leaves(g), jax.tree.leaves(want_g)):
+    np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def _row_all_to_alls(text):
+  """The all-to-alls carrying model rows (D wide), forward and backward."""
+  return [c for c in hlo.collectives(text) if c.kind == "all-to-all"
+          and c.shapes[0].endswith(f",{D}]") and c.dtypes[0] == "f32"]
+
+
+def test_rows_cross_nodes_once_per_chosen_group_in_the_hlo():
+  per_node, n_group = N // 2, 2
+  across = {tuple(p + a * per_node for a in range(n_group)) for p in range(per_node)}
+  within = {tuple(range(a * per_node, (a + 1) * per_node)) for a in range(n_group)}
+  rows = _row_all_to_alls(_compiled("node_limited")[1])
+  crossing = [c for c in rows if hlo.bytes_across_nodes(c, per_node)]
+  # Every exchange stays inside a node or joins the devices at one place of every node ...
+  assert all(set(c.groups) in (across, within) for c in rows), [c.groups for c in rows]
+  assert crossing and all(set(c.groups) == across for c in crossing)
+  # ... where each peer gets T rows: one copy of each token for its chosen group (fwd: x; bwd:
+  # the gated sums' gradients), not one per expert.
+  assert {c.shapes[0] for c in crossing} == {f"f32[1,{T},{D}]"}
+  flat = _row_all_to_alls(_compiled("flat")[1])
+  assert {c.shapes[0] for c in flat} == {f"f32[1,{T * min(K, E // N)},{D}]"}
+  got = sum(hlo.bytes_across_nodes(c, per_node) for c in crossing)
+  want = sum(hlo.bytes_across_nodes(c, per_node) for c in flat)
+  # Four exchanges (forward out and back, and their transposes). Flat: T·min(K, E_l) = 2T rows
+  # to each of the 4 devices of the other node; node-limited: T rows to 1 device. Both padded
+  # on CPU (the GPU's ragged exchange moves the real rows only: scripts/node_limited_bytes.py).
+  assert (got, want) == (4 * T * D * 4, 4 * 4 * (2 * T) * D * 4)
+
+
+@pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
+def test_native_exchange_compiles_for_8_h100_in_node_groups():
+  mesh_devices = gpu_target.devices("h100x8")
+  sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+  args = jax.tree.map(sds, _inputs(2, 1, jnp.bfloat16))
+  text = _step(_node_limited(2, True, jnp.bfloat16), mesh_devices).lower(*args).compile().as_text()
+  ragged = [c for c in hlo.collectives(text) if c.kind == "ragged-all-to-all"]
+  groups = {c.groups for c in ragged}
+  assert groups == {((0, 4), (1, 5), (2, 6), (3, 7)), ((0, 1, 2, 3), (4, 5, 6, 7))}, groups
+  # Hop 1 carries the token rows, their group-local expert ids and gates, both ways.
+  assert {c.shapes[0] for c in ragged if len(c.groups[0]) == 2} == {
+      f"bf16[{2 * T},{D}]", f"s32[{2 * T},{K}]", f"f32[{2 * T},{K}]"}
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (("parallel.collectives=xla",), "set parallel.collectives=manual"),
+    (("parallel.collectives=manual", "model.moe.n_group=1", "model.moe.topk_group=1"),
+     "model.moe.n_group=1 groups to tile mesh.expert=4"),
+    (("parallel.collectives=manual", "model.moe.n_group=4", "model.moe.topk_group=2",
+      "mesh.expert=2", "mesh.data=4"), "model.moe.n_group=4 groups to tile mesh.expert=2"),
+    (("model.moe.exchange=ring",), "model.moe.exchange='ring': choose flat or node_limited"),
+])
+def test_bad_node_limited_configs_fail_before_compile(overrides, match):
+  with pytest.raises(ConfigError, match=match):
+    runtime.build(deepseek_case.config("mesh.data=2", "mesh.expert=4",
+                                       "model.moe.exchange=node_limited", *overrides),
+                  jax.devices()[:8])
