@@ -3,6 +3,8 @@ transformers' router, the bias's cotangent as the expert loads, the sequence-wis
 loss against its formula, and 3 steps of a tiny DeepSeek: the train step's bias update, loss
 falling, MTP metrics, a resume from the Checkpointer bit-exact."""
 
+import json
+
 import grain
 import jax
 import jax.numpy as jnp
@@ -14,8 +16,10 @@ import parity
 from jscale import runtime
 from jscale.ckpt.checkpoint import Checkpointer
 from jscale.config import MoeConfig
+from jscale.metrics import MetricsWriter
 from jscale.model import router
 from jscale.model.seam import LOCAL
+from jscale.run import loop
 from jscale.step import router_bias
 
 MOE = MoeConfig(n_experts=16, top_k=4, router="sigmoid", n_group=4, topk_group=2,
@@ -148,6 +152,18 @@ def test_tiny_deepseek_trains_reports_mtp_and_moves_the_bias(stepped):
   rate = cfg.model.moe.bias_update_rate
   assert np.abs(bias).max() > 0 and np.abs(bias).max() <= 3 * rate + 1e-6
   np.testing.assert_allclose(bias / rate, np.round(bias / rate), atol=1e-4)  # whole steps
+
+
+def test_metrics_jsonl_logs_each_mtp_depth_and_the_router(stepped, tmp_path):
+  # The row the run loop writes from the step's metrics (`loop._row`), through the writer.
+  _, metrics, *_ = stepped
+  writer = MetricsWriter(str(tmp_path), tensorboard=False)
+  writer.write(3, loop._row(metrics[-1]))  # pylint: disable=protected-access
+  writer.close()
+  row = json.loads(open(tmp_path / "metrics.jsonl", encoding="utf-8").read())
+  assert row["mtp_loss"] == pytest.approx(np.asarray(metrics[-1]["mtp_loss"]).tolist())
+  assert len(row["mtp_loss"]) == 1 and len(row["expert_load"]) == 8
+  assert row["moe_seq_aux_loss"] > 0
 
 
 def test_bias_and_mtp_weights_resume_from_the_checkpoint(stepped):
