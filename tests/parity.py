@@ -1,5 +1,6 @@
 """Shared by the parity tests: a few training steps of a layout on fixed batches."""
 
+import dataclasses
 import functools
 
 import jax
@@ -7,6 +8,7 @@ import numpy as np
 
 from conftest import small_config
 from jscale import runtime
+from jscale.config import Config, MeshConfig, ParallelConfig, PipelineConfig
 
 STEPS = 5
 # kv_heads=4 so tensor=4 divides it; batch 16 = data x fsdp x microbatches for every case.
@@ -41,10 +43,11 @@ def batches(cfg, reorder=None, steps: int = STEPS):
 
 
 def losses(overrides, devices=None, steps: int = STEPS) -> np.ndarray:
-  """[steps, 2]: loss and gradient norm of each step."""
+  """[steps, 2]: loss and gradient norm of each step, from one device's initial state placed
+  in the layout (`initial_state`)."""
   cfg = small_config(None, *BASE, *overrides)
   rt = runtime.build(cfg, devices)
-  state, step = rt.init_state(), rt.train_step()
+  state, step = initial_state(rt), rt.train_step()
   out = []
   for b in batches(cfg, rt.reorder(), steps):
     state, m = step(state, jax.device_put(b, rt.layouts.batch()))
@@ -56,3 +59,35 @@ def losses(overrides, devices=None, steps: int = STEPS) -> np.ndarray:
 def reference(*numerics) -> np.ndarray:
   """The single-device run with the same numerics (micro-batches, remat)."""
   return losses(("mesh.data=1", *numerics), jax.devices()[:1])
+
+
+def one_device(cfg: Config) -> Config:
+  """`cfg` on one device: the mesh, parallelism and pipeline at their defaults (what the
+  initial state's values do not depend on)."""
+  return dataclasses.replace(cfg, mesh=MeshConfig(data=1), parallel=ParallelConfig(),
+                             pipeline=PipelineConfig())
+
+
+_HOST_INITS: dict[str, dict] = {}  # one device's initial state (numpy) by its config's repr
+
+
+def _host_init(cfg: Config) -> dict:
+  key = repr(cfg)  # (Config is not hashable)
+  if key not in _HOST_INITS:
+    state = runtime.build(cfg, jax.devices()[:1]).init_state()
+    _HOST_INITS[key] = jax.tree.map(np.array, jax.device_get(state))
+  return _HOST_INITS[key]
+
+
+def initial_state(rt: runtime.Runtime):
+  """`rt.init_state()`'s values without compiling `rt`'s init: one device's initial state (an
+  init compiled once per model, numerics and seed) in `rt`'s layer order and shardings.
+  Every layout's init equals one device's (`tests/test_parallel_xla.py` checks it); compiles
+  dominate the parity tests, and the sharded init was a third of each."""
+  host = _host_init(one_device(rt.cfg))
+  placed = {**host, "params": rt.params_to_storage(host["params"])}
+  if "dot_state" in host:
+    placed["dot_state"] = rt.params_to_storage(host["dot_state"])
+  want = jax.tree.map(lambda x: (x.shape, x.dtype), rt.state_shapes)
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), placed) == want, "state layouts differ"
+  return jax.tree.map(jax.device_put, placed, rt.state_shardings)

@@ -5,8 +5,8 @@ weights and the bias that step 1 moved, the bias by the loads summed across devi
 
 Compiles dominate (one per layout and mode, one per reference), so each layout combines
 several axes, the single-device references are computed once for the module, and a layout
-starts from its reference's initial state placed in its own shardings (not a compiled init
-of its own: the same values, as every layout's init equals one device's):
+starts from one device's initial state placed in its own shardings (`parity.initial_state`:
+not a compiled init of its own, the same values):
 - data x fsdp (ZeRO-3) x tensor with sequence parallelism, 2 accumulated micro-batches, MTP
   on (MTP's loss is a token sum over the step's token count, as the token loss: the split into
   micro-batches and devices does not change it, `accumulate.TOKEN_SUMS`);
@@ -23,8 +23,6 @@ import pytest
 
 import deepseek_case
 import parity
-from conftest import small_config
-from jscale import runtime
 
 STEPS = 2
 # 8 rows of 16 tokens: data x fsdp x micro-batches divides them in every layout.
@@ -42,28 +40,15 @@ LAYOUTS = {
 }
 
 
-def _losses(overrides, devices, host_state=None):
-  """(losses [STEPS, 2] as `parity.losses`, the initial state on the host); `host_state`: a
-  single-device initial state to place in this layout's shardings instead of initialising."""
-  cfg = small_config(None, *parity.BASE, *DS, *overrides)
-  rt = runtime.build(cfg, devices)
-  if host_state is None:
-    state = rt.init_state()
-    host_state = jax.tree.map(np.array, jax.device_get(state))  # (a copy: the step donates)
-  else:
-    placed = {**host_state, "params": rt.params_to_storage(host_state["params"])}
-    state = jax.tree.map(jax.device_put, placed, rt.state_shardings)
-  step, out = rt.train_step(), []
-  for b in parity.batches(cfg, rt.reorder(), STEPS):
-    state, m = step(state, jax.device_put(b, rt.layouts.batch()))
-    out.append((float(m["loss"]), float(m["grad_norm"])))
-  return np.array(out), host_state
+def _losses(overrides, devices):
+  """[STEPS, 2]: loss and gradient norm of each step (`parity.losses`: one device's initial
+  state placed in the layout)."""
+  return parity.losses((*DS, *overrides), devices, STEPS)
 
 
 @pytest.fixture(scope="module")
 def reference():
-  """The single-device run (losses, initial state) for a reference's overrides, computed
-  once per module."""
+  """The single-device losses for a reference's overrides, computed once per module."""
   return functools.cache(lambda ref: _losses(("mesh.data=1", *ref), jax.devices()[:1]))
 
 
@@ -71,15 +56,15 @@ def reference():
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_deepseek_layout_matches_one_device(name, mode, reference):
   layout, n, ref = LAYOUTS[name]
-  want, init = reference(ref)
-  got, _ = _losses((*layout, f"parallel.collectives={mode}"), jax.devices()[:n], init)
+  want = reference(ref)
+  got = _losses((*layout, f"parallel.collectives={mode}"), jax.devices()[:n])
   np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
 def test_deepseek_node_limited_dispatch_matches_one_device(reference):
   # Manual EP over 4 devices as 2 "nodes" of the tiny model's 2 groups of 4 experts
   # (topk_group 1): DeepSeek-V3's two-hop dispatch (tests/test_node_limited.py) in training.
-  want, init = reference(())
-  got, _ = _losses(("mesh.data=2", "mesh.expert=4", "parallel.collectives=manual",
-                    "model.moe.exchange=node_limited"), jax.devices()[:8], init)
+  want = reference(())
+  got = _losses(("mesh.data=2", "mesh.expert=4", "parallel.collectives=manual",
+                 "model.moe.exchange=node_limited"), jax.devices()[:8])
   np.testing.assert_allclose(got, want, rtol=1e-4)

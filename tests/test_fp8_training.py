@@ -42,7 +42,7 @@ def _train(overrides, n_devices, recipe="delayed", steps=3):
   cfg = small_config(None, *parity.BASE, *BF16, *FP8, f"fp8.recipe={recipe}",
                      "model.dtype=float32", *overrides)
   rt = runtime.build(cfg, jax.devices()[:n_devices])
-  state, step = rt.init_state(), rt.train_step()
+  state, step = parity.initial_state(rt), rt.train_step()
   losses = []
   for b in parity.batches(cfg, rt.reorder())[:steps]:
     state, m = step(state, jax.device_put(b, rt.layouts.batch()))

@@ -24,18 +24,11 @@ BASE = ("train.warmup_steps=0", "train.steps=3")
 KERNELS = ("model.attention_impl=pallas", "model.norm_impl=pallas", "model.kernel_interpret=true")
 
 
-@functools.lru_cache(maxsize=None)
-def _initial_state():
-  """The (impl- and layout-independent) initial train state on the host: initialised once."""
-  rt = runtime.build(small_config(None, *BASE, "mesh.data=1"), jax.devices()[:1])
-  return jax.device_get(rt.init_state())
-
-
 def _losses(overrides, devices) -> np.ndarray:
   """[STEPS, 2]: loss and gradient norm of each step on fixed random batches."""
   cfg = small_config(None, *BASE, *overrides)
   rt = runtime.build(cfg, devices)
-  state, step = jax.device_put(_initial_state(), rt.state_shardings), rt.train_step()
+  state, step = parity.initial_state(rt), rt.train_step()
   out = []
   for batch in parity.batches(cfg)[:STEPS]:
     batch = jax.device_put(batch, rt.layouts.batch())

@@ -1,12 +1,32 @@
-"""xla mode on 8 simulated devices: every layout reproduces the single-device losses."""
+"""xla mode on 8 simulated devices: every layout initialises as one device does and reproduces
+the single-device losses."""
 
+import jax
 import numpy as np
 import pytest
 
+import parity
 from conftest import small_config
 from jscale import runtime
 from jscale.config import ConfigError
 from parity import ACCUMULATE, BASE, LAYOUTS, losses, reference
+
+INIT_LAYOUTS = [LAYOUTS[-1], ("mesh.tensor=4", "mesh.data=2"),
+                ("mesh.stage=2", "mesh.data=4", "pipeline.schedule=interleaved",
+                 "pipeline.virtual_stages=2", "model.n_layers=4"),
+                ("mesh.expert=4", "mesh.data=2", "model.moe.n_experts=4", "fp8.enabled=true")]
+
+
+@pytest.mark.parametrize("layout", INIT_LAYOUTS, ids=lambda c: "+".join(c))
+def test_sharded_init_equals_one_devices(layout):
+  # What the parity tests rely on (`parity.initial_state` places one device's initial state
+  # instead of compiling each layout's init): ZeRO-3 x TP, a pipeline storing its layers in
+  # chunk order, experts and FP8's scale state; bit for bit.
+  rt = runtime.build(small_config(None, *BASE, *layout), jax.devices()[:8])
+  got, want = jax.device_get(rt.init_state()), jax.device_get(parity.initial_state(rt))
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: "+".join(c))

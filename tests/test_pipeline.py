@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+import parity
 from conftest import small_config
 from jscale import runtime
 from jscale.analysis import introspect
@@ -132,7 +133,7 @@ EVAL_BATCH = {"tokens": np.arange(16 * 32, dtype=np.int32).reshape(16, 32) % 200
 def _one_device_eval():
   one = runtime.build(small_config(None, "mesh.data=1", "train.batch_size=16",
                                    "model.n_layers=4"), jax.devices()[:1])
-  return [float(x) for x in one.eval_step()(one.init_state()["params"], EVAL_BATCH)]
+  return [float(x) for x in one.eval_step()(parity.initial_state(one)["params"], EVAL_BATCH)]
 
 
 @pytest.mark.parametrize("mode", ["manual", "xla"])
@@ -141,7 +142,8 @@ def test_eval_step_matches_one_device(mode):
         "pipeline.schedule=interleaved", "pipeline.virtual_stages=2", "model.n_layers=4",
         "mesh.data=2", "train.batch_size=16")
   rt = runtime.build(small_config(None, *pp), jax.devices()[:4])
-  got = rt.eval_step()(rt.init_state()["params"], jax.device_put(EVAL_BATCH, rt.layouts.batch()))
+  got = rt.eval_step()(parity.initial_state(rt)["params"],
+                       jax.device_put(EVAL_BATCH, rt.layouts.batch()))
   np.testing.assert_allclose([float(x) for x in got], _one_device_eval(), rtol=1e-5)
 
 

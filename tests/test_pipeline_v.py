@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+import parity
 from conftest import small_config
 from jscale import runtime
 from jscale import train as train_lib
@@ -65,12 +66,13 @@ EVAL_BATCH = {"tokens": np.arange(16 * 32, dtype=np.int32).reshape(16, 32) % 200
 def test_eval_step_through_the_v_matches_one_device():
   one = runtime.build(small_config(None, "mesh.data=1", "train.batch_size=16",
                                    "model.n_layers=4"), jax.devices()[:1])
-  want = one.eval_step()(one.init_state()["params"], EVAL_BATCH)
+  want = one.eval_step()(parity.initial_state(one)["params"], EVAL_BATCH)
   pp = ("mesh.stage=2", "pipeline.microbatches=4", "parallel.collectives=manual",
         "pipeline.schedule=zbv", "pipeline.virtual_stages=2", "model.n_layers=4",
         "mesh.data=2", "train.batch_size=16")
   rt = runtime.build(small_config(None, *pp), jax.devices()[:4])
-  got = rt.eval_step()(rt.init_state()["params"], jax.device_put(EVAL_BATCH, rt.layouts.batch()))
+  got = rt.eval_step()(parity.initial_state(rt)["params"],
+                       jax.device_put(EVAL_BATCH, rt.layouts.batch()))
   np.testing.assert_allclose([float(x) for x in got], [float(x) for x in want], rtol=1e-5)
 
 
