@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import deepseek_case
+import node_limited_bytes  # scripts/ (on the path: conftest)
 from jscale import runtime
 from jscale.analysis import gpu_target, hlo
 from jscale.config import ConfigError
@@ -141,3 +142,12 @@ def test_bad_node_limited_configs_fail_before_compile(overrides, match):
     runtime.build(deepseek_case.config("mesh.data=2", "mesh.expert=4",
                                        "model.moe.exchange=node_limited", *overrides),
                   jax.devices()[:8])
+
+
+def test_crossing_rows_counts_experts_and_groups_on_other_nodes():
+  # scripts/node_limited_bytes.py's routing figure: 4 tokens on 4 devices (2 nodes of 2), 8
+  # experts (2 per device, 4 per node = per group), top-2. Token 0 (node 0) picks experts 6, 7
+  # (node 1): flat 2 rows across, node-limited 1; token 3 (node 1) picks 0 and 5: flat 1,
+  # node-limited 1 (group 0); tokens 1 and 2 stay home.
+  ids = np.array([[6, 7], [0, 3], [4, 5], [0, 5]])
+  assert node_limited_bytes.crossing_rows(ids, 4, 2, 8, 2) == (3 / 4, 2 / 4)
