@@ -81,7 +81,8 @@ class MoeConfig:
   first_dense: int = 0  # the first k layers dense SwiGLU (HF first_k_dense_replace)
   # manual expert parallelism, dropless: flat (one all-to-all over mesh.expert) | node_limited
   # (the n_group groups tile mesh.expert, a group per node: a token crosses nodes once per
-  # chosen group, then fans out to its experts inside the node; DeepSeek-V3's dispatch)
+  # chosen group, then fans out to its experts inside the node; DeepSeek-V3's dispatch, for an
+  # expert axis spanning nodes: inside one node the second hop only adds time)
   exchange: Literal["flat", "node_limited"] = "flat"
 
 
