@@ -21,6 +21,7 @@ from safetensors import safe_open
 from jscale.config import ConfigError
 from jscale.convert import config_from_hf, config_to_hf, load_hf, save_hf
 from jscale.convert.__main__ import main
+from jscale.infer.generator import Generator
 from jscale.model import llama
 
 VOCAB, SEQ = 128, 64
@@ -59,6 +60,20 @@ def reinit(model):
       else:
         p.normal_(0.0, 0.15)
   return model
+
+
+GREEDY_PROMPTS = [[5, 17, 99, 3, 42, 8, 120], [64, 1], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+def assert_greedy_equals_transformers(hf, model, n: int, prompts=GREEDY_PROMPTS) -> None:
+  """jscale's greedy continuation of each prompt (`Generator`: batched, KV or latent cache)
+  equals transformers' `generate` of `hf` on that prompt alone, `n` new tokens."""
+  ours = Generator(model).generate(prompts, n).tokens
+  for prompt, got in zip(prompts, ours):
+    with torch.no_grad():
+      want = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
+                         min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    assert got == want[0, len(prompt):].tolist()
 
 
 def _tokens() -> np.ndarray:

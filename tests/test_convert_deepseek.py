@@ -15,11 +15,10 @@ import transformers
 from flax import nnx
 
 from test_convert import (SEQ, VOCAB, _assert_bitwise, _hf_logits, _jscale_logits, _params,
-                          _tensors, reinit)
+                          _tensors, assert_greedy_equals_transformers, reinit)
 
 from jscale.config import MtpConfig
 from jscale.convert import load_hf, save_hf
-from jscale.infer.generator import Generator
 from jscale.model import llama, router
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
@@ -96,10 +95,4 @@ def test_jscale_deepseek_exports_to_transformers_with_its_mtp(deepseek, tmp_path
 
 def test_greedy_from_the_latent_cache_equals_transformers(deepseek):
   hf, _, _, _, model = deepseek
-  prompts = [[5, 17, 99, 3, 42, 8, 120], [64, 1], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
-  ours = Generator(model).generate(prompts, 12).tokens
-  for prompt, got in zip(prompts, ours):
-    with torch.no_grad():
-      want = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12,
-                         min_new_tokens=12, eos_token_id=None, pad_token_id=0)
-    assert got == want[0, len(prompt):].tolist()
+  assert_greedy_equals_transformers(hf, model, 12)

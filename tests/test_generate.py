@@ -11,6 +11,8 @@ import pytest
 import torch
 import transformers
 
+from test_convert import LLAMA3, assert_greedy_equals_transformers, reinit
+
 from jscale.config import ModelConfig, MoeConfig
 from jscale.convert import load_hf
 from jscale.infer import sampling as sampling_lib
@@ -70,7 +72,6 @@ def test_cache_equals_recompute(moe):
 @pytest.fixture(scope="module")
 def hf_pair(tmp_path_factory):
   """A small random transformers Llama (GQA, llama3 RoPE) saved to disk, and jscale's load."""
-  from test_convert import LLAMA3, reinit  # pylint: disable=import-outside-toplevel
   cfg = transformers.LlamaConfig(
       vocab_size=128, hidden_size=64, num_hidden_layers=2, intermediate_size=96,
       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -86,13 +87,7 @@ def hf_pair(tmp_path_factory):
 
 def test_greedy_equals_transformers_generate(hf_pair):
   hf, model = hf_pair
-  prompts = [[5, 17, 99, 3, 42, 8, 120], [64, 1], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
-  ours = Generator(model).generate(prompts, 16).tokens
-  for prompt, got in zip(prompts, ours):
-    with torch.no_grad():
-      ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16,
-                        min_new_tokens=16, eos_token_id=None, pad_token_id=0)
-    assert got == ref[0, len(prompt):].tolist()
+  assert_greedy_equals_transformers(hf, model, 16)
 
 
 def test_eos_ends_a_row():
