@@ -94,6 +94,28 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
           "dropless pallas,dropless tiled,capacity 1.25"], {},
          ["results/bench_moe_gpu.md", "results/bench_moe_gpu.csv"]),
     ],
+    # What no lent GPU has measured yet, most wanted first, in one call: the compiled rerun of
+    # the fixed Hopper NaN case, the DeepSeek-V3 16B proxy (issue 50), FP8 end to end (issue
+    # 18), the grouped matmul's rate (the predictor's missing constant), FP8 on the 8B shape.
+    # The V schedules need 4 GPUs (one stage per device): no single-GPU lease measures them.
+    "unmeasured": [
+        ("Hopper attention compiled: the fixed NaN case (d 128, segments) and its neighbours",
+         [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", HOPPER_TESTS[0], "-k",
+          "on_hopper"], {"JAX_PLATFORMS": "cuda"}, []),
+        ("bench_train: DeepSeek-V3 16B-like, 3 layers + MTP", [PY, "scripts/bench_train.py",
+         "--exact", "--steps", "15", "--only", "dsv3-16b-3L selective b2", "--out",
+         "results/bench_train_deepseek.md"], {},
+         ["results/bench_train_deepseek.md", "results/bench_train_deepseek.csv"]),
+        ("bench_fp8: llama3_1b bf16 / fp8 delayed / fp8 current end to end",
+         [PY, "scripts/bench_fp8.py", "--only", "1b", "--steps", "15"], {},
+         ["results/bench_fp8.md", "results/bench_fp8.csv"]),
+        ("bench_moe_gpu: grouped matmul kernel rates",
+         [PY, "scripts/bench_moe_gpu.py", "--part", "kernels", "--no-sweep"], {},
+         ["results/bench_moe_gpu_kernels.md", "results/bench_moe_gpu_kernels.csv"]),
+        ("bench_fp8: the 8B shape bf16 / fp8 delayed end to end",
+         [PY, "scripts/bench_fp8.py", "--only", "8b", "--steps", "15"], {},
+         ["results/bench_fp8.md", "results/bench_fp8.csv"]),
+    ],
     "deepseek": [  # issue 41: MFU of a DeepSeek-V3 16B-like shape on one GPU
         ("bench_train: DeepSeek-V3 16B-like, 3 layers + MTP", [PY, "scripts/bench_train.py",
          "--exact", "--steps", "15", "--only", "dsv3-16b-3L selective b2", "--out",
