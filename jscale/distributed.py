@@ -39,8 +39,8 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
+from jscale import exit_codes
 from jscale.config import ConfigError, DistributedConfig
-from jscale.run.preemption import EXIT_PEERS_MISSING
 
 _EXPLICIT_KEYS = ("coordinator", "num_processes", "process_id")
 # What jax's SLURM cluster detection needs (jax/_src/clusters/slurm_cluster.py); the step
@@ -124,7 +124,7 @@ def _timeouts(dist_cfg: DistributedConfig) -> dict[str, int]:
 
 @contextlib.contextmanager
 def _bounded(dist_cfg: DistributedConfig, me: str, coordinator: str):
-  """Exits this process (`EXIT_PEERS_MISSING`) with a message if the block, connecting to the
+  """Exits this process (`exit_codes.PEERS_MISSING`) with a message if the block, connecting to the
   coordinator, has not finished within `distributed.init_timeout_s`: every process blocks
   there until all have registered, so a peer that never started or died while starting would
   hang the others."""
@@ -136,7 +136,7 @@ def _bounded(dist_cfg: DistributedConfig, me: str, coordinator: str):
             f"distributed.init_timeout_s={dist_cfg.init_timeout_s} s: a process failed to start "
             "or died while starting (see its log); relaunch the same command on every process "
             "(a run with checkpoints resumes)", file=sys.stderr, flush=True)
-      os._exit(EXIT_PEERS_MISSING)  # pylint: disable=protected-access
+      os._exit(exit_codes.PEERS_MISSING)  # pylint: disable=protected-access
 
   threading.Thread(target=watchdog, name="jscale-init-watchdog", daemon=True).start()
   try:

@@ -16,17 +16,8 @@ from typing import Any
 
 import jax
 
+from jscale import hardware
 from jscale.config import ModelConfig
-
-# Dense per-device peak FLOP/s (no sparsity; datasheets), by substring of `device.device_kind`:
-# bf16 / fp8 tensor cores, TF32 (what an f32 gemm runs in at default precision) and plain f32.
-PEAK_FLOPS: dict[str, dict[str, float | None]] = {
-    "H200": {"bf16": 989.5e12, "fp8": 1979e12, "tf32": 494.7e12, "f32": 66.9e12},
-    "H100 PCIe": {"bf16": 756e12, "fp8": 1513e12, "tf32": 378e12, "f32": 51.2e12},
-    "H100": {"bf16": 989.5e12, "fp8": 1979e12, "tf32": 494.7e12, "f32": 66.9e12},  # SXM
-    "A100": {"bf16": 312e12, "fp8": None, "tf32": 156e12, "f32": 19.5e12},  # no fp8 cores
-}
-
 
 def attention_params(cfg: ModelConfig) -> tuple[int, int]:
   """(one attention module's parameters, those of them in matmuls): GQA's four projections, or
@@ -45,12 +36,14 @@ def attention_params(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
-  """Parameter counts: total, and the matmul-participating part used for MFU (for MoE, the
-  active part: the router, top_k experts and the shared expert, as each token sees them;
-  with `model.mtp`, its modules too, which train on every token)."""
+  """Parameter counts, the one owner of each: `total`; `active`, the parameters one token's
+  forward touches (the total less the routed experts it is not sent to, in the MoE stack and
+  in MTP's blocks; the total for a dense model); and `matmul`, the matmul-participating part
+  used for MFU (for MoE, the router, top_k experts and the shared expert, as each token sees
+  them; with `model.mtp`, its modules too, which train on every token)."""
   d, f = cfg.d_model, cfg.d_ff
   attn, attn_mm = attention_params(cfg)
-  mlp = active = 0
+  mlp = active = expert = 0
   if cfg.moe is not None:
     m = cfg.moe
     expert, shared = 3 * d * (m.d_ff or f), 3 * d * m.shared_d_ff
@@ -65,10 +58,13 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
                                                                     attn_mm + 3 * d * f)
   total = embed + n_dense * (attn + 3 * d * f + 2 * d) + n_moe * moe_block[0] + d + head
   matmul = n_dense * (attn_mm + 3 * d * f) + n_moe * moe_block[1] + d * cfg.vocab_size
+  moe_blocks = n_moe
   if cfg.mtp is not None:  # per depth: 3 norms, eh_proj [2D, D], a block; the head again
     total += cfg.mtp.depth * (3 * d + 2 * d * d + moe_block[0])
     matmul += cfg.mtp.depth * (2 * d * d + moe_block[1] + d * cfg.vocab_size)
-  return {"total": total, "matmul": matmul}
+    moe_blocks += cfg.mtp.depth if n_moe else 0
+  idle = (cfg.moe.n_experts - cfg.moe.top_k) * expert if cfg.moe is not None else 0
+  return {"total": total, "active": total - moe_blocks * idle, "matmul": matmul}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -87,13 +83,10 @@ def mfu(flops_per_step: float, step_time_s: float, n_devices: int,
 
 
 def device_peak_flops(device: Any = None, precision: str = "bf16") -> float | None:
-  """Peak FLOP/s of one device from the table; None where unknown (e.g. CPU)."""
+  """Peak FLOP/s of one device (`jscale.hardware`); None where unknown (e.g. CPU)."""
   device = device or jax.devices()[0]
-  kind = getattr(device, "device_kind", "")
-  for name, peaks in PEAK_FLOPS.items():  # ordered: specific names before general ones
-    if name in kind:
-      return peaks[precision]
-  return None
+  gpu = hardware.of_device_kind(getattr(device, "device_kind", ""))
+  return gpu.peak_flops[precision] if gpu else None
 
 
 def peak_memory_bytes() -> int | None:

@@ -25,6 +25,8 @@ import json
 import os
 import sys
 
+from jscale import exit_codes
+
 CATEGORIES = ("gemm", "attention", "collectives", "elementwise/fusion", "copies")
 _RULES = (  # first match wins: cuDNN's attention helpers have "dot" in their names
     ("collectives", ("nccl", "all-reduce", "allreduce", "all_reduce", "all-gather", "allgather",
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_summary(summarize(args.run_dir), args.top))
   except (FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
+    return exit_codes.BAD_INPUT
   return 0
 
 

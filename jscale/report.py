@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jscale import exit_codes
 from jscale.analysis import plots
 
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {plots.plot_runs(args.run_dirs, args.out)}")
   except FileNotFoundError as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
+    return exit_codes.BAD_INPUT
   return 0
 
 

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jscale import config_cli
+from jscale import exit_codes
 from jscale import distributed
 from jscale import metrics as metrics_lib
 from jscale import runtime
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
       print(config_cli.to_yaml(load_config(args.config, args.overrides)), end="")
     except ConfigError as e:
       print(f"config error: {e}", file=sys.stderr)
-      return preemption.EXIT_CONFIG
+      return exit_codes.BAD_INPUT
     return 0
   streams = sys.stdout, sys.stderr
   sys.stdout, sys.stderr = output.ClosableOutput(sys.stdout), output.ClosableOutput(sys.stderr)
@@ -184,7 +185,7 @@ def _main(args: argparse.Namespace) -> int:
       summary = run(cfg)
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
-    return preemption.EXIT_CONFIG
+    return exit_codes.BAD_INPUT
   if not distributed.is_main():
     return _exit_code(summary)
   if summary["message"]:
@@ -205,8 +206,8 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _exit_code(summary: dict[str, Any]) -> int:
-  return {"preempted": preemption.EXIT_PREEMPTED,
-          "nonfinite": preemption.EXIT_NONFINITE}.get(summary["stopped"], 0)
+  return {"preempted": exit_codes.PREEMPTED,
+          "nonfinite": exit_codes.NONFINITE}.get(summary["stopped"], 0)
 
 
 if __name__ == "__main__":

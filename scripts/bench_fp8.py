@@ -46,10 +46,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_train  # noqa: E402  (also puts the repo root on sys.path)
+from jscale import hardware  # noqa: E402
 from jscale.analysis.tables import write_table  # noqa: E402
 
 SIZES, QUICK_SIZES = (4096, 8192, 16384), (256, 512)
-PEAK_BF16, PEAK_FP8 = 989, 1979  # H100 SXM, dense TFLOP/s
+_H100 = hardware.GPUS["h100"].peak_flops  # dense TFLOP/s, H100 SXM (an H200's too)
+PEAK_BF16, PEAK_FP8 = _H100["bf16"] / 1e12, _H100["fp8"] / 1e12
 CUBLAS_F8 = "cublas$lt$matmul$f8"  # XLA's custom-call target: __cublas$lt$matmul$f8
 RECIPES = {"bf16": (), "fp8 delayed": ("fp8.enabled=true", "fp8.recipe=delayed"),
            "fp8 current": ("fp8.enabled=true", "fp8.recipe=current")}
@@ -206,14 +208,14 @@ _BT = dict(bench_train.COLUMNS)  # bench_train's cells, by header
 # section -> (heading and note, columns)
 TABLES = {
     "gemm": (f"## GEMM: bf16 vs FP8 (current scaling, quantisation timed)\n\nSquare bf16 "
-             f"operands. Theoretical dense peaks, H100 SXM: bf16 {PEAK_BF16} TFLOP/s, fp8 "
-             f"{PEAK_FP8} TFLOP/s. fwd+bwd: 3 gemms.", [
+             f"operands. Theoretical dense peaks, H100 SXM: bf16 {PEAK_BF16:g} TFLOP/s, fp8 "
+             f"{PEAK_FP8:g} TFLOP/s. fwd+bwd: 3 gemms.", [
         ("M=N=K", lambda r: _fmt(r["size"], ".0f")),
-        (f"bf16 fwd TFLOP/s (% of {PEAK_BF16})", lambda r: _rate(r, "bf16", "fwd", PEAK_BF16)),
-        (f"fp8 fwd (% of {PEAK_FP8})", lambda r: _rate(r, "fp8", "fwd", PEAK_FP8)),
+        (f"bf16 fwd TFLOP/s (% of {PEAK_BF16:g})", lambda r: _rate(r, "bf16", "fwd", PEAK_BF16)),
+        (f"fp8 fwd (% of {PEAK_FP8:g})", lambda r: _rate(r, "fp8", "fwd", PEAK_FP8)),
         ("fp8 / bf16 fwd", lambda r: _ratio(r, "fwd")),
-        (f"bf16 fwd+bwd (% of {PEAK_BF16})", lambda r: _rate(r, "bf16", "fwd_bwd", PEAK_BF16)),
-        (f"fp8 fwd+bwd (% of {PEAK_FP8})", lambda r: _rate(r, "fp8", "fwd_bwd", PEAK_FP8)),
+        (f"bf16 fwd+bwd (% of {PEAK_BF16:g})", lambda r: _rate(r, "bf16", "fwd_bwd", PEAK_BF16)),
+        (f"fp8 fwd+bwd (% of {PEAK_FP8:g})", lambda r: _rate(r, "fp8", "fwd_bwd", PEAK_FP8)),
         ("fp8 / bf16 fwd+bwd", lambda r: _ratio(r, "fwd_bwd")),
         ("cuBLASLt fp8 gemm (calls fwd / fwd+bwd)", _cublas),
         ("status", lambda r: r["status"])]),

@@ -63,7 +63,7 @@ def main() -> int:
   import gpu_target  # pylint: disable=import-outside-toplevel  (the copy)
 
   spec_dir = os.path.join(gpu_dir, "gpu_specs")
-  gpu_target.spec = lambda gpu: open(os.path.join(spec_dir, gpu_target.TARGETS[gpu][0]),
+  gpu_target.spec = lambda gpu: open(os.path.join(spec_dir, gpu_target.TARGETS[gpu]),
                                      encoding="utf-8").read()
   gpu, _ = gpu_target.parse(a.target)
   total = int(re.search(r"device_memory_size:\s*(\d+)", gpu_target.spec(gpu)).group(1))

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from jscale import hardware
+
 H100_MD = "results/h100_measured/h100_2026-11-23.md"
 H200 = "results/h200_measured/"
 PATCH = "scripts/patches/29f9f33_bf16_dots.patch"
-PEAK_TFLOPS = 989.0  # bf16 dense, H100 / H200 SXM: the MFU denominator of every source
+# bf16 dense, H100 / H200 SXM: the MFU denominator of every source
+PEAK_TFLOPS = hardware.GPUS["h100"].peak_flops["bf16"] / 1e12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +45,7 @@ class Row:
   batch: int
   seq: int
   tokens_per_s: float
-  mfu: float  # the project's figure: model FLOPs (6N + attention) / 989 TFLOP/s
+  mfu: float  # the project's figure: model FLOPs (6N + attention) / PEAK_TFLOPS
   peak_gib: float | None  # device peak_bytes_in_use
   source: str
   mem_fraction: float  # XLA_PYTHON_CLIENT_MEM_FRACTION of the run (XLA's memory limit)

@@ -18,7 +18,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compiles for GPUs from their de
 from jscale.analysis import gpu_target  # noqa: E402
 from jscale.analysis.tables import write_table  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
-from jscale.plan import hardware  # noqa: E402
+from jscale import hardware  # noqa: E402
 from jscale.plan.layout import Layout  # noqa: E402
 from jscale.plan.rank import evaluate  # noqa: E402
 from jscale.plan.verify import compare  # noqa: E402

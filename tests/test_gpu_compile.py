@@ -29,7 +29,7 @@ from jscale.config_load import load_config  # noqa: E402
 from jscale.infer.generator import Generator  # noqa: E402
 from jscale.model import llama  # noqa: E402
 from jscale.model.matmul import FP32_MATMULS, SCOPE_PREFIX  # noqa: E402
-from jscale.plan import hardware  # noqa: E402
+from jscale import hardware  # noqa: E402
 from jscale.plan.layout import Layout  # noqa: E402
 from jscale.plan.rank import evaluate  # noqa: E402
 from jscale.plan.verify import compare  # noqa: E402

@@ -27,7 +27,7 @@ LAZY = {
     # imports JAX; the estimate alone never imports it.
     **{("jscale/plan/__main__.py", m): "the CLI sets XLA_FLAGS before JAX is imported"
        for m in ("jscale.config_load", "jscale.presets", "jscale.analysis.gpu_target",
-                 "jscale.plan.hardware", "jscale.plan.report", "jscale.plan.rank",
+                 "jscale.plan.report", "jscale.plan.rank",
                  "jscale.plan.plot", "jscale.plan.verify")},
 }
 
@@ -182,6 +182,9 @@ _MODEL_FILES = tuple(f"jscale.model.{m}" for m in ("llama", "gqa", "mla", "mlp",
 @pytest.mark.parametrize("pattern, allowed", [
     # The config is a leaf: every other module may read it.
     ("jscale/config.py", lambda n: False),
+    # So are the GPU facts and the exit statuses: everyone may read them.
+    ("jscale/hardware.py", lambda n: False),
+    ("jscale/exit_codes.py", lambda n: False),
     # The model owns its seam (jscale.model.seam): it never imports a parallel layout.
     ("jscale/model/*.py", _under("jscale.config", "jscale.model", "pallas_kernels")),
     # Kernels are standalone (JAX's Pallas ops style).
@@ -205,6 +208,53 @@ _MODEL_FILES = tuple(f"jscale.model.{m}" for m in ("llama", "gqa", "mla", "mlp",
 ])
 def test_no_import_against_the_layering(pattern, allowed):
   assert _offenders(pattern, allowed) == {}
+
+
+# The layers, lowest first: a module imports only from its own layer or those below
+# (`test_no_import_goes_up_the_layers`). A module belongs to the layer of the longest prefix
+# listed (a package's `__main__`, its command line, sits with the CLIs).
+LAYERS = (
+    ("jscale.config", "jscale.hardware", "jscale.exit_codes", "jscale.xla_flags",
+     "jscale.jax_compat"),  # leaves
+    ("jscale.config_cli", "jscale.presets", "jscale.config_dict", "jscale.validate_deepseek",
+     "jscale.metrics", "jscale.mesh", "jscale.optim", "jscale.data"),
+    ("pallas_kernels", "jscale.model"),
+    ("jscale.fp8", "jscale.sharding", "jscale.parallel"),
+    ("jscale.step",),
+    ("jscale.convert", "jscale.distributed"),
+    ("jscale.ckpt", "jscale.infer"),
+    ("jscale.validate", "jscale.config_load"),  # the config as it comes in
+    ("jscale.runtime",),
+    ("jscale.analysis", "jscale.profile"),
+    ("jscale.predict",),
+    ("jscale.plan",),
+    ("jscale.run", "jscale.train", "jscale.eval", "jscale.generate", "jscale.report",
+     "jscale.convert.__main__", "jscale.plan.__main__", "jscale.predict.__main__"),  # CLIs
+)
+
+
+def _layer(module: str) -> int:
+  best = max((p for layer in LAYERS for p in layer if _under(p)(module)), key=len, default=None)
+  assert best is not None, f"{module} is in no layer: add it to LAYERS"
+  return next(i for i, layer in enumerate(LAYERS) if best in layer)
+
+
+def test_no_import_goes_up_the_layers():
+  graph = _graph(local=True)
+  up = sorted((m, d) for m, deps in graph.items() for d in deps
+              if m != "jscale" and d != "jscale" and _layer(d) > _layer(m))
+  assert up == []
+
+
+def test_the_config_as_it_comes_in_never_reaches_the_trainer():
+  # ConfigIn (the schema, loading, the command line, presets, every check) never imports
+  # what trains (the runtime, the step, the run loop, the CLIs).
+  config_in = ("jscale.config", "jscale.config_cli", "jscale.config_dict", "jscale.config_load",
+               "jscale.presets", "jscale.validate", "jscale.validate_deepseek")
+  trainer = _under("jscale.runtime", "jscale.step", "jscale.run", "jscale.train")
+  graph = _graph(local=True)
+  assert {m: sorted(filter(trainer, graph[m])) for m in config_in if m in graph
+          and any(map(trainer, graph[m]))} == {}
 
 
 # pyproject's dependency names -> the modules they install; ml_dtypes / jaxlib come with jax.

@@ -9,7 +9,8 @@ import pytest
 
 from jscale.config_load import load_config
 from jscale.metrics import param_counts
-from jscale.plan import cost, hardware, memory
+from jscale import hardware
+from jscale.plan import cost, memory
 from jscale.plan.__main__ import main
 from jscale.plan.layout import Layout, candidates
 from jscale.plan.memory import GiB

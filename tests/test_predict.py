@@ -28,7 +28,7 @@ if not gpu_target.available():
 from jscale import predict  # noqa: E402
 from jscale.analysis import hlo  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
-from jscale.plan import hardware  # noqa: E402
+from jscale import hardware  # noqa: E402
 from jscale.predict import cost, program, rates, report  # noqa: E402
 from jscale.plan.__main__ import main as plan_main  # noqa: E402
 from jscale.predict.__main__ import main  # noqa: E402
@@ -116,7 +116,7 @@ def test_in_place_update_moves_the_slice_not_the_buffer():
 
 def test_collective_over_the_link_its_group_spans():
   """A psum of 64 MiB over 8 H100s of one node: all-reduce volume 2 x 64 MiB over NVLink's
-  measured all-reduce bus bandwidth (`plan.hardware.busbw`)."""
+  measured all-reduce bus bandwidth (`jscale.hardware.busbw`)."""
   x = jax.ShapeDtypeStruct((8 * 2048, 1024), jnp.float32)
   text = _compile(lambda v: jnp.sum(v, axis=0), x, n=8, spec=P("x"))
   (c,) = [i for i in program.Program(text).items() if getattr(i, "kind", "") == "collective"]

@@ -83,7 +83,7 @@ def test_sigterm_saves_the_step_and_resumes_exactly(reference, tmp_path, data_ca
   at = soak.wait_for_step(str(tmp_path), 15, [proc])
   proc.send_signal(sig)
   stdout, _ = proc.communicate(timeout=120)
-  assert proc.returncode == 75, stdout[-3000:]  # EXIT_PREEMPTED
+  assert proc.returncode == 75, stdout[-3000:]  # exit_codes.PREEMPTED
   saved = int(stdout.split(f"stopped by {sig.name} after step ")[1].split()[0].rstrip(":"))
   assert at <= saved < STEPS
   assert f"checkpoint step {saved} saved in {tmp_path}/checkpoints" in stdout
@@ -110,7 +110,7 @@ def test_a_second_ctrl_c_exits_at_once_and_the_checkpoints_stay_whole(tmp_path, 
   proc.send_signal(signal.SIGINT)
   stdout, _ = proc.communicate(timeout=60)
   stdout = seen + stdout
-  assert proc.returncode == 130, stdout[-3000:]  # EXIT_INTERRUPTED, unsaved
+  assert proc.returncode == 130, stdout[-3000:]  # exit_codes.INTERRUPTED, unsaved
   # What is on disk is whole: the same command resumes from the last complete checkpoint.
   stdout = _finish(tmp_path, data_cache, "train.steps=14")
   assert f"resuming {tmp_path} from step " in stdout.splitlines()[0]
@@ -169,7 +169,7 @@ def test_nonfinite_loss_stops_or_is_skipped(tmp_path, data_cache, monkeypatch):
   err = io.StringIO()
   with contextlib.redirect_stderr(err):
     code = train_lib.main(args)
-  assert code == 3, err.getvalue()[-2000:]  # EXIT_NONFINITE
+  assert code == 3, err.getvalue()[-2000:]  # exit_codes.NONFINITE
   assert "non-finite loss or gradient norm at step 2" in err.getvalue()
   assert not os.path.exists(tmp_path / "stop" / "checkpoints" / "2")  # nothing saved after it
   summary = train_lib.run(_cfg(tmp_path / "skip", data_cache, *bad, "train.on_nan=skip"))
@@ -211,7 +211,7 @@ def test_a_killed_process_stops_its_peers_within_the_bound_then_relaunch_resumes
 
 def test_a_peer_that_never_starts_stops_the_others_within_the_bound(tmp_path, data_cache):
   """Process 0 of 2 alone (its peer never started, or died while starting): it exits with
-  EXIT_PEERS_MISSING (69) after distributed.init_timeout_s, naming the key and the way out,
+  exit_codes.PEERS_MISSING (69) after distributed.init_timeout_s, naming the key and the way out,
   instead of waiting on JAX's own 300 s start-up deadline and aborting without a cause."""
   timeout = 5
   argv = [sys.executable, "-m", "jscale.train", "--config", "configs/tiny.yaml",

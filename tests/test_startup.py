@@ -3,12 +3,17 @@ batch, output paths and resume state."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from conftest import small_config
 from jscale import metrics, mesh as mesh_lib
+from jscale.config_load import load_config
+from jscale.presets import PRESETS
 from jscale.run import startup
 from jscale.model import llama
 
@@ -32,13 +37,47 @@ def test_parameter_counts_match_the_model():
     cfg = small_config(None, *extra).model
     model = nnx.eval_shape(lambda cfg=cfg: llama.create(cfg))
     total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    assert metrics.param_counts(cfg)["total"] == total
+    counts = metrics.param_counts(cfg)
+    assert counts["total"] == total
     line = startup.model_line(cfg)
     if cfg.moe is None:
-      assert startup.active_params(cfg) == total and "active" not in line
+      assert counts["active"] == total and "active" not in line
     else:  # two MoE layers, each with 2 of its 4 experts idle per token
       idle = 2 * 2 * 3 * cfg.d_model * cfg.d_ff
-      assert startup.active_params(cfg) == total - idle and "active per token" in line
+      assert counts["active"] == total - idle and "active per token" in line
+
+
+def _hand_counts(cfg) -> tuple[int, int]:
+  """(total, active) from the model's own parameter shapes: every routed expert weight
+  ([layers, n_experts, ...] under an `mlp`, the MTP block's included) counts (E - k) / E idle."""
+  model = nnx.eval_shape(lambda: llama.create(cfg))
+  total = idle = 0
+  for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
+    names = [str(getattr(k, "key", k)) for k in path]
+    size = int(np.prod(x.shape))
+    total += size
+    if cfg.moe is not None and names[-2] in ("w_up", "w_gate", "w_down") and "mlp" in names \
+        and x.shape[1] == cfg.moe.n_experts:
+      idle += size // cfg.moe.n_experts * (cfg.moe.n_experts - cfg.moe.top_k)
+  return total, total - idle
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_active_parameters_of_every_preset_match_a_hand_count(preset):
+  cfg = load_config(None, [f"model.preset={preset}"]).model
+  counts = metrics.param_counts(cfg)
+  assert (counts["total"], counts["active"]) == _hand_counts(cfg)
+  assert f"{startup._count(counts['active'])} active per token" in startup.model_line(cfg) \
+      or cfg.moe is None
+
+
+def test_deepseek_v3_671b_is_37b_active():
+  # The paper: 671B parameters, 37B activated per token, without the 14B MTP module.
+  cfg = load_config(None, ["model.preset=deepseek_v3_671b"]).model
+  main = metrics.param_counts(dataclasses.replace(cfg, mtp=None))
+  assert abs(main["total"] / 1e9 - 671) < 0.5 and 37 <= main["active"] / 1e9 < 38
+  assert 37 <= metrics.param_counts(cfg)["active"] / 1e9 < 38.5  # + MTP's block, eh_proj
+  assert "38.2B active per token" in startup.model_line(cfg)
 
 
 def test_resume_and_init_from_are_named(tmp_path):

@@ -30,8 +30,10 @@ import jax
 from jax._src.interpreters import pxla
 from jax._src.lib import xla_client
 
-# name -> (spec file in gpu_specs/, GPUs per node: NVLink domain of the topology's hosts)
-TARGETS = {"h100": ("h100_sxm.txtpb", 8), "h200": ("h200_sxm.txtpb", 8)}
+from jscale import hardware
+
+# name (`jscale.hardware.GPUS`) -> its spec file in gpu_specs/
+TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb"}
 INSTALL = ("pip install 'jax[cuda13-local]=={v}' nvidia-cudnn-cu13  (the CUDA plugin and cuDNN; "
            "no GPU needed)")
 
@@ -57,7 +59,7 @@ def topology_name(n: int, per_node: int) -> str:
 def spec(gpu: str) -> str:
   """The target_config text of `gpu` (a key of TARGETS)."""
   return (importlib.resources.files("jscale.analysis") / "gpu_specs" /
-          TARGETS[gpu][0]).read_text()
+          TARGETS[gpu]).read_text()
 
 
 def devices(target: str) -> list[jax.Device]:
@@ -72,7 +74,7 @@ def _topology(gpu: str, n: int) -> tuple[jax.Device, ...]:
   target = f"{gpu}x{n}"
   try:
     topo = topologies.get_topology_desc(platform="cuda",
-                                        topology=topology_name(n, TARGETS[gpu][1]),
+                                        topology=topology_name(n, hardware.GPUS[gpu].gpus_per_node),
                                         target_config=spec(gpu))
   except (NotImplementedError, RuntimeError) as e:  # no plugin / a plugin that cannot load
     raise RuntimeError(f"cannot compile for {target}: JAX's CUDA plugin is missing or failed "

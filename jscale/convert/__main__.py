@@ -13,6 +13,7 @@ import shutil
 import sys
 import tempfile
 
+from jscale import exit_codes
 from jscale.ckpt import model_source, params_io
 from jscale.config import ConfigError
 from jscale.convert import load_hf, save_hf
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     {"hf-to-jscale": _hf_to_jscale, "jscale-to-hf": _jscale_to_hf}[args.command](args)
   except (ConfigError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
+    return exit_codes.BAD_INPUT
   return 0
 
 

@@ -11,6 +11,7 @@ import sys
 import jax
 from flax import nnx
 
+from jscale import exit_codes
 from jscale import config_cli
 from jscale import mesh as mesh_lib
 from jscale.config import ConfigError, DataConfig, MeshConfig, ModelConfig
@@ -102,5 +103,5 @@ def run_cli(parser, run, argv: list[str] | None) -> int:
     run(args)
   except (ConfigError, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
+    return exit_codes.BAD_INPUT
   return 0

@@ -20,8 +20,12 @@ import json
 import os
 import sys
 
+from jscale import exit_codes
+from jscale import hardware
 from jscale.config import ConfigError
 
+# GPUs whose single-device step efficiency jscale measured: the planner's compute term.
+PLANNABLE = tuple(name for name, g in hardware.GPUS.items() if g.step_efficiency)
 _SUFFIX = {"k": 2**10, "m": 2**20, "g": 2**30}  # 4M tokens = 1024 x 4096 (playbook)
 
 
@@ -38,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--model", required=True,
                  help="a preset (llama3_8b, mixtral_8x7b, ...) or a config YAML file")
   p.add_argument("--gpus", type=int, required=True, help="devices in the run")
-  p.add_argument("--gpu", default="h100", help="device type (hardware table: h100)")
+  p.add_argument("--gpu", default="h100", help="device type: one of jscale/hardware.py's measured GPUs (h100, h200)")
   p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
   p.add_argument("--global-batch-tokens", type=_count, required=True,
                  help="tokens per optimizer step (4M = 4 x 2^20, 512k, or a number)")
@@ -99,12 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.gpus}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from jscale.plan import hardware, report  # pylint: disable=import-outside-toplevel
+  from jscale.plan import report  # pylint: disable=import-outside-toplevel
   from jscale.plan.rank import rank  # pylint: disable=import-outside-toplevel
   try:
-    if args.gpu not in hardware.GPUS:
-      raise ConfigError(f"--gpu {args.gpu!r} is not in the hardware table: choose one of "
-                        f"{', '.join(hardware.GPUS)}")
+    if args.gpu not in PLANNABLE:
+      raise ConfigError(f"--gpu {args.gpu!r}: the planner knows the measured step efficiency "
+                        f"of {', '.join(PLANNABLE)} only (jscale/hardware.py)")
     model = _model(args.model, args.overrides)
     gpu = hardware.GPUS[args.gpu]
     if args.rank == "compiled" and not (args.verify and args.target):
@@ -115,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 include_unfit=True, max_tensor=args.max_tensor)
   except (ConfigError, ValueError, RuntimeError) as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
+    return exit_codes.BAD_INPUT
   fitting = [r for r in rows if r.fits]
   shown = (fitting or rows)[:args.top]
   if args.json:
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table(shown, args.seq, gpu, args.explain))
   if args.plot:
     from jscale.plan import plot  # pylint: disable=import-outside-toplevel
-    print(f"wrote {plot.plot(shown, gpu.memory_bytes, args.plot)}", file=sys.stderr)
+    print(f"wrote {plot.plot(shown, shown[0].limit, args.plot)}", file=sys.stderr)
   if args.verify:
     from jscale.plan import verify  # pylint: disable=import-outside-toplevel
     checked = [verify.compare(args.model, args.overrides, row, args.seq, gpu, devices,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jscale.config import ModelConfig
 from jscale.metrics import flops_per_token
-from jscale.plan import hardware
+from jscale import hardware
 from jscale.plan.layout import Layout, layout_of
 from jscale.plan.memory import (channels, local_param_split, schedule_table,
                                  tokens_per_microbatch)
@@ -142,7 +142,7 @@ def estimate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu) -> Co
   extra = {"none": 0.0, "full": forward,
            # selective recomputes the norms, pointwise ops and attention core (not matmuls):
            "selective": 0.1 * forward}[lay.remat]
-  compute = (model_flops + extra) / (gpu.peak_flops * gpu.step_efficiency)
+  compute = (model_flops + extra) / (gpu.peak_flops["bf16"] * gpu.step_efficiency)
   bub = bubble(lay.schedule, lay.stage, lay.accum, lay.virtual_stages)
   ts = transfers(model, lay, seq, gpu.gpus_per_node)
   backward = compute * 2 / 3
@@ -152,7 +152,7 @@ def estimate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu) -> Co
     exposed += max(0.0, sum(t.seconds() for t in ts if t.overlap == name) - window)
   step = compute * (1 + bub) + exposed
   return Cost(compute, bub, tuple(ts), exposed, step, model_flops,
-              model_flops / (step * gpu.peak_flops))
+              model_flops / (step * gpu.peak_flops["bf16"]))
 
 
 def playbook_volume(rt) -> dict[str, float]:

@@ -18,13 +18,21 @@ import functools
 
 import jax.numpy as jnp
 
+from jscale import hardware
 from jscale.config import ModelConfig, TrainConfig
 from jscale.step.loss import num_chunks
 from jscale.metrics import attention_params, param_counts
 from jscale.parallel.pipeline import program, schedules
 from jscale.plan.layout import Layout
+from jscale.xla_flags import MEM_FRACTION
 
-GiB = 2**30
+GiB = hardware.GiB
+
+
+def usable_bytes(gpu: hardware.Gpu) -> float:
+  """What a run may allocate on `gpu`: its HBM x MEM_FRACTION (XLA_PYTHON_CLIENT_MEM_FRACTION:
+  `python -m jscale.train` and train.sbatch set 0.9 unless given; JAX's default is 0.75)."""
+  return float(MEM_FRACTION) * gpu.hbm_bytes
 
 
 def playbook_state_bytes(n_params: float, fp32_grad_accum: bool = False) -> float:

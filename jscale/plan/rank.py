@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from jscale import hardware
 from jscale.config import ModelConfig
-from jscale.plan import cost, hardware, memory
+from jscale.plan import cost, memory
 from jscale.plan.layout import Layout, candidates
 
 
@@ -33,7 +34,7 @@ def evaluate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu) -> Ro
   mem = memory.estimate(model, lay, seq)
   c = cost.estimate(model, lay, seq, gpu)
   tokens = lay.mbs * lay.accum * lay.batch_ways * seq
-  return Row(lay, mem, c, tokens / c.step_s, gpu.memory_bytes)
+  return Row(lay, mem, c, tokens / c.step_s, memory.usable_bytes(gpu))
 
 
 def rank(model: ModelConfig, devices: int, seq: int, global_batch_tokens: int,
@@ -47,7 +48,7 @@ def rank(model: ModelConfig, devices: int, seq: int, global_batch_tokens: int,
   rows = []
   for lay in candidates(model, devices, seq, batch, gpu.gpus_per_node, **kw):
     mem = memory.estimate(model, lay, seq)
-    if mem.total > gpu.memory_bytes and not include_unfit:
+    if mem.total > memory.usable_bytes(gpu) and not include_unfit:
       continue
     rows.append(evaluate(model, lay, seq, gpu))
   rows.sort(key=lambda r: (not r.fits, r.cost.step_s, r.memory.total))

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from jscale import hardware
 from jscale.config import ModelConfig
 from jscale.metrics import param_counts
-from jscale.plan import hardware
-from jscale.plan.memory import GiB
+from jscale.plan.memory import GiB, usable_bytes
 from jscale.plan.rank import Row
 
 
@@ -14,7 +14,7 @@ def header(model: ModelConfig, args, gpu: hardware.Gpu, n_rows: int, n_fit: int)
   n = param_counts(model)["total"]
   return (f"{args.model}: {n / 1e9:.2f}B parameters, {model.n_layers} layers, d_model "
           f"{model.d_model}; {args.gpus} x {gpu.name} ({gpu.gpus_per_node} per node, "
-          f"{gpu.memory_bytes / GiB:.1f} GiB usable); seq {args.seq}, "
+          f"{usable_bytes(gpu) / GiB:.1f} GiB usable); seq {args.seq}, "
           f"{args.global_batch_tokens:,} tokens per step\n"
           f"{n_rows} valid layouts, {n_fit} fit in memory" +
           ("" if n_fit else " — none fits: the rows below are the smallest"))

@@ -23,7 +23,7 @@ import jax
 from jscale import predict
 from jscale.analysis import hlo, introspect, volume
 from jscale.config_load import load_config
-from jscale.plan import hardware
+from jscale import hardware
 from jscale.plan.rank import Row
 
 

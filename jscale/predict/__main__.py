@@ -24,6 +24,7 @@ import sys
 
 import jax
 
+from jscale import exit_codes
 from jscale.analysis import gpu_target
 from jscale.config import ConfigError
 from jscale.config_load import load_config
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu_target.parse(args.target)
   except (ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
+    return exit_codes.BAD_INPUT
   hlo_text = open(args.hlo, encoding="utf-8").read() if args.hlo else None
   r = predict_config(cfg, args.target, hlo_text, args.top)
   if args.json:

@@ -16,7 +16,7 @@ Cost rules, per launch (`rates.Chip` holds the constants and their sources):
   read + written over the copy bandwidth times `Fit.memory`.
 - every kernel adds `Fit.launch_s` (what a profile shows as idle between kernels).
 - collectives: playbook volume (`jscale.analysis.volume`) over the bus bandwidth of the link
-  their groups span (`jscale.plan.hardware.busbw`), plus `Fit.collective_s`.
+  their groups span (`jscale.hardware.busbw`), plus `Fit.collective_s`.
 The schedule: a collective's -start queues it on the communication stream, its -done makes the
 compute stream wait for it, so only the part that outlasts the compute between them is exposed
 (the playbook's overlap arithmetic, A3). A loop runs its body twice (the second pass is the
@@ -30,7 +30,7 @@ import dataclasses
 import math
 
 from jscale.analysis import volume
-from jscale.plan import hardware
+from jscale import hardware
 from jscale.predict import rates
 from jscale.predict.program import Branches, Item, Launch, Loop
 

@@ -1,10 +1,9 @@
 """What each kind of kernel achieves on a Hopper GPU: the constants `jscale.predict.cost` times
 a launch with, each with where it comes from.
 
-Peaks are datasheet figures (`jscale.metrics.PEAK_FLOPS`), HBM bandwidth the best copy
-measured on the card (`jscale.plan.hardware`). Kernels whose speed the compiled program cannot
-tell (cuDNN's fused attention, jscale's Pallas kernels) run at rates measured on our GPUs,
-looked up by shape; where none was measured the launch is timed as a roofline and flagged.
+Peaks, SMs and the HBM bandwidth (the best copy measured on the card) are `jscale.hardware`'s.
+Kernels whose speed the compiled program cannot tell (cuDNN's fused attention, jscale's Pallas
+kernels) run at rates measured on our GPUs, looked up by shape; where none was measured the launch is timed as a roofline and flagged.
 The efficiencies (`Fit`) were fitted on at most half of the measured training rows
 (`scripts/predict_vs_measured.py`, results/predict_vs_measured.md lists which).
 """
@@ -15,8 +14,7 @@ import bisect
 import dataclasses
 import math
 
-from jscale.metrics import PEAK_FLOPS
-from jscale.plan import hardware
+from jscale import hardware
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,16 +45,18 @@ class Chip:
 
 
 def gpu_of(device_kind: str) -> str | None:
-  """The predictor's name for a device kind ("NVIDIA H200" -> "h200"); None if it has none."""
-  return next((g for g in hardware.GPUS if g.upper() in device_kind.upper()), None)
+  """The predictor's name for a device kind ("NVIDIA H200" -> "h200"); None for a device whose
+  copy bandwidth jscale has not measured."""
+  gpu = hardware.of_device_kind(device_kind)
+  return gpu.name if gpu is not None and gpu.hbm_bytes_s else None
 
 
 def chip(gpu: str, fit: Fit = FIT) -> Chip:
   """The predictor's view of `gpu` ("h100", "h200": `jscale.analysis.gpu_target.TARGETS`)."""
   g = hardware.GPUS[gpu]
-  peaks = PEAK_FLOPS[gpu.upper()]
+  peaks = g.peak_flops
   return Chip(gpu, {"bf16": peaks["bf16"], "f8": peaks["fp8"], "tf32": peaks["tf32"],
-                    "f32": peaks["f32"]}, g.hbm_bytes_s, 132, g.gpus_per_node, fit)
+                    "f32": peaks["f32"]}, g.hbm_bytes_s, g.sms, g.gpus_per_node, fit)
 
 
 # Flash attention, bf16, TFLOP/s at B·L = 16384 tokens, H·K = 2048 (scripts/bench_kernels.py;

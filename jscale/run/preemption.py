@@ -3,7 +3,7 @@ of every process on when to act.
 
 A scheduler's SIGTERM (SLURM, Kubernetes, a spot reclaim) or a Ctrl-C does not interrupt a step:
 `StopSignals` records the request, the loop starts at most one more step (two with several
-processes), saves a checkpoint and exits with `EXIT_PREEMPTED`. A second Ctrl-C exits at
+processes), saves a checkpoint and exits with `exit_codes.PREEMPTED`. A second Ctrl-C exits at
 once, unsaved (the checkpoints already on disk are whole: orbax renames a save into place only
 once it is complete). A signal during the final save or plot lets it finish.
 
@@ -29,12 +29,7 @@ import numpy as np
 from jax._src import distributed as jax_distributed  # the coordination service's key-value store
 from jax.experimental import multihost_utils
 
-# Exit statuses of `python -m jscale.train` (documented in the README).
-EXIT_CONFIG = 2  # a config error, reported before anything compiled
-EXIT_NONFINITE = 3  # a non-finite loss or gradient norm with train.on_nan=stop
-EXIT_PREEMPTED = 75  # stopped by SIGTERM / SIGINT after saving: rerun the command to resume
-EXIT_INTERRUPTED = 130  # a second Ctrl-C: exited at once, unsaved
-EXIT_PEERS_MISSING = 69  # not every process reached the coordinator (distributed.init_timeout_s)
+from jscale import exit_codes
 
 
 class StopSignals:
@@ -70,7 +65,7 @@ class StopSignals:
     if self.requested is not None and signum == signal.SIGINT:
       print(f"\n{name} again: exiting now, without saving (the checkpoints on disk are whole)",
             file=sys.stderr, flush=True)
-      os._exit(EXIT_INTERRUPTED)  # pylint: disable=protected-access
+      os._exit(exit_codes.INTERRUPTED)  # pylint: disable=protected-access
     if self.requested is not None:
       return
     self.requested, self.at = name, self.started  # before printing: a signal may come mid-print

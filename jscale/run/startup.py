@@ -24,25 +24,16 @@ def _count(n: float) -> str:
   return f"{int(n)}"
 
 
-def active_params(cfg: ModelConfig) -> int:
-  """Parameters one token's forward touches: the total less the experts it is not routed to
-  (equal to the total for a dense model)."""
-  total = metrics.param_counts(cfg)["total"]
-  if cfg.moe is None:
-    return total
-  m = cfg.moe
-  n_moe = cfg.n_layers // m.every
-  return total - n_moe * (m.n_experts - m.top_k) * 3 * cfg.d_model * (m.d_ff or cfg.d_ff)
-
-
 def model_line(cfg: ModelConfig) -> str:
-  total = metrics.param_counts(cfg)["total"]
+  """The startup `model` line: parameters (active per token for an MoE) and the shape."""
+  counts = metrics.param_counts(cfg)
+  total = counts["total"]
   shape = (f"{cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads / "
            f"{cfg.n_kv_heads} kv, d_ff {cfg.d_ff}, vocab {cfg.vocab_size}")
   if cfg.moe is None:
     return f"model     {_count(total)} parameters ({shape})"
   m = cfg.moe
-  return (f"model     {_count(total)} parameters, {_count(active_params(cfg))} active per token "
+  return (f"model     {_count(total)} parameters, {_count(counts['active'])} active per token "
           f"({shape}; {m.n_experts} experts top-{m.top_k}, {m.dispatch})")
 
 

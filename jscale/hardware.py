@@ -1,0 +1,89 @@
+"""Every GPU fact jscale uses, each with where it comes from: dense peaks by dtype, HBM size and
+the copy bandwidth measured on the card, SM count, GPUs per node, the links' bus bandwidths,
+and the single-device step efficiency jscale measured. MFU (`jscale.metrics`), the planner, the
+predictor and the scripts read them here. A leaf: it imports no jscale module.
+
+Links are given as bus bandwidth (nccl-tests' busbw): a collective of playbook volume V
+(`jscale.analysis.volume`: an all-reduce of K bytes is 2K, an all-gather or reduce-scatter K)
+takes about V / busbw. The playbook measured them on its cluster (8 x H100 per node, NVLink
+inside a node, EFA between nodes; PLAYBOOK_DIGEST.md §3 "[ext] Chart data"):
+all-reduce of 256 MB at 1/2/4/8/16/32/64 nodes: 436/362/160/100/85/65/33 GB/s; all-gather and
+reduce-scatter about 250 GB/s in one node and 11 GB/s across 64.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+
+GiB = 2**30
+# nodes -> all-reduce busbw (GB/s), the playbook's 256 MB measurements.
+_ALL_REDUCE_GBS = {1: 436, 2: 362, 4: 160, 8: 100, 16: 85, 32: 65, 64: 33}
+# All-gather / reduce-scatter: 250 GB/s in a node, 11 across 64 nodes (two points; log-log in
+# between, as the all-reduce curve is).
+_GATHER_GBS = {1: 250, 64: 11}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+  """One accelerator: what a step's time and memory are bounded by."""
+  name: str  # jscale's name: the planner's --gpu, the predictor's --target prefix
+  kind: str  # a substring of JAX's `device.device_kind` that identifies it
+  # Dense FLOP/s (no sparsity; datasheets) by operand type: bf16 and fp8 tensor cores, TF32
+  # (what an f32 gemm runs in at default precision) and plain f32. None: no such units.
+  peak_flops: dict[str, float | None]
+  hbm_bytes: float  # device memory as nvidia-smi reports it
+  sms: int
+  gpus_per_node: int  # the NVLink domain of one node
+  # Measured by jscale on the card (None where no such card was lent): the best copy's bytes/s,
+  # and the model FLOPs / s a tuned single-device step reaches as a fraction of the bf16 peak
+  # (gemm efficiency x the share of time in gemms: the planner's compute term).
+  hbm_bytes_s: float | None = None
+  step_efficiency: float | None = None
+  source: str = ""
+
+
+_HOPPER_PEAKS = {"bf16": 989.5e12, "fp8": 1979e12, "tf32": 494.7e12, "f32": 66.9e12}  # SXM
+# Ordered: specific device kinds before general ones ("H100 PCIe" before "H100").
+GPUS: dict[str, Gpu] = {
+    # An H100's chip (same SMs and peaks) with 141 GB of HBM3e: 4.19 TB/s is the best copy
+    # measured on the H200 lent on 2026-11-26 (results/h200_measured/bench_kernels.md), 0.527
+    # its llama3_1b MFU there (configs/llama3_1b.yaml).
+    "h200": Gpu("h200", "H200", _HOPPER_PEAKS, 140.4 * GiB, 132, 8, 4.19e12, 0.527,
+                "datasheet peaks; efficiency and HBM measured by jscale on one H200"),
+    "h100_pcie": Gpu("h100_pcie", "H100 PCIe", {"bf16": 756e12, "fp8": 1513e12,
+                                               "tf32": 378e12, "f32": 51.2e12},
+                     80 * GiB, 114, 8, source="datasheet"),
+    # 989.5 TFLOP/s: H100 SXM datasheet (also picotron's peak). 0.49: jscale's own measurement
+    # on the lent H100 (issue 16: llama3_1b, seq 4096, bf16 matmuls, cuDNN attention, 49.0%
+    # MFU at batch 8); the bare bf16 gemm there ran at ~790-800 TFLOP/s (0.80 of peak).
+    # 3.0 TB/s HBM measured on the same card; 79.6 GiB of HBM3.
+    "h100": Gpu("h100", "H100", _HOPPER_PEAKS, 79.6 * GiB, 132, 8, 3.0e12, 0.49,
+                "datasheet peak; efficiency and HBM measured by jscale on one H100 (issue 16)"),
+    "a100": Gpu("a100", "A100", {"bf16": 312e12, "fp8": None, "tf32": 156e12, "f32": 19.5e12},
+                80 * GiB, 108, 8, source="datasheet (SXM4 80GB)"),
+}
+
+
+def of_device_kind(device_kind: str) -> Gpu | None:
+  """The GPU whose `kind` names `device_kind` ("NVIDIA H200" -> GPUS["h200"]); None if none."""
+  return next((g for g in GPUS.values() if g.kind.upper() in device_kind.upper()), None)
+
+
+def _loglog(table: dict[int, float], nodes: int) -> float:
+  xs = sorted(table)
+  nodes = min(max(nodes, xs[0]), xs[-1])
+  i = bisect.bisect_left(xs, nodes)
+  if xs[i] == nodes:
+    return table[nodes]
+  x0, x1 = xs[i - 1], xs[i]
+  y0, y1 = math.log(table[x0]), math.log(table[x1])
+  return math.exp(y0 + (y1 - y0) * (math.log(nodes) - math.log(x0)) / (math.log(x1) - math.log(x0)))
+
+
+def busbw(kind: str, nodes: int) -> float:
+  """Bytes/s of one collective `kind` (all-reduce, all-gather, reduce-scatter, all-to-all,
+  permute) whose group spans `nodes` nodes (1: inside one node, over NVLink)."""
+  table = _ALL_REDUCE_GBS if kind == "all-reduce" else _GATHER_GBS
+  return _loglog(table, nodes) * 1e9
