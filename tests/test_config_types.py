@@ -10,6 +10,7 @@ import pytest
 
 from jscale.config import Config, ConfigError
 from jscale.config_load import load_config
+from jscale.validate.choices import literal_keys
 
 
 def _leaves(cls, prefix=""):
@@ -58,3 +59,21 @@ def test_wrong_type_names_the_key(key, tp):
 def test_values_that_used_to_crash_late(override):
   with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")):
     load_config(None, [override])
+
+
+CHOICES = sorted(literal_keys(Config))
+
+
+def test_every_choice_key_is_swept():
+  keys = {k for k, _ in CHOICES}
+  assert {"model.moe.gemm", "model.moe.dispatch", "model.moe.router", "model.moe.exchange",
+          "model.rope_scaling.rope_type", "pipeline.schedule", "train.remat"} <= keys
+
+
+@pytest.mark.parametrize("key, allowed", CHOICES, ids=[k for k, _ in CHOICES])
+def test_a_bad_choice_anywhere_gets_the_one_line_error(key, allowed):
+  # The section a nested key lives in is switched on by a preset that has it.
+  preset = ["model.preset=deepseek_v3_tiny"] if key.startswith("model.") else []
+  with pytest.raises(ConfigError) as e:
+    load_config(None, [*preset, f"{key}=pallass"])
+  assert str(e.value) == f"{key}='pallass': choose one of {', '.join(map(str, allowed))}"

@@ -135,7 +135,7 @@ def test_native_exchange_compiles_for_8_h100_in_node_groups():
      "model.moe.n_group=1 groups to tile mesh.expert=4"),
     (("parallel.collectives=manual", "model.moe.n_group=4", "model.moe.topk_group=2",
       "mesh.expert=2", "mesh.data=4"), "model.moe.n_group=4 groups to tile mesh.expert=2"),
-    (("model.moe.exchange=ring",), "model.moe.exchange='ring': choose flat or node_limited"),
+    (("model.moe.exchange=ring",), "model.moe.exchange='ring': choose one of flat, node_limited"),
 ])
 def test_bad_node_limited_configs_fail_before_compile(overrides, match):
   with pytest.raises(ConfigError, match=match):

@@ -1,21 +1,15 @@
-"""The DeepSeek-V3 keys' checks (`model.moe` routing, `model.mla` with YaRN, `model.mtp`), called
-by `jscale.validate.check_config`: values alone, before anything compiles; each ConfigError
+"""The DeepSeek-V3 keys' checks (`model.moe` routing, `model.mla` with YaRN, `model.mtp`, the
+node-limited exchange), called by `jscale.validate`'s values and mesh checks; each ConfigError
 names the key and the fix."""
 
 from __future__ import annotations
 
-from jscale.config import Config, ConfigError, ModelConfig, MoeConfig, choices
+from jscale.config import Config, ConfigError, ModelConfig
 
 
 def check_routing(m: ModelConfig) -> None:
   """DeepSeek-V3's routing keys (`jscale.model.router`)."""
   e = m.moe
-  if e.router not in choices(MoeConfig, "router"):
-    raise ConfigError(f"model.moe.router={e.router!r}: choose "
-                      f"{' or '.join(choices(MoeConfig, 'router'))}")
-  if e.exchange not in choices(MoeConfig, "exchange"):
-    raise ConfigError(f"model.moe.exchange={e.exchange!r}: choose "
-                      f"{' or '.join(choices(MoeConfig, 'exchange'))}")
   if e.n_group < 1 or e.n_experts % e.n_group:
     raise ConfigError(f"model.moe.n_group={e.n_group} must be >= 1 and divide "
                       f"model.moe.n_experts={e.n_experts} (equal groups of experts)")

@@ -1,0 +1,110 @@
+"""`check_mesh`: the parallel layout against the model on a mesh's devices: what the sharding
+rules divide, context parallelism, the pipeline, the experts and the kernels each device runs."""
+
+from __future__ import annotations
+
+from jax.sharding import Mesh
+
+from jscale.config import Config, ConfigError
+from jscale.parallel.context.order import token_order
+from jscale.parallel.pipeline import schedules
+from jscale.validate import kernels, moe
+
+
+def check_mesh(cfg: Config, mesh: Mesh) -> None:
+  """Divisibility the sharding rules need, and what the kernels, the pipeline and the experts
+  need on `mesh`'s devices; ConfigError naming the key, before any compile."""
+  m, t, sizes = cfg.model, cfg.train, dict(mesh.shape)
+  tp = sizes["tensor"]
+  for key, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
+                     ("model.d_ff", m.d_ff), ("model.vocab_size", m.vocab_size)):
+    if value % tp:
+      raise ConfigError(f"{key}={value} is not divisible by mesh.tensor={tp}: tensor "
+                        f"parallelism splits it evenly; pick mesh.tensor dividing {value}")
+  dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+  if t.batch_size % (dp * t.microbatches):
+    raise ConfigError(
+        f"train.batch_size={t.batch_size} is not divisible by data x fsdp x expert ({dp}) x "
+        f"train.microbatches ({t.microbatches}): use a multiple of {dp * t.microbatches}")
+  seq_split = sizes["sequence"] * (tp if cfg.parallel.sequence_parallel else 1)
+  if t.seq_len % seq_split:
+    raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by mesh.sequence"
+                      f"{' x mesh.tensor (sequence_parallel)' if tp > 1 else ''} ({seq_split})")
+  cp = sizes["sequence"]
+  if cp > 1:
+    try:
+      token_order(t.seq_len, cp, cfg.parallel.context_layout)  # the chunks must divide
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+    if m.attention_impl == "cudnn":
+      raise ConfigError(f"model.attention_impl=cudnn with mesh.sequence={cp}: cuDNN's mask is "
+                        "by index, not by token position; use model.attention_impl=ring, "
+                        "pallas (the ring with flash-kernel blocks) or xla")
+    if m.mtp is not None:
+      raise ConfigError(f"model.mtp with mesh.sequence={cp}: multi-token prediction shifts the "
+                        "labels along the sequence, which context parallelism splits; set "
+                        "mesh.sequence=1 or model.mtp=null")
+  if m.attention_impl == "cudnn" and m.v_head_dim != m.qk_head_dim:
+    raise ConfigError(f"model.attention_impl=cudnn with model.mla: V's head size "
+                      f"{m.v_head_dim} differs from Q's {m.qk_head_dim}, which cuDNN "
+                      "(jax.nn.dot_product_attention) cannot take; use xla, pallas or ring")
+  kernels.check_backend(cfg, mesh.devices.flat[0].platform)
+  if m.attention_impl == "pallas":
+    kernels.check_flash_attention(cfg, sizes)
+  if sizes["stage"] > 1:
+    _check_pipeline(cfg, sizes)
+  if cfg.model.moe is not None or sizes["expert"] > 1:
+    moe.check_experts(cfg, sizes)
+  if cfg.model.moe is not None and cfg.model.moe.gemm == "pallas":
+    kernels.check_moe_gemm(cfg, sizes, mesh.devices.flat[0])
+
+
+def _check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
+  """What a pipeline over mesh.stage needs."""
+  p, pc, t = sizes["stage"], cfg.pipeline, cfg.train
+  why = schedules.why_not(pc.schedule, p, pc.microbatches, pc.virtual_stages)
+  if why is not None:
+    raise ConfigError(why)
+  chunks = p * pc.virtual_stages
+  stack = cfg.model.stack_layers
+  if stack % chunks:
+    dense = (f" - model.moe.first_dense={cfg.model.first_dense} (those run in the first stage)"
+             if cfg.model.first_dense else "")
+    raise ConfigError(f"model.n_layers={cfg.model.n_layers}{dense} is not divisible by "
+                      f"mesh.stage x pipeline.virtual_stages ({chunks}): each chunk needs as "
+                      "many layers")
+  if t.microbatches != 1:
+    raise ConfigError(f"train.microbatches={t.microbatches} with mesh.stage={p}: the pipeline "
+                      "splits the batch itself; set pipeline.microbatches instead (and "
+                      "train.microbatches=1)")
+  dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+  if t.batch_size % (dp * pc.microbatches):
+    raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by data x fsdp x expert "
+                      f"({dp}) x pipeline.microbatches ({pc.microbatches}): use a multiple of "
+                      f"{dp * pc.microbatches}")
+  if sizes["sequence"] > 1:
+    raise ConfigError(f"mesh.sequence={sizes['sequence']} with mesh.stage={p}: context "
+                      "parallelism inside pipeline stages is not supported; set one of them to 1")
+  if (cfg.parallel.collectives == "xla" and cfg.parallel.sequence_parallel and dp > 1
+      and sizes["tensor"] > 1):
+    raise ConfigError(
+        f"parallel.sequence_parallel=true with mesh.stage={p}, mesh.tensor={sizes['tensor']} and "
+        "data-parallel axes in xla mode: GSPMD reshuffles the sequence-parallel activations "
+        "between data and tensor ranks with collective-permutes inside the pipeline's per-stage "
+        "branches, which only one stage's devices run (a deadlock); use "
+        "parallel.collectives=manual, or sequence_parallel=false")
+  if (cfg.parallel.collectives == "xla" and cfg.model.moe is not None
+      and sizes["data"] * sizes["fsdp"] > 1):
+    # Measured: the router's gradient 27% off (ZeRO-1), a deadlock (ZeRO-2), for every schedule.
+    raise ConfigError(
+        f"an MoE model with mesh.stage={p} and mesh.data x mesh.fsdp = "
+        f"{sizes['data'] * sizes['fsdp']} in xla mode: the stage region keeps those batch "
+        "shards apart, so each routes with its own load-balance statistics (not the step's), "
+        "and under ZeRO-2 GSPMD reorders rows with a collective-permute inside the first "
+        "stage's branch (a deadlock); use parallel.collectives=manual, or split the batch over "
+        "mesh.expert only")
+  if cfg.parallel.zero_stage > 2:
+    raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage} with mesh.stage={p}: ZeRO-3 "
+                      "would all-gather every chunk's weights again at each of its forward and "
+                      "backward ticks; use parallel.zero_stage=2 (gradients and optimizer state "
+                      "sharded over fsdp)")

@@ -1,0 +1,144 @@
+"""`check_config`: the values of a config alone, no devices (`load_config` runs it at load)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jscale import distributed
+from jscale.config import Config, ConfigError, ModelConfig
+from jscale.fp8 import linears as fp8_linears
+from jscale.validate import deepseek, moe
+from jscale.validate.choices import check_choices
+
+
+def _get(cfg: Config, key: str):
+  section, name = key.split(".")
+  return getattr(getattr(cfg, section), name)
+
+
+def check_config(cfg: Config) -> None:
+  """Checks values that do not depend on the devices; raises ConfigError naming key and fix."""
+  check_choices(cfg)
+  _check_signs(cfg)
+  _check_model(cfg.model)
+  if cfg.model.mtp is not None:
+    deepseek.check_mtp(cfg)
+  if cfg.fp8.enabled:
+    _check_fp8(cfg)
+  _check_train(cfg)
+  distributed.validate(cfg.distributed)
+  _check_checkpoint_and_data(cfg)
+  _check_layout(cfg)
+
+
+def _check_signs(cfg: Config) -> None:
+  """Sizes, counts and rates that must be positive (or >= 0 where 0 turns a thing off)."""
+  positive = ["model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads",
+              "model.n_kv_heads", "model.d_ff", "model.max_seq_len", "train.steps",
+              "train.batch_size", "train.seq_len", "train.microbatches", "train.eval_batches",
+              "checkpoint.keep", "logging.every", "pipeline.microbatches",
+              "pipeline.virtual_stages", "model.rope_theta", "model.norm_eps", "model.init_std",
+              "train.lr"]
+  for key in positive:
+    if _get(cfg, key) <= 0:
+      raise ConfigError(f"{key}={_get(cfg, key)} must be positive")
+  for key in ["train.warmup_steps", "train.eval_every", "checkpoint.every", "train.clip_norm",
+              "train.weight_decay", "train.logits_chunk_mb"]:
+    if _get(cfg, key) < 0:
+      raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0 (0 disables it)")
+
+
+def _check_model(m: ModelConfig) -> None:
+  """Head sizes, GQA groups, RoPE scaling, the MoE and DeepSeek-V3's sections."""
+  if m.head_dim is not None and m.head_dim <= 0:
+    raise ConfigError(f"model.head_dim={m.head_dim} must be positive (or null: d_model // n_heads)")
+  if m.head_dim is None and m.d_model % m.n_heads:
+    raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}: "
+                      "change one, or set model.head_dim explicitly")
+  if m.resolved_head_dim % 2:
+    raise ConfigError(f"head dim {m.resolved_head_dim} must be even for RoPE: set model.head_dim")
+  if m.n_heads % m.n_kv_heads:
+    raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads="
+                      f"{m.n_kv_heads}: set n_kv_heads to a divisor of n_heads (GQA groups)")
+  rs = m.rope_scaling
+  if rs is not None and (rs.factor < 1 or rs.low_freq_factor <= 0
+                         or rs.high_freq_factor <= rs.low_freq_factor):
+    raise ConfigError("model.rope_scaling needs factor >= 1 and 0 < low_freq_factor < "
+                      f"high_freq_factor, got {rs}")
+  if m.moe is not None:
+    moe.check_values(m)
+  if m.mla is not None or (rs is not None and rs.rope_type == "yarn"):
+    deepseek.check_mla(m)
+
+
+def _check_fp8(cfg: Config) -> None:
+  m, f = cfg.model, cfg.fp8
+  if m.mla is not None or m.mtp is not None or m.first_dense:
+    raise ConfigError("fp8.enabled with model.mla, model.mtp or model.moe.first_dense: FP8 "
+                      "linears cover the Llama / Mixtral blocks only; set fp8.enabled=false")
+  try:
+    fp8_linears.target_names(f.targets)
+  except ValueError as e:
+    raise ConfigError(f"fp8.targets={list(f.targets)}: {e}") from None
+  if f.amax_history < 1:
+    raise ConfigError(f"fp8.amax_history={f.amax_history} must be >= 1 (steps of amaxes kept)")
+  if f.margin < 0:
+    raise ConfigError(f"fp8.margin={f.margin} must be >= 0 (powers of two of headroom)")
+
+
+def _check_train(cfg: Config) -> None:
+  m, t = cfg.model, cfg.train
+  if t.batch_size % t.microbatches:
+    raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.microbatches="
+                      f"{t.microbatches}: pick a batch size that is a multiple of microbatches")
+  if t.seq_len > m.max_seq_len:
+    raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}: "
+                      "lower train.seq_len or raise model.max_seq_len")
+  for key in ["train.b1", "train.b2"]:
+    if not 0.0 <= _get(cfg, key) < 1.0:
+      raise ConfigError(f"{key}={_get(cfg, key)} must lie in [0, 1) (Adam's moment decay)")
+  if t.eps <= 0:
+    raise ConfigError(f"train.eps={t.eps} must be positive (Adam's denominator floor)")
+  if t.peak_flops is not None and t.peak_flops <= 0:
+    raise ConfigError(f"train.peak_flops={t.peak_flops} must be positive (FLOP/s per device)")
+  if not 0.0 <= t.min_lr_ratio <= 1.0:
+    raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must lie in [0, 1]")
+  if t.profile_steps is not None and (len(t.profile_steps) != 2 or
+                                      not 0 <= t.profile_steps[0] <= t.profile_steps[1]):
+    raise ConfigError(f"train.profile_steps={t.profile_steps}: give [first, last] with "
+                      "0 <= first <= last")
+
+
+def _check_checkpoint_and_data(cfg: Config) -> None:
+  c, d = cfg.checkpoint, cfg.data
+  if c.every_minutes < 0:
+    raise ConfigError(f"checkpoint.every_minutes={c.every_minutes} must be >= 0 "
+                      "(0: no timed saves)")
+  if c.every_minutes > 0 and c.every == 0:
+    raise ConfigError(f"checkpoint.every_minutes={c.every_minutes} needs "
+                      "checkpoints on: checkpoint.every=0 turns every save off (use a large "
+                      "checkpoint.every for timed saves only)")
+  if c.overwrite and c.resume:
+    raise ConfigError("checkpoint.overwrite=true replaces an earlier run: it needs "
+                      "checkpoint.resume=false as well")
+  if not 0.0 <= d.val_fraction < 1.0:
+    raise ConfigError(f"data.val_fraction={d.val_fraction} must lie in [0, 1)")
+  if d.source in ("bin", "text") and not d.path:
+    raise ConfigError(f"data.source={d.source} needs data.path (a file, directory or glob)")
+
+
+def _check_layout(cfg: Config) -> None:
+  """The parallel section's values and the mesh's axis sizes (their product is checked
+  against the devices in `check_mesh`)."""
+  if cfg.parallel.bucket_mb <= 0:
+    raise ConfigError(f"parallel.bucket_mb={cfg.parallel.bucket_mb} must be positive (MiB per "
+                      "gradient bucket; 25 is PyTorch DDP's default)")
+  if not 0 <= cfg.parallel.zero_stage <= 3:
+    raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage}: choose 0, 1, 2 or 3")
+  sizes = dataclasses.asdict(cfg.mesh)
+  for name, size in sizes.items():
+    if size == 0 or size < -1 or (name.startswith("dcn_") and size < 1):
+      raise ConfigError(f"mesh.{name}={size}: give a positive size" +
+                        ("" if name.startswith("dcn_") else ", or -1 for the rest"))
+  if list(sizes.values()).count(-1) > 1:
+    raise ConfigError("mesh: at most one axis may be -1; give explicit sizes to the others")
