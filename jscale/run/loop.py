@@ -51,70 +51,93 @@ def _row(m: dict[str, Any]) -> dict[str, Any]:
           for k, v in m.items() if k not in ("tokens", "nonfinite")}
 
 
+def log_due(cfg: Config, done: int, end: int) -> bool:
+  """A metrics row and console line after step `done`: every `logging.every`, and the last."""
+  return done % cfg.logging.every == 0 or done == end
+
+
+def eval_due(cfg: Config, done: int, has_eval: bool) -> bool:
+  """A validation pass after step `done`: every `train.eval_every` (0: never) and at
+  `train.steps`, when there is validation data."""
+  t = cfg.train
+  return bool(has_eval and t.eval_every and (done % t.eval_every == 0 or done == t.steps))
+
+
+class Profile:
+  """`train.profile_steps` [first, last]: a trace from before step `first` to after `last`."""
+
+  def __init__(self, steps: list[int] | None, output_dir: str):
+    self.steps, self.directory, self.tracing = steps, os.path.join(output_dir, "profile"), False
+
+  def before(self, step: int) -> None:
+    if self.steps and step == self.steps[0]:
+      jax.profiler.start_trace(self.directory)
+      self.tracing = True
+
+  def after(self, step: int, metrics: Any) -> None:
+    if self.tracing and step == self.steps[1]:
+      jax.block_until_ready(metrics)
+      self.close()
+
+  def close(self) -> None:
+    if self.tracing:
+      jax.profiler.stop_trace()
+      self.tracing = False
+
+
+class StepClock:
+  """Step times from the end of the first step (it includes compilation); evals and saves are
+  left out by restarting the clock after them."""
+
+  def __init__(self, start: int):
+    self.time, self.step = None, start
+
+  def restart(self, done: int) -> None:
+    self.time, self.step = time.perf_counter(), done
+
+  def per_step(self, done: int) -> float | None:
+    """Seconds per step since the last restart (None if no step ran since), and restarts."""
+    now = time.perf_counter()
+    step_time = (now - self.time) / max(done - self.step, 1) if done > self.step else None
+    self.time, self.step = now, done
+    return step_time
+
+
 def train(cfg: Config, rt: runtime.Runtime, state: Any, start: int, end: int, train_iter,
           eval_batches: list, ckptr: ckpt_lib.Checkpointer, writer: metrics_lib.MetricsWriter,
           console: console_lib.Console, signals: preemption.StopSignals) -> Outcome:
   """Runs steps `start`..`end` (exclusive of `start`: the state is after step `start`)."""
-  t = cfg.train
-  train_step, eval_step = rt.train_step(), rt.eval_step()
-  batch_sharding = rt.layouts.batch()
-  tokens_per_step = t.batch_size * t.seq_len
-  flops_per_step = metrics_lib.flops_per_token(cfg.model, t.seq_len) * tokens_per_step
-  peak = t.peak_flops or metrics_lib.device_peak_flops()
-  timer = preemption.SaveTimer(cfg.checkpoint.every_minutes)
+  train_step, eval_step, batch_sharding = rt.train_step(), rt.eval_step(), rt.layouts.batch()
+  timer, stopper = preemption.SaveTimer(cfg.checkpoint.every_minutes), preemption.StopStep(signals)
   multi = jax.process_count() > 1
-  stopper = preemption.StopStep(signals)
   out = Outcome({}, None, start, state)
-  nonfinite = _NonFinite(t.on_nan, writer.nonfinite_steps)
-  last_time, last_step, tracing = None, start, False
+  nonfinite = _NonFinite(cfg.train.on_nan, writer.nonfinite_steps)
+  profile, clock = Profile(cfg.train.profile_steps, cfg.train.output_dir), StepClock(start)
   previous = None  # the metrics of the step before this one
   for step in range(start, end):
-    if t.profile_steps and step == t.profile_steps[0]:
-      jax.profiler.start_trace(os.path.join(t.output_dir, "profile"))
-      tracing = True
+    profile.before(step)
     state, m = train_step(state, evaluate.to_global(next(train_iter), batch_sharding))
     done = signals.started = step + 1
     out.state, out.final_step = state, done
     nonfinite.pending.append((done, m))
-    if last_time is None:  # the first step includes compilation: time from its end
+    if clock.time is None:  # the first step includes compilation: time from its end
       jax.block_until_ready(m)
-      last_time, last_step = time.perf_counter(), done
+      clock.restart(done)
     elif previous is not None:  # one step queued behind the running one, never more
       jax.block_until_ready(previous["loss"])
     previous = m
-    if tracing and step == t.profile_steps[1]:
-      jax.block_until_ready(m)
-      jax.profiler.stop_trace()
-      tracing = False
+    profile.after(step, m)
     console.advance()
-    log = done % cfg.logging.every == 0 or done == end
-    evals = bool(eval_batches and t.eval_every and (done % t.eval_every == 0 or done == t.steps))
+    log, evals = log_due(cfg, done, end), eval_due(cfg, done, bool(eval_batches))
     check = log or evals or ckptr.due(done) or done == end  # the host syncs here anyway
     if check and nonfinite.settle():
       out.stopped, out.message = "nonfinite", nonfinite.message(_last(ckptr))
       break
     if log:
-      m = jax.device_get(m)
-      now = time.perf_counter()
-      step_time = (now - last_time) / max(done - last_step, 1) if done > last_step else None
-      last_time, last_step = now, done
-      row = _row(m)
-      out.losses[done] = row["loss"]
-      if step_time:
-        row.update(step_time_s=step_time, tokens_per_sec=tokens_per_step / step_time,
-                   mfu=metrics_lib.mfu(flops_per_step, step_time, rt.mesh.size, peak))
-      row["peak_memory_bytes"] = metrics_lib.peak_memory_bytes()
-      row["nonfinite_steps"] = nonfinite.total
-      writer.write(done, row)
-      console.write(done, row)
+      _log(cfg, rt, done, m, clock.per_step(done), nonfinite.total, out, writer, console)
     if evals:
-      result = evaluate.mean_loss(eval_step, state["params"], eval_batches, batch_sharding,
-                                  state.get("dot_state"))
-      out.val_loss, out.val_tokens, out.val_batches = result.loss, result.tokens, len(eval_batches)
-      row = {"val_loss": result.loss, "val_batches": len(eval_batches), "val_tokens": result.tokens}
-      writer.write(done, row)
-      console.write(done, row)
-      last_time, last_step = time.perf_counter(), done  # step times leave the eval out
+      _evaluate(eval_step, batch_sharding, state, eval_batches, done, out, writer, console)
+      clock.restart(done)  # step times leave the eval out
     # Read after the log and the eval: a signal during them counts at this step. The last step
     # saves and ends the run anyway.
     stop = stopper.reached(done) and done < end
@@ -130,19 +153,54 @@ def train(cfg: Config, rt: runtime.Runtime, state: Any, start: int, end: int, tr
     saving = cfg.checkpoint.every > 0 and (done == end or stop or timed)
     if ckptr.save(done, state, train_iter, force=saving):
       timer.reset()
-      last_time, last_step = time.perf_counter(), done  # ... and the save's wait
+      clock.restart(done)  # ... and the save's wait
     if stop:
-      ckptr.wait()
-      where = (f"checkpoint step {done} saved in {ckptr.directory}" if ckptr.last_saved == done
-               else "no checkpoint saved (checkpoint.every=0)")
-      at = f" (received at step {signals.at})" if signals.at else ""
-      out.stopped, out.message = "preempted", (
-          f"stopped by {stopper.by} after step {done}{at}: {where}. "
-          "Rerun the same command to resume.")
+      out.stopped, out.message = "preempted", _preempted(ckptr, stopper, signals, done)
       break
-  if tracing:
-    jax.profiler.stop_trace()
+  profile.close()
   return out
+
+
+def _log(cfg: Config, rt: runtime.Runtime, done: int, m: dict, step_time: float | None,
+         nonfinite_total: int, out: Outcome, writer: metrics_lib.MetricsWriter,
+         console: console_lib.Console) -> None:
+  """Step `done`'s metrics row: loss and friends, step time, tokens/s and MFU, memory."""
+  t = cfg.train
+  tokens_per_step = t.batch_size * t.seq_len
+  row = _row(jax.device_get(m))
+  out.losses[done] = row["loss"]
+  if step_time:
+    flops = metrics_lib.flops_per_token(cfg.model, t.seq_len) * tokens_per_step
+    peak = t.peak_flops or metrics_lib.device_peak_flops()
+    row.update(step_time_s=step_time, tokens_per_sec=tokens_per_step / step_time,
+               mfu=metrics_lib.mfu(flops, step_time, rt.mesh.size, peak))
+  row["peak_memory_bytes"] = metrics_lib.peak_memory_bytes()
+  row["nonfinite_steps"] = nonfinite_total
+  writer.write(done, row)
+  console.write(done, row)
+
+
+def _evaluate(eval_step, batch_sharding, state: Any, eval_batches: list, done: int,
+              out: Outcome, writer: metrics_lib.MetricsWriter,
+              console: console_lib.Console) -> None:
+  """The validation loss after step `done`, recorded in `out`, the metrics and the console."""
+  result = evaluate.mean_loss(eval_step, state["params"], eval_batches, batch_sharding,
+                              state.get("dot_state"))
+  out.val_loss, out.val_tokens, out.val_batches = result.loss, result.tokens, len(eval_batches)
+  row = {"val_loss": result.loss, "val_batches": len(eval_batches), "val_tokens": result.tokens}
+  writer.write(done, row)
+  console.write(done, row)
+
+
+def _preempted(ckptr: ckpt_lib.Checkpointer, stopper: preemption.StopStep,
+               signals: preemption.StopSignals, done: int) -> str:
+  """What to tell the user of a run stopped by a signal after step `done` (its save waited)."""
+  ckptr.wait()
+  where = (f"checkpoint step {done} saved in {ckptr.directory}" if ckptr.last_saved == done
+           else "no checkpoint saved (checkpoint.every=0)")
+  at = f" (received at step {signals.at})" if signals.at else ""
+  return (f"stopped by {stopper.by} after step {done}{at}: {where}. "
+          "Rerun the same command to resume.")
 
 
 class _NonFinite:

@@ -104,99 +104,143 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
   accumulators' layout (ZeRO-2: its fsdp shard), so only that layout is accumulated. `dots`:
   the layers' product state, stacked like `blocks` ({} or None without).
   """
-  dots = dots or {}
-  table = program.table
-  v, train = table.v, table.backward
-  pairs = program.has_pairs
-  own_f = bool((program.self_f != program.n_in_f).any())  # the V's turn: F files its own output
+  stage = _Stage(program, fns, blocks, shared, microbatches, scale, stage_axis, shard_grads,
+                 dots or {})
   s = jax.lax.axis_index(stage_axis)
   cols = {name: jnp.asarray(getattr(program, name))[:, s] for name in
           ("code", "mb", "local", "mb_b", "local_b", "res_write", "res_read", "stash_write",
            "read_f", "read_b", "send", "file_f", "file_b", "self_f", "self_b")}
-  by_chunk = lambda tree: jax.tree.map(lambda x: x.reshape(v, x.shape[0] // v, *x.shape[1:]),
-                                       tree)
-  chunks, chunk_dots = by_chunk(blocks), by_chunk(dots)
-  one_chunk, one_dots = (jax.tree.map(lambda x: x[0], t) for t in (chunks, chunk_dots))
-  mb0 = jax.tree.map(lambda x: x[0], microbatches)
-  act = jax.eval_shape(fns.embed, shared, mb0["tokens"])
-  stats_shape = jax.eval_shape(fns.layers, one_chunk, one_dots, act, mb0["positions"])[1]
-  layer_stats = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats_shape)
-  head_shape = jax.eval_shape(lambda sh, y: fns.head_loss(sh, y, mb0["labels"],
-                                                          mb0["loss_mask"])[2], shared, act)
-  zero_stats = {**layer_stats, **jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), head_shape)}
-  # The objective's cotangent for a chunk's statistics: only its "moe_loss" is minimised.
-  d_stats = {k: jnp.ones_like(v) if k == "moe_loss" else v for k, v in layer_stats.items()}
-  res_shapes = (jax.eval_shape(lambda c, d, x, pos: _forward_with_residuals(fns, c, d, x, pos)[1],
-                               one_chunk, one_dots, act, mb0["positions"]) if train else [])
-  buffer = lambda n, a: jnp.zeros((n + 1, *a.shape), a.dtype)  # + the scratch slot
-  dchunk_of = lambda g: shard_grads({"blocks": _f32(g)})["blocks"]
-  dshared_of = lambda g: shard_grads(_f32(g))
-  acc_chunk = jax.eval_shape(dchunk_of, one_chunk) if train else None
-  acc_shared = jax.eval_shape(dshared_of, shared) if train else None
-  zero_act = jnp.zeros(act.shape, act.dtype)
-  carry0 = dict(
-      inbox_f=buffer(program.n_in_f, act), inbox_b=buffer(program.n_in_b, act),
-      res=[buffer(program.n_res, r) for r in res_shapes],
-      stash=buffer(program.n_res if table.split else 0, act),
-      dblocks=jax.tree.map(lambda a: jnp.zeros((v, *a.shape), a.dtype), acc_chunk),
-      dshared=_zeros(acc_shared), ddots=jax.tree.map(jnp.zeros_like, chunk_dots),
-      loss=jnp.zeros((), jnp.float32), stats=zero_stats,
-      msgs=[zero_act for _ in program.channels])
+  final, codes = jax.lax.scan(stage.tick, stage.carry0(), cols)
+  train = program.table.backward
+  stacked = lambda tree: jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), tree)
+  return Run(stacked(final["dblocks"]) if train else None, final["dshared"], final["loss"],
+             codes, final["stats"], stacked(final["ddots"]) if train else None)
 
-  def branches(fside, bside, x_in, dy_in, stored, stash, dblocks, dshared, ddots):
-    # The gradient accumulators go through the switch: a branch adds its gradient in place
-    # (the others hand them back untouched), so no branch output holds a second, gradient-
-    # sized buffer beside them.
-    nothing = dict(out_f=zero_act, out_b=zero_act, res=[jnp.zeros(r.shape, r.dtype)
-                                                         for r in res_shapes],
-                   stash=zero_act, dblocks=dblocks, dshared=dshared, ddots=ddots,
-                   loss=jnp.zeros((), jnp.float32), stats=zero_stats)
-    add_shared = lambda acc, g: jax.tree.map(jnp.add, acc, dshared_of(g))
 
-    def forward(first, last, out=nothing):
-      chunk, dots, mb = fside.chunk, fside.dots, fside.mb
-      x = fns.embed(shared, mb["tokens"]) if first else x_in
-      out = dict(out)
-      if train:
-        (y, stats), out["res"], _, _ = _forward_with_residuals(fns, chunk, dots, x,
-                                                               mb["positions"])
-      else:
-        y, stats = fns.layers(chunk, dots, x, mb["positions"])
-      out["stats"] = {**zero_stats, **stats}
-      if not last:
-        return {**out, "out_f": y}
-      if not train:
-        loss, _, stats = fns.head_loss(shared, y, mb["labels"], mb["loss_mask"])
-        return {**out, "loss": loss, "stats": {**out["stats"], **stats}}
+class _Stage:
+  """One stage's share of a pipeline program: the shapes and zeros its branches need (set up
+  once, at trace time), its branches, and one tick of the scan."""
 
-      def head(sh, y):
-        loss, extra, stats = fns.head_loss(sh, y, mb["labels"], mb["loss_mask"])
-        return (loss + extra) * scale, (loss * scale, jax.tree.map(lambda v: v * scale, stats))
+  def __init__(self, program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
+               microbatches: dict[str, jax.Array], scale: jax.Array, stage_axis: str,
+               shard_grads: Callable[[Tree], Tree], dots: Tree):
+    self.program, self.fns, self.shared, self.microbatches = program, fns, shared, microbatches
+    self.scale, self.stage_axis, self.shard_grads = scale, stage_axis, shard_grads
+    self.v, self.train = program.table.v, program.table.backward
+    self.own_f = bool((program.self_f != program.n_in_f).any())  # the V's turn: F files its own
+    by_chunk = lambda tree: jax.tree.map(
+        lambda x: x.reshape(self.v, x.shape[0] // self.v, *x.shape[1:]), tree)
+    self.chunks, self.chunk_dots = by_chunk(blocks), by_chunk(dots)
+    one_chunk, one_dots = (jax.tree.map(lambda x: x[0], t) for t in (self.chunks,
+                                                                     self.chunk_dots))
+    mb0 = jax.tree.map(lambda x: x[0], microbatches)
+    self.act = act = jax.eval_shape(fns.embed, shared, mb0["tokens"])
+    stats_shape = jax.eval_shape(fns.layers, one_chunk, one_dots, act, mb0["positions"])[1]
+    layer_stats = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats_shape)
+    head_shape = jax.eval_shape(lambda sh, y: fns.head_loss(sh, y, mb0["labels"],
+                                                            mb0["loss_mask"])[2], shared, act)
+    self.zero_stats = {**layer_stats,
+                       **jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), head_shape)}
+    # The objective's cotangent for a chunk's statistics: only its "moe_loss" is minimised.
+    self.d_stats = {k: jnp.ones_like(v) if k == "moe_loss" else v
+                    for k, v in layer_stats.items()}
+    self.res_shapes = (jax.eval_shape(
+        lambda c, d, x, pos: _forward_with_residuals(fns, c, d, x, pos)[1],
+        one_chunk, one_dots, act, mb0["positions"]) if self.train else [])
+    self.acc_chunk = jax.eval_shape(self.dchunk_of, one_chunk) if self.train else None
+    self.acc_shared = jax.eval_shape(self.dshared_of, shared) if self.train else None
+    self.zero_act = jnp.zeros(act.shape, act.dtype)
 
-      (_, (loss, stats)), (dsh, dy) = jax.value_and_grad(head, argnums=(0, 1),
-                                                         has_aux=True)(shared, y)
-      return {**out, "loss": loss, "stats": {**out["stats"], **stats},
-              "dshared": add_shared(out["dshared"], dsh), "out_b": dy.astype(act.dtype)}
+  def dchunk_of(self, g: Tree) -> Tree:
+    return self.shard_grads({"blocks": _f32(g)})["blocks"]
 
-    def backward(first, need_dx, need_dw, dy, out=nothing):
-      if not train:  # forward-only programs never take these branches
-        return dict(out)
-      chunk, dots, mb, local = bside
-      pullback = _pullback(fns, chunk, dots, x_in, mb["positions"], stored)
-      dchunk, new_dots, dx = pullback((dy, d_stats))
-      out = dict(out)
-      if need_dw:
-        out["dblocks"] = jax.tree.map(lambda a, g: a.at[local].add(g), out["dblocks"],
-                                      dchunk_of(dchunk))
-        out["ddots"] = jax.tree.map(lambda a, d: a.at[local].max(d), out["ddots"], new_dots)
-      if need_dx and first:  # the embedding's gradient (a scatter-add of dx)
-        _, embed_vjp = jax.vjp(lambda sh: fns.embed(sh, mb["tokens"]), shared)
-        out["dshared"] = add_shared(out["dshared"], embed_vjp(dx.astype(act.dtype))[0])
-      elif need_dx:
-        out["out_b"] = dx.astype(act.dtype)
-      if need_dx and not need_dw:
-        out["stash"] = dy
-      return out
+  def dshared_of(self, g: Tree) -> Tree:
+    return self.shard_grads(_f32(g))
+
+  def carry0(self) -> dict:
+    """The scan's carry: inboxes, residual and stash buffers (each with a scratch slot), the
+    gradient accumulators, the loss and statistics, and the messages in flight."""
+    program, act = self.program, self.act
+    buffer = lambda n, a: jnp.zeros((n + 1, *a.shape), a.dtype)  # + the scratch slot
+    return dict(
+        inbox_f=buffer(program.n_in_f, act), inbox_b=buffer(program.n_in_b, act),
+        res=[buffer(program.n_res, r) for r in self.res_shapes],
+        stash=buffer(program.n_res if program.table.split else 0, act),
+        dblocks=jax.tree.map(lambda a: jnp.zeros((self.v, *a.shape), a.dtype), self.acc_chunk),
+        dshared=_zeros(self.acc_shared), ddots=jax.tree.map(jnp.zeros_like, self.chunk_dots),
+        loss=jnp.zeros((), jnp.float32), stats=self.zero_stats,
+        msgs=[self.zero_act for _ in program.channels])
+
+  def nothing(self, dblocks: Tree, dshared: Tree, ddots: Tree) -> dict:
+    """An idle branch's output. The gradient accumulators go through the switch: a branch adds
+    its gradient in place (the others hand them back untouched), so no branch output holds a
+    second, gradient-sized buffer beside them."""
+    return dict(out_f=self.zero_act, out_b=self.zero_act,
+                res=[jnp.zeros(r.shape, r.dtype) for r in self.res_shapes], stash=self.zero_act,
+                dblocks=dblocks, dshared=dshared, ddots=ddots, loss=jnp.zeros((), jnp.float32),
+                stats=self.zero_stats)
+
+  def add_shared(self, acc: Tree, g: Tree) -> Tree:
+    return jax.tree.map(jnp.add, acc, self.dshared_of(g))
+
+  def forward(self, fside: _Side, x_in, first: bool, last: bool, out: dict) -> dict:
+    """F of `fside`'s micro-batch: embed (first chunk) or the received activation, the chunk's
+    layers (keeping their residuals when training), and on the last chunk the head, the loss
+    and straight away the head's backward."""
+    fns, shared, mb = self.fns, self.shared, fside.mb
+    x = fns.embed(shared, mb["tokens"]) if first else x_in
+    out = dict(out)
+    if self.train:
+      (y, stats), out["res"], _, _ = _forward_with_residuals(fns, fside.chunk, fside.dots, x,
+                                                             mb["positions"])
+    else:
+      y, stats = fns.layers(fside.chunk, fside.dots, x, mb["positions"])
+    out["stats"] = {**self.zero_stats, **stats}
+    if not last:
+      return {**out, "out_f": y}
+    if not self.train:
+      loss, _, stats = fns.head_loss(shared, y, mb["labels"], mb["loss_mask"])
+      return {**out, "loss": loss, "stats": {**out["stats"], **stats}}
+
+    def head(sh, y):
+      loss, extra, stats = fns.head_loss(sh, y, mb["labels"], mb["loss_mask"])
+      return (loss + extra) * self.scale, (loss * self.scale,
+                                           jax.tree.map(lambda v: v * self.scale, stats))
+
+    (_, (loss, stats)), (dsh, dy) = jax.value_and_grad(head, argnums=(0, 1),
+                                                       has_aux=True)(shared, y)
+    return {**out, "loss": loss, "stats": {**out["stats"], **stats},
+            "dshared": self.add_shared(out["dshared"], dsh), "out_b": dy.astype(self.act.dtype)}
+
+  def backward(self, bside: _Side, x_in, stored, first: bool, need_dx: bool, need_dw: bool,
+               dy, out: dict) -> dict:
+    """B (dx, and the weight gradient unless the schedule splits it off), or W (the weight
+    gradient alone, from the stashed output gradient), from the stored residuals."""
+    if not self.train:  # forward-only programs never take these branches
+      return dict(out)
+    chunk, dots, mb, local = bside
+    pullback = _pullback(self.fns, chunk, dots, x_in, mb["positions"], stored)
+    dchunk, new_dots, dx = pullback((dy, self.d_stats))
+    out = dict(out)
+    if need_dw:
+      out["dblocks"] = jax.tree.map(lambda a, g: a.at[local].add(g), out["dblocks"],
+                                    self.dchunk_of(dchunk))
+      out["ddots"] = jax.tree.map(lambda a, d: a.at[local].max(d), out["ddots"], new_dots)
+    if need_dx and first:  # the embedding's gradient (a scatter-add of dx)
+      _, embed_vjp = jax.vjp(lambda sh: self.fns.embed(sh, mb["tokens"]), self.shared)
+      out["dshared"] = self.add_shared(out["dshared"], embed_vjp(dx.astype(self.act.dtype))[0])
+    elif need_dx:
+      out["out_b"] = dx.astype(self.act.dtype)
+    if need_dx and not need_dw:
+      out["stash"] = dy
+    return out
+
+  def branches(self, fside: _Side, bside: _Side, x_in, dy_in, stored, stash, dblocks, dshared,
+               ddots) -> list[Callable[[], dict]]:
+    """One callable per program code, in `program.codes` order (the tick's `lax.switch`)."""
+    nothing = self.nothing(dblocks, dshared, ddots)
+    f = lambda first, last: self.forward(fside, x_in, first, last, nothing)
+    b = lambda first, dw: self.backward(bside, x_in, stored, first, True, dw, dy_in, nothing)
 
     def pair(code):
       # A forward of one micro-batch and the backward of another, as one branch: their
@@ -204,57 +248,56 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
       # all-to-alls) under the other's matmuls.
       fcode, bcode = code.split("+")
       with jax.named_scope("pair_forward"):
-        out = forward(fcode == "f_first", fcode == "f_last")
+        out = self.forward(fside, x_in, fcode == "f_first", fcode == "f_last", nothing)
       with jax.named_scope("pair_backward"):
-        return backward(bcode.endswith("_first"), True, bcode.startswith("bw"), dy_in, out)
+        return self.backward(bside, x_in, stored, bcode.endswith("_first"), True,
+                             bcode.startswith("bw"), dy_in, out)
 
     by_code = {
         "idle": lambda: dict(nothing),
-        "f": lambda: forward(first=False, last=False),
-        "f_first": lambda: forward(first=True, last=False),
-        "f_last": lambda: forward(first=False, last=True),
-        "b": lambda: backward(first=False, need_dx=True, need_dw=False, dy=dy_in),
-        "b_first": lambda: backward(first=True, need_dx=True, need_dw=False, dy=dy_in),
-        "bw": lambda: backward(first=False, need_dx=True, need_dw=True, dy=dy_in),
-        "bw_first": lambda: backward(first=True, need_dx=True, need_dw=True, dy=dy_in),
-        "w": lambda: backward(first=False, need_dx=False, need_dw=True, dy=stash),
+        "f": lambda: f(False, False), "f_first": lambda: f(True, False),
+        "f_last": lambda: f(False, True),
+        "b": lambda: b(False, False), "b_first": lambda: b(True, False),
+        "bw": lambda: b(False, True), "bw_first": lambda: b(True, True),
+        "w": lambda: self.backward(bside, x_in, stored, False, False, True, stash, nothing),
     }
     return [by_code[code] if code in by_code else functools.partial(pair, code)
-            for code in program.codes]
+            for code in self.program.codes]
 
-  def side(col_mb, col_local):
-    chunk, dots = (jax.tree.map(lambda x: x[col_local], t) for t in (chunks, chunk_dots))
-    return _Side(chunk, dots, jax.tree.map(lambda x: x[col_mb], microbatches), col_local)
+  def side(self, col_mb, col_local) -> _Side:
+    chunk, dots = (jax.tree.map(lambda x: x[col_local], t) for t in (self.chunks,
+                                                                     self.chunk_dots))
+    return _Side(chunk, dots, jax.tree.map(lambda x: x[col_mb], self.microbatches), col_local)
 
-  def payload(k, out, send):
-    # What channel k sends: unasked-for values land in the receiver's scratch slot.
-    if program.carries[k] == "f":
+  def payload(self, k: int, out: dict, send) -> jax.Array:
+    """What channel k sends: unasked-for values land in the receiver's scratch slot."""
+    if self.program.carries[k] == "f":
       return out["out_f"]
-    if program.carries[k] == "b":
+    if self.program.carries[k] == "b":
       return jnp.where(send == prog_lib.SEND_B, out["out_b"], jnp.zeros_like(out["out_b"]))
     return jnp.where(send == prog_lib.SEND_F, out["out_f"], out["out_b"])
 
-  def tick(carry, col):
+  def tick(self, carry: dict, col: dict) -> tuple[dict, jax.Array]:
+    """File what arrived, run this tick's branch, keep what it made, send both ways."""
+    program = self.program
     inbox_f, inbox_b = carry["inbox_f"], carry["inbox_b"]
     for k, msg in enumerate(carry["msgs"]):  # what arrived, filed by what it is
       if "f" in program.carries[k]:
         inbox_f = inbox_f.at[col["file_f"][k]].set(msg)
       if "b" in program.carries[k]:
         inbox_b = inbox_b.at[col["file_b"][k]].set(msg)
-    fside = side(col["mb"], col["local"])
-    bside = side(col["mb_b"], col["local_b"]) if pairs else fside
+    fside = self.side(col["mb"], col["local"])
+    bside = self.side(col["mb_b"], col["local_b"]) if program.has_pairs else fside
     stored = [r[col["res_read"]] for r in carry["res"]]
-    out = jax.lax.switch(col["code"], branches(fside, bside, inbox_f[col["read_f"]],
-                                               inbox_b[col["read_b"]], stored,
-                                               carry["stash"][col["res_read"]],
-                                               carry["dblocks"], carry["dshared"],
-                                               carry["ddots"]))
-    if own_f:
+    out = jax.lax.switch(col["code"], self.branches(
+        fside, bside, inbox_f[col["read_f"]], inbox_b[col["read_b"]], stored,
+        carry["stash"][col["res_read"]], carry["dblocks"], carry["dshared"], carry["ddots"]))
+    if self.own_f:
       inbox_f = inbox_f.at[col["self_f"]].set(out["out_f"])
     new = dict(carry, inbox_f=inbox_f, loss=carry["loss"] + out["loss"],
                stats=jax.tree.map(jnp.add, carry["stats"], out["stats"]))
     new["res"] = [r.at[col["res_write"]].set(o) for r, o in zip(carry["res"], out["res"])]
-    if train:
+    if self.train:
       # The last chunk's own head gradient is filed like a received one (the F's out_b), as
       # is the V's turn's gradient.
       new["inbox_b"] = inbox_b.at[col["self_b"]].set(out["out_b"])
@@ -262,11 +305,6 @@ def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
       new["dblocks"], new["dshared"], new["ddots"] = out["dblocks"], out["dshared"], out["ddots"]
     else:
       new["inbox_b"] = inbox_b
-    new["msgs"] = [jax.lax.ppermute(payload(k, out, col["send"][k]), stage_axis, list(perm))
-                   for k, perm in enumerate(program.channels)]
+    new["msgs"] = [jax.lax.ppermute(self.payload(k, out, col["send"][k]), self.stage_axis,
+                                    list(perm)) for k, perm in enumerate(program.channels)]
     return new, col["code"]
-
-  final, codes = jax.lax.scan(tick, carry0, cols)
-  stacked = lambda tree: jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), tree)
-  return Run(stacked(final["dblocks"]) if train else None, final["dshared"], final["loss"],
-             codes, final["stats"], stacked(final["ddots"]) if train else None)

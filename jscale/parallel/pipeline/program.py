@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from typing import NamedTuple
 
 import numpy as np
 
@@ -117,9 +118,20 @@ def _code(table: Table, op: list[tuple[int, int, int]]) -> str:
   return one(kinds[0], op[0][2], len(op) > 1)
 
 
-def compile_program(table: Table) -> Program:
-  """Per-device executor arrays for `table` (any table `schedules.validate` accepts)."""
-  p, C, T = table.p, table.chunks, table.ticks
+class _Slots(NamedTuple):
+  """Each stage's buffer slot per (micro-batch, chunk), and each buffer's size (the most
+  slots a stage holds at once)."""
+  res: list[dict]  # residual sets: from their F to their W (or B)
+  in_f: list[dict]  # inbound activations: from arrival to their F
+  in_b: list[dict]  # inbound gradients: from arrival to their B
+  n_res: int
+  n_f: int
+  n_b: int
+
+
+def _buffer_slots(table: Table) -> _Slots:
+  """Slots for every residual set and message, allocated by lifetime on each stage."""
+  p, C = table.p, table.chunks
   at = {(int(table.kind[t, s]), int(table.mb[t, s]), int(table.chunk[t, s])): int(t)
         for t, s in zip(*np.nonzero(table.kind))}
   starts = table.starts()
@@ -140,17 +152,15 @@ def compile_program(table: Table) -> Program:
     if table.backward:
       sent = run((F, mb, c)) if c == C - 1 else arrives((B, mb, c + 1), s)
       in_b[s].append((sent, at[(B, mb, c)], (mb, c)))
-  res_slots, in_f_slots, in_b_slots = [], [], []
-  n_res = n_f = n_b = 1
-  for s in range(p):
-    for lists, out in ((res, res_slots), (in_f, in_f_slots), (in_b, in_b_slots)):
-      slots, n = _allocate(lists[s])
-      out.append(slots)
-    n_res = max(n_res, len(set(res_slots[s].values())) or 1)
-    n_f = max(n_f, len(set(in_f_slots[s].values())) or 1)
-    n_b = max(n_b, len(set(in_b_slots[s].values())) or 1)
+  slots = [[_allocate(lists[s])[0] for s in range(p)] for lists in (res, in_f, in_b)]
+  size = lambda per_stage: max([len(set(x.values())) or 1 for x in per_stage] + [1])
+  return _Slots(*slots, *(size(x) for x in slots))
 
-  # The ops, at their first tick, and the messages they send on each channel.
+
+def _ops_and_channels(table: Table):
+  """(the ops at their first tick {(t, s): actions}, what each sends {(t, s): [(direction,
+  kind, to)]}, the channels [(direction, index)]: as many each way as an op sends at once)."""
+  C, starts, stage = table.chunks, table.starts(), table.stage_of
   ops: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
   for t, s in zip(*np.nonzero(table.kind)):
     ops[int(starts[t, s]), int(s)].append(
@@ -167,59 +177,72 @@ def compile_program(table: Table) -> Program:
   for out in sends.values():
     for d in (1, -1):
       width[d] = max(width[d], sum(x[0] == d for x in out))
-  chan = [(d, j) for d in (1, -1) for j in range(width[d])]
-  K = len(chan)
+  return ops, sends, [(d, j) for d in (1, -1) for j in range(width[d])]
 
+
+def _write_op(a, table: Table, t: int, s: int, op, slots: _Slots) -> None:
+  """Stage `s`'s buffer reads and writes at tick `t` for `op` (`a(name, value)` sets them)."""
+  C, stage = table.chunks, table.stage_of
+  for k, mb, c in op:
+    if k == F:
+      a("res_write", slots.res[s][(mb, c)])
+      if c > 0:
+        a("read_f", slots.in_f[s][(mb, c)])
+      if c == C - 1 and table.backward:
+        a("self_b", slots.in_b[s][(mb, c)])
+      elif c < C - 1 and stage(c + 1) == s:
+        a("self_f", slots.in_f[s][(mb, c + 1)])
+    elif k == B:
+      a("res_read", slots.res[s][(mb, c)])
+      a("read_b", slots.in_b[s][(mb, c)])
+      if table.split and len(op) == 1 or op[-1][0] == B:  # W comes later: keep dy for it
+        a("stash_write", slots.res[s][(mb, c)])
+      if c > 0 and any(x[0] == F and x[2] == C - 1 for x in op):
+        raise ValueError(f"tick {t}, stage {s}: a pair of the last chunk's F (its head "
+                         "gradient) with a B that hands a gradient on: one gradient an op")
+      if c > 0 and stage(c - 1) == s:
+        a("self_b", slots.in_b[s][(mb, c - 1)])
+    elif k == W and len(op) == 1 and table.split:
+      a("res_read", slots.res[s][(mb, c)])
+
+
+def compile_program(table: Table) -> Program:
+  """Per-device executor arrays for `table` (any table `schedules.validate` accepts)."""
+  p, T = table.p, table.ticks
+  slots = _buffer_slots(table)
+  ops, sends, chan = _ops_and_channels(table)
+  K = len(chan)
   codes = list(CODES)
   arrays = {name: np.zeros((T, p), np.int32) for name in ("code", "mb", "local", "mb_b",
                                                            "local_b")}
-  scratch = {"res_write": n_res, "res_read": n_res, "stash_write": n_res, "read_f": n_f,
-             "read_b": n_b, "self_f": n_f, "self_b": n_b}
+  scratch = {"res_write": slots.n_res, "res_read": slots.n_res, "stash_write": slots.n_res,
+             "read_f": slots.n_f, "read_b": slots.n_b, "self_f": slots.n_f,
+             "self_b": slots.n_b}
   arrays.update({name: np.full((T, p), n, np.int32) for name, n in scratch.items()})
   arrays["send"] = np.zeros((T, p, K), np.int32)
-  arrays["file_f"] = np.full((T, p, K), n_f, np.int32)
-  arrays["file_b"] = np.full((T, p, K), n_b, np.int32)
+  arrays["file_f"] = np.full((T, p, K), slots.n_f, np.int32)
+  arrays["file_b"] = np.full((T, p, K), slots.n_b, np.int32)
   carries = [set() for _ in chan]
   for (t, s), op in ops.items():
     code = _code(table, op)
     if code not in codes:
       codes.append(code)
-    a = lambda name, value: arrays[name].__setitem__((t, s), value)
+    a = lambda name, value, t=t, s=s: arrays[name].__setitem__((t, s), value)
     a("code", codes.index(code))
     a("mb", op[0][1])
     a("local", layout.local_of(op[0][2], p, table.placement))
     a("mb_b", op[-1][1])
     a("local_b", layout.local_of(op[-1][2], p, table.placement))
-    for k, mb, c in op:
-      if k == F:
-        a("res_write", res_slots[s][(mb, c)])
-        if c > 0:
-          a("read_f", in_f_slots[s][(mb, c)])
-        if c == C - 1 and table.backward:
-          a("self_b", in_b_slots[s][(mb, c)])
-        elif c < C - 1 and stage(c + 1) == s:
-          a("self_f", in_f_slots[s][(mb, c + 1)])
-      elif k == B:
-        a("res_read", res_slots[s][(mb, c)])
-        a("read_b", in_b_slots[s][(mb, c)])
-        if table.split and len(op) == 1 or op[-1][0] == B:  # W comes later: keep dy for it
-          a("stash_write", res_slots[s][(mb, c)])
-        if c > 0 and any(x[0] == F and x[2] == C - 1 for x in op):
-          raise ValueError(f"tick {t}, stage {s}: a pair of the last chunk's F (its head "
-                           "gradient) with a B that hands a gradient on: one gradient an op")
-        if c > 0 and stage(c - 1) == s:
-          a("self_b", in_b_slots[s][(mb, c - 1)])
-      elif k == W and len(op) == 1 and table.split:
-        a("res_read", res_slots[s][(mb, c)])
+    _write_op(a, table, t, s, op, slots)
     used = defaultdict(int)
     for d, k, to in sends[t, s]:
       ch = chan.index((d, used[d]))
       used[d] += 1
-      dst = stage(to[2])
+      dst = table.stage_of(to[2])
       arrays["send"][t, s, ch] = SEND_F if k == F else SEND_B
       carries[ch].add("f" if k == F else "b")
-      slot = in_f_slots[dst][to[1:]] if k == F else in_b_slots[dst][(to[1], to[2])]
+      slot = slots.in_f[dst][to[1:]] if k == F else slots.in_b[dst][(to[1], to[2])]
       arrays["file_f" if k == F else "file_b"][t + 1, dst, ch] = slot
-  return Program(table, codes=tuple(codes), n_res=n_res, n_in_f=n_f, n_in_b=n_b,
-                 channels=tuple(_perm(table, d) for d, _ in chan),
+  return Program(table, codes=tuple(codes), n_res=slots.n_res, n_in_f=slots.n_f,
+                 n_in_b=slots.n_b, channels=tuple(_perm(table, d) for d, _ in chan),
                  carries=tuple("".join(sorted(c, key="fb".index)) for c in carries), **arrays)
