@@ -36,7 +36,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jscale import predict, profile  # noqa: E402
-from jscale.predict import rates, report  # noqa: E402
+from jscale.predict import rates, summary  # noqa: E402
 from jscale.analysis.tables import write_table  # noqa: E402
 
 L1B, L3B, L8B = ("model.preset=llama3_1b",), ("model.preset=llama3_3b",), (
@@ -140,7 +140,7 @@ def predicted(dump_dir: str, row: dict) -> dict:
     return {}
   with open(found[-1], encoding="utf-8") as f:
     sched = predict.predict(f.read(), gpu)
-  r = report.summarize(sched, rates.chip(gpu), 0.0, 0)
+  r = summary.summarize(sched, rates.chip(gpu), 0.0, 0)
   return {"predicted_step_s": r.step_s,
           "predicted_mfu": row["mfu"] * row["step_time_s"] / r.step_s if row["mfu"] else None,
           **{f"predicted_ms_{k.split('/')[0]}": 1e3 * v for k, v in r.by_category.items()}}

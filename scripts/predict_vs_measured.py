@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import measured_rows as mr  # noqa: E402  pylint: disable=wrong-import-position
 from jscale.analysis.tables import write_table  # noqa: E402  pylint: disable=wrong-import-position
-from jscale.predict import cost, program, rates, report  # noqa: E402  pylint: disable=wrong-import-position
+from jscale.predict import timing, launches, rates, summary  # noqa: E402  pylint: disable=wrong-import-position
 
 # Fitted on these (9 of 22), stratified: each code / GPU group gives rows to both sides, and
 # every acceptance row (the 8.5% xla-attention step, the Pallas and MoE-kernel rows, the
@@ -63,12 +63,12 @@ def _programs(variant: str, mem_fraction: float | None) -> dict[str, tuple]:
     if mem_fraction:
       row = dataclasses.replace(row, mem_fraction=max(row.mem_fraction, mem_fraction))
     text = mr.hlo_text(row, xla_flags=VARIANTS[variant])
-    out[row.name] = (program.Program(text).items(), row.target.split("x")[0])
+    out[row.name] = (launches.Program(text).items(), row.target.split("x")[0])
   return out
 
 
-def _step(items, gpu: str, fit: rates.Fit) -> cost.Schedule:
-  return cost.schedule(items, rates.chip(gpu, fit))
+def _step(items, gpu: str, fit: rates.Fit) -> timing.Schedule:
+  return timing.schedule(items, rates.chip(gpu, fit))
 
 
 def _loss(progs, names, fit: rates.Fit) -> float:
@@ -102,7 +102,7 @@ def rows_table(progs, fit: rates.Fit) -> list[dict]:
   for row in mr.ROWS:
     items, gpu = progs[row.name]
     sched = _step(items, gpu, fit)
-    s = report.summarize(sched, rates.chip(gpu, fit), 0.0, 0)
+    s = summary.summarize(sched, rates.chip(gpu, fit), 0.0, 0)
     pred_mfu = row.mfu * row.step_s / sched.seconds
     cats = row.category_ms
     out.append({

@@ -85,7 +85,7 @@ def check(case):
   import numpy as np  # pylint: disable=import-outside-toplevel
   import pipeline_harness as ph  # pylint: disable=import-outside-toplevel
   from jscale.config import ConfigError  # pylint: disable=import-outside-toplevel
-  from jscale.step import pipeline as pipeline_step  # pylint: disable=import-outside-toplevel
+  from jscale.step import pipelined  # pylint: disable=import-outside-toplevel
   if devices_needed(case) > len(jax.devices()):
     return f"skip: needs {devices_needed(case)} devices", None, None, None
   try:
@@ -94,7 +94,7 @@ def check(case):
     return f"skip: {str(e).splitlines()[0][:80]}", None, None, None
   ref_loss, ref_grads = ph.reference()
   p, codes = got.rt.mesh.shape["stage"], got.codes
-  prog = pipeline_step.program_for(got.rt.cfg.pipeline, p)
+  prog = pipelined.program_for(got.rt.cfg.pipeline, p)
   per_stage = codes.reshape(p, -1, codes.shape[-1])[:, 0]
   same_table = bool(np.array_equal(prog.executed(per_stage.T), prog.table.kind))
   loss_err = abs(got.loss - ref_loss) / abs(ref_loss)

@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import small_config
 from jscale import runtime
-from jscale.parallel.pipeline import layout
-from jscale.step import accumulate, pipeline as pipeline_step, state as state_lib
+from jscale.parallel.pipeline import placement
+from jscale.step import accumulate, pipelined, state as state_lib
 from jscale.step import train_step as ts
 
 # 8 layers: p x v = 4 x 2 chunks of one layer. kv_heads 4: tensor=2 divides everything.
@@ -54,9 +54,9 @@ def batch(cfg, seed=0):
 
 
 def _to_model_order(cfg, grads, p):
-  return {**grads, "blocks": layout.to_model(grads["blocks"], cfg.model.n_layers, p,
+  return {**grads, "blocks": placement.to_model(grads["blocks"], cfg.model.n_layers, p,
                                              cfg.pipeline.virtual_stages,
-                                             layout.placement_of(cfg.pipeline.schedule))}
+                                             placement.placement_of(cfg.pipeline.schedule))}
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,7 +85,7 @@ def pipeline_grads(*overrides) -> Result:
                                                       cfg.pipeline), params_sh)
 
   def fn(params, b):
-    out, codes = pipeline_step.grads(pipeline_step.Settings.of(cfg), rt.graphdef, comms,
+    out, codes = pipelined.grads(pipelined.Settings.of(cfg), rt.graphdef, comms,
                                      params, b, with_codes=True)
     return comms.sync_grads(out.grads), out.loss, codes
 

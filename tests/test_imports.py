@@ -27,7 +27,7 @@ LAZY = {
     # imports JAX; the estimate alone never imports it.
     **{("jscale/plan/__main__.py", m): "the CLI sets XLA_FLAGS before JAX is imported"
        for m in ("jscale.config_load", "jscale.presets", "jscale.analysis.gpu_target",
-                 "jscale.plan.report", "jscale.plan.rank",
+                 "jscale.plan.listing", "jscale.plan.rank",
                  "jscale.plan.plot", "jscale.plan.verify")},
 }
 

@@ -27,7 +27,7 @@ from jscale import sharding
 from jscale import train as train_lib
 from jscale.convert.__main__ import main as convert_main
 from jscale.infer import setup
-from jscale.parallel.pipeline import layout
+from jscale.parallel.pipeline import placement
 from jscale.step import state as state_lib
 
 TOKENS = [[5, 17, 99, 3, 250, 41, 7, 128, 64, 9, 200, 33]]
@@ -69,7 +69,7 @@ def test_export_run_logits_equal_transformers(runs, name, tmp_path):
   # The loaded parameters are the run's final ones, in model layer order.
   trained = jax.device_get(summary["state"]["params"])
   stages, v = (2, 2) if name == "dense_interleaved" else (1, 1)
-  want = {**trained, "blocks": layout.to_model(trained["blocks"], cfg.n_layers, stages, v)}
+  want = {**trained, "blocks": placement.to_model(trained["blocks"], cfg.n_layers, stages, v)}
   got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -15,7 +15,7 @@ from jscale import runtime
 from jscale.analysis import introspect
 from jscale.step import state as state_lib
 from jscale.config import ConfigError
-from jscale.step import pipeline as pipeline_step
+from jscale.step import pipelined
 from pipeline_harness import case_id, max_rel_err, overrides, pipeline_grads, reference
 
 # (mode, schedule, p, m, extra): in each mode every schedule, p=2 and p=4, m=4 and m=8, and
@@ -48,7 +48,7 @@ def test_loss_and_grads_equal_no_pipeline(case):
   # The executor ran exactly the table: F, B, W per tick and stage (a fused full backward does
   # the W with its B and idles on the W's tick).
   p, codes = got.rt.mesh.shape["stage"], got.codes
-  prog = pipeline_step.program_for(got.rt.cfg.pipeline, p)
+  prog = pipelined.program_for(got.rt.cfg.pipeline, p)
   per_stage = codes.reshape(p, -1, codes.shape[-1])[:, 0]
   np.testing.assert_array_equal(prog.executed(per_stage.T), prog.table.kind)
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jscale.parallel.pipeline import layout, program, schedules, timeline
+from jscale.parallel.pipeline import placement, program, schedules, timeline
 from jscale.parallel.pipeline.schedules import B, F, IDLE, W
 
 CASES = [(name, v, p, m) for name, v in (("afab", 1), ("1f1b", 1), ("interleaved", 2),
@@ -92,10 +92,10 @@ def test_program_slots_and_forward_table():
 
 
 def test_storage_order_round_trips():
-  order = layout.storage_order(8, 2, 2)  # chunks of 2 layers; stage 0 holds chunks 0 and 2
+  order = placement.storage_order(8, 2, 2)  # chunks of 2 layers; stage 0 holds chunks 0 and 2
   assert list(order) == [0, 1, 4, 5, 2, 3, 6, 7]
   x = {"w": np.arange(8)}
-  assert list(layout.to_model(layout.to_storage(x, 8, 2, 2), 8, 2, 2)["w"]) == list(range(8))
+  assert list(placement.to_model(placement.to_storage(x, 8, 2, 2), 8, 2, 2)["w"]) == list(range(8))
 
 
 def test_timeline_pictures(tmp_path):

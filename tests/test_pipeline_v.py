@@ -19,7 +19,7 @@ from jscale import train as train_lib
 from jscale.ckpt import checkpoint
 from jscale.config import ConfigError
 from jscale.config_load import load_config
-from jscale.step import pipeline as pipeline_step
+from jscale.step import pipelined
 from pipeline_harness import case_id, max_rel_err, overrides, pipeline_grads, reference
 
 MOE = ("model.moe.n_experts=8", "model.moe.top_k=2", "model.moe.d_ff=64")
@@ -53,7 +53,7 @@ def test_loss_and_grads_equal_no_pipeline(case):
   assert max_rel_err(got.grads, ref_grads) <= tol
   # The executor ran exactly the table: an op at its first tick, idle on the others.
   codes = got.codes
-  prog = pipeline_step.program_for(got.rt.cfg.pipeline, p)
+  prog = pipelined.program_for(got.rt.cfg.pipeline, p)
   per_stage = codes.reshape(p, -1, codes.shape[-1])[:, 0]
   np.testing.assert_array_equal(prog.executed(per_stage.T), prog.table.kind)
   assert prog.has_pairs == (schedule == "dualpipev")

@@ -1,7 +1,7 @@
 """DualPipeV's pairs in the program XLA:GPU compiles for 8 H100s (on this CPU-only machine:
 `jscale.analysis.gpu_target`), an MoE model with its experts split over 4 GPUs inside each of
 2 stages: in every pair's branch, the expert all-to-alls of one half start and are waited for
-around matmuls of the other half (`jscale.predict.program`: the launches in stream order), so
+around matmuls of the other half (`jscale.predict.launches`: the launches in stream order), so
 the halves hide each other's all-to-alls. Skips without JAX's CUDA plugin."""
 
 import pytest
@@ -15,7 +15,7 @@ if not gpu_target.available():
 # pylint: disable=wrong-import-position
 from jscale.analysis import introspect  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
-from jscale.predict import program as launches  # noqa: E402
+from jscale.predict import launches as launches  # noqa: E402
 
 # 2 stages x 4 expert GPUs, 1 layer per chunk (one compile, ~4 min on 2 busy cores), capacity
 # dispatch: a plain all-to-all each way.

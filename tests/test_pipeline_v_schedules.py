@@ -7,25 +7,25 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jscale.parallel.pipeline import layout, program, schedules, timeline
+from jscale.parallel.pipeline import placement, program, schedules, timeline
 from jscale.plan import cost, memory
 from jscale.parallel.pipeline.schedules import B, F, IDLE, W
 
 
 def test_v_placement_and_stored_order():
   p = 4
-  assert [layout.stage_of(c, p, "v") for c in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
-  assert [layout.local_of(c, p, "v") for c in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
-  assert [layout.stage_of(c, p) for c in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+  assert [placement.stage_of(c, p, "v") for c in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+  assert [placement.local_of(c, p, "v") for c in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+  assert [placement.stage_of(c, p) for c in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
   # 8 layers, p = 2, v = 2: stage 0 holds chunks 0 and 3 (V) or 0 and 2 (interleaved).
-  assert list(layout.storage_order(8, 2, 2, "v")) == [0, 1, 6, 7, 2, 3, 4, 5]
-  assert list(layout.storage_order(8, 2, 2)) == [0, 1, 4, 5, 2, 3, 6, 7]
+  assert list(placement.storage_order(8, 2, 2, "v")) == [0, 1, 6, 7, 2, 3, 4, 5]
+  assert list(placement.storage_order(8, 2, 2)) == [0, 1, 4, 5, 2, 3, 6, 7]
   x = {"w": np.arange(8)}
-  for placement in layout.PLACEMENTS:
-    stored = layout.to_storage(x, 8, 2, 2, placement)
-    assert list(layout.to_model(stored, 8, 2, 2, placement)["w"]) == list(range(8))
-  assert {layout.placement_of(s) for s in ("zbv", "dualpipev")} == {"v"}
-  assert layout.placement_of("interleaved") == "interleaved"
+  for where in placement.PLACEMENTS:
+    stored = placement.to_storage(x, 8, 2, 2, where)
+    assert list(placement.to_model(stored, 8, 2, 2, where)["w"]) == list(range(8))
+  assert {placement.placement_of(s) for s in ("zbv", "dualpipev")} == {"v"}
+  assert placement.placement_of("interleaved") == "interleaved"
 
 
 def _span_idle(table):

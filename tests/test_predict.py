@@ -29,7 +29,7 @@ from jscale import predict  # noqa: E402
 from jscale.analysis import hlo  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
 from jscale import hardware  # noqa: E402
-from jscale.predict import cost, program, rates, report  # noqa: E402
+from jscale.predict import timing, launches, rates, summary  # noqa: E402
 from jscale.plan.__main__ import main as plan_main  # noqa: E402
 from jscale.predict.__main__ import main  # noqa: E402
 
@@ -45,7 +45,7 @@ def _compile(f, *shapes, n=1, spec=P(), options=None):
 
 
 def _only(text, kind):
-  (x,) = [i for i in program.Program(text).items() if getattr(i, "kind", "") == kind]
+  (x,) = [i for i in launches.Program(text).items() if getattr(i, "kind", "") == kind]
   return x
 
 
@@ -61,13 +61,13 @@ def test_gemm_runs_at_its_operand_types_peak(dtype, precision, peak):
   a = jax.ShapeDtypeStruct((SQUARE, SQUARE), dtype)
   x = _only(_compile(lambda p, q: jnp.matmul(p, q, precision=precision), a, a), "gemm")
   assert x.flops == GEMM_FLOPS and x.mnk == (1, SQUARE, SQUARE, SQUARE)
-  t = cost.time_launch(x, CHIP)
+  t = timing.time_launch(x, CHIP)
   waves = 512 / (4 * 132)  # 32 x 16 tiles of 128x256 on 132 SMs: 4 waves, the last short
   ceiling = FIT.tf32_ceiling if peak != "bf16" else FIT.gemm_ceiling
   short_k = SQUARE / (SQUARE + FIT.gemm_k_half)
-  assert cost.gemm_efficiency(1, SQUARE, SQUARE, SQUARE, CHIP, ceiling) == pytest.approx(
+  assert timing.gemm_efficiency(1, SQUARE, SQUARE, SQUARE, CHIP, ceiling) == pytest.approx(
       ceiling * waves * short_k)
-  eff = cost.gemm_efficiency(1, SQUARE, SQUARE, SQUARE, CHIP, ceiling)
+  eff = timing.gemm_efficiency(1, SQUARE, SQUARE, SQUARE, CHIP, ceiling)
   assert t.seconds == pytest.approx(GEMM_FLOPS / (CHIP.peak[peak] * eff))
   assert t.bound == "compute"
 
@@ -85,11 +85,11 @@ def test_cublas_gemm_reads_like_the_triton_one(dtype):
 
 def test_gemm_efficiency_sees_waves_and_short_k():
   # 132 SMs: 133 tiles of 128x256 take two waves; a k of 64 reaches half the ceiling.
-  full = cost.gemm_efficiency(1, 128 * 12, 256 * 11, 4096, CHIP)
-  spill = cost.gemm_efficiency(1, 128 * 12 + 1, 256 * 11, 4096, CHIP)
+  full = timing.gemm_efficiency(1, 128 * 12, 256 * 11, 4096, CHIP)
+  spill = timing.gemm_efficiency(1, 128 * 12 + 1, 256 * 11, 4096, CHIP)
   assert spill < 0.8 * full
   k_half = rates.chip("h100", dataclasses.replace(FIT, gemm_k_half=64))
-  short = cost.gemm_efficiency(1, 128 * 12, 256 * 11, 64, k_half)
+  short = timing.gemm_efficiency(1, 128 * 12, 256 * 11, 64, k_half)
   assert short == pytest.approx(FIT.gemm_ceiling / 2)  # one full wave, half the ceiling
 
 
@@ -97,7 +97,7 @@ def test_memory_bound_fusion_moves_its_bytes():
   x = jax.ShapeDtypeStruct((8192, 8192), jnp.float32)
   f = _only(_compile(lambda v: v * 2 + 1, x), "memory")
   assert f.bytes == 2 * 8192 * 8192 * 4  # read once, written once
-  t = cost.time_launch(f, CHIP)
+  t = timing.time_launch(f, CHIP)
   assert t.seconds == pytest.approx(f.bytes / (CHIP.hbm_bytes_s * FIT.memory))
   assert t.gap == FIT.launch_s and t.bound == "memory"
 
@@ -110,7 +110,7 @@ def test_in_place_update_moves_the_slice_not_the_buffer():
   text = jax.jit(lambda b, r, i: jax.lax.dynamic_update_slice(b, r * 2, (i, 0, 0)),
                  in_shardings=(s, s, s), out_shardings=s, donate_argnums=0).lower(
       buf, row, jax.ShapeDtypeStruct((), jnp.int32)).compile().as_text()
-  moved = sum(x.bytes for x in program.Program(text).items() if x.kind == "memory")
+  moved = sum(x.bytes for x in launches.Program(text).items() if x.kind == "memory")
   assert moved <= 2 * 1024 * 1024 * 4 + 64  # the row read and written, not 64 rows
 
 
@@ -119,8 +119,8 @@ def test_collective_over_the_link_its_group_spans():
   measured all-reduce bus bandwidth (`jscale.hardware.busbw`)."""
   x = jax.ShapeDtypeStruct((8 * 2048, 1024), jnp.float32)
   text = _compile(lambda v: jnp.sum(v, axis=0), x, n=8, spec=P("x"))
-  (c,) = [i for i in program.Program(text).items() if getattr(i, "kind", "") == "collective"]
-  t = cost.time_launch(c, CHIP)
+  (c,) = [i for i in launches.Program(text).items() if getattr(i, "kind", "") == "collective"]
+  t = timing.time_launch(c, CHIP)
   assert c.collective.kind == "all-reduce" and c.collective.group_size == 8
   want = 2 * c.collective.bytes / hardware.busbw("all-reduce", 1) + FIT.collective_s
   assert t.seconds == pytest.approx(want)
@@ -129,7 +129,7 @@ def test_collective_over_the_link_its_group_spans():
 def test_loop_runs_its_body_trip_count_times():
   a = jax.ShapeDtypeStruct((SQUARE, SQUARE), jnp.bfloat16)
   text = _compile(lambda p, q: jax.lax.fori_loop(0, 10, lambda i, v: jnp.tanh(v @ q), p), a, a)
-  (loop,) = [i for i in program.Program(text).items() if isinstance(i, program.Loop)]
+  (loop,) = [i for i in launches.Program(text).items() if isinstance(i, launches.Loop)]
   assert loop.trips == 10
   sched = predict.predict(text, "h100")
   (gemm,) = [t for t in sched.timed if t.launch.kind == "gemm"]
@@ -137,16 +137,16 @@ def test_loop_runs_its_body_trip_count_times():
   assert sched.seconds == pytest.approx(sum((t.seconds + t.gap) * t.runs for t in sched.timed))
 
 
-def _collective(ms: float) -> program.Launch:
+def _collective(ms: float) -> launches.Launch:
   """A start whose transfer takes `ms` (all-gather volume over one node's busbw)."""
   bytes_ = int((ms * 1e-3 - FIT.collective_s) * hardware.busbw("all-gather", 1))
   c = hlo.Collective("all-gather", "ag", "main", ("u8",), ("u8",), bytes_, "", ((0, 1),), 2,
                      None)
-  return program.Launch("ag", "all-gather-start", "collective", "all-gather", "", collective=c)
+  return launches.Launch("ag", "all-gather-start", "collective", "all-gather", "", collective=c)
 
 
-def _work(name: str, ms: float) -> program.Launch:
-  return program.Launch(name, "fusion", "memory", "kLoop", "",
+def _work(name: str, ms: float) -> launches.Launch:
+  return launches.Launch(name, "fusion", "memory", "kLoop", "",
                         bytes=ms * 1e-3 * CHIP.hbm_bytes_s * FIT.memory)
 
 
@@ -154,22 +154,22 @@ def _work(name: str, ms: float) -> program.Launch:
 def test_async_collective_hides_behind_the_compute_between_start_and_done(between_ms):
   """The playbook's overlap: a 1 ms transfer with `between_ms` of compute between its start
   and done exposes only what outlasts that compute (all of it with none, nothing past 1 ms)."""
-  done = program.Launch("agd", "all-gather-done", "done", "all-gather", "", done_of="ag")
+  done = launches.Launch("agd", "all-gather-done", "done", "all-gather", "", done_of="ag")
   items = [_collective(1.0)] + ([_work("w", between_ms)] if between_ms else []) + [done]
   busy = between_ms * 1e-3 + (FIT.launch_s if between_ms else 0.0)
-  assert cost.schedule(items, CHIP).seconds == pytest.approx(max(busy, 1e-3))
+  assert timing.schedule(items, CHIP).seconds == pytest.approx(max(busy, 1e-3))
 
 
 def test_loop_carried_collective_overlaps_the_next_iteration():
   """XLA's pipelined collectives: the next iteration's transfer starts in this one and is
   waited for at the top of the next; the steady state hides it behind this body's compute, and
   exposes it when nothing runs between the start and the loop's back edge."""
-  done = program.Launch("agd", "all-gather-done", "done", "all-gather", "", done_of="ag")
+  done = launches.Launch("agd", "all-gather-done", "done", "all-gather", "", done_of="ag")
   hidden = [done, _collective(1.0), _work("w", 2.0)]
-  assert cost.schedule([program.Loop("l", 5, hidden)], CHIP).seconds == pytest.approx(
+  assert timing.schedule([launches.Loop("l", 5, hidden)], CHIP).seconds == pytest.approx(
       5 * (2e-3 + FIT.launch_s))
   late = [done, _work("w", 2.0), _collective(1.0)]
-  assert cost.schedule([program.Loop("l", 5, late)], CHIP).seconds == pytest.approx(
+  assert timing.schedule([launches.Loop("l", 5, late)], CHIP).seconds == pytest.approx(
       5 * (2e-3 + FIT.launch_s) + 4 * 1e-3)
 
 
@@ -216,7 +216,7 @@ def test_cli_prints_the_prediction_and_its_json(llama3_1b, tmp_path, capsys):
   assert "predicted step" in out and "top 5 kernels" in out and "55% MFU" in out
   assert main([*args, "--json"]) == 0
   r = json.loads(capsys.readouterr().out)
-  assert set(r) == {f.name for f in dataclasses.fields(report.Summary)}
+  assert set(r) == {f.name for f in dataclasses.fields(summary.Summary)}
   assert r["mfu"] == pytest.approx(llama3_1b()[0].mfu)
   assert main(["--target", "h100x0"]) == 2 and "expected <gpu>x<count>" in \
       capsys.readouterr().err

@@ -11,7 +11,7 @@ PATH is one of (`describe` decides, in this order):
 - "hf": a Hugging Face Llama / Mixtral dir (config.json + safetensors).
 
 From a training checkpoint only the parameters are read (orbax partial restore: the optimizer
-state is never loaded), put back in model layer order (`layout.to_model`: an interleaved
+state is never loaded), put back in model layer order (`placement.to_model`: an interleaved
 pipeline stores its layers in chunk order), onto one device, or straight onto each parameter's
 shards: its tensor-parallel ones (`mesh`), or any layout given as `shardings` (`jscale.eval`
 reads onto the training layout), so a model too large for one device is never whole on one.
@@ -37,7 +37,7 @@ from jscale.config import Config, ConfigError, DataConfig, ModelConfig, TrainCon
 from jscale.config_dict import from_dict
 from jscale.convert import load_hf
 from jscale.model import llama
-from jscale.parallel.pipeline import layout
+from jscale.parallel.pipeline import placement
 
 KINDS = ("run", "step", "params", "hf")
 _HINT = ("give a training run's output_dir, one of its checkpoints/<step> dirs, a params "
@@ -198,5 +198,5 @@ def _restore_train_params(src: Source, stored: dict) -> dict:
   params = out["params"]
   v = run.pipeline.virtual_stages if src.stages > 1 else 1
   return {**params,
-          "blocks": layout.to_model(params["blocks"], run.model.stack_layers, src.stages, v,
-                                    layout.placement_of(run.pipeline.schedule))}
+          "blocks": placement.to_model(params["blocks"], run.model.stack_layers, src.stages, v,
+                                    placement.placement_of(run.pipeline.schedule))}

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.gpus}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from jscale.plan import report  # pylint: disable=import-outside-toplevel
+  from jscale.plan import listing  # pylint: disable=import-outside-toplevel
   from jscale.plan.rank import rank  # pylint: disable=import-outside-toplevel
   try:
     if args.gpu not in PLANNABLE:
@@ -123,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
   fitting = [r for r in rows if r.fits]
   shown = (fitting or rows)[:args.top]
   if args.json:
-    print(json.dumps([report.as_dict(r, args.seq, gpu) for r in shown], indent=1))
+    print(json.dumps([listing.as_dict(r, args.seq, gpu) for r in shown], indent=1))
   else:
-    print(report.header(model, args, gpu, len(rows), len(fitting)))
-    print(report.table(shown, args.seq, gpu, args.explain))
+    print(listing.header(model, args, gpu, len(rows), len(fitting)))
+    print(listing.table(shown, args.seq, gpu, args.explain))
   if args.plot:
     from jscale.plan import plot  # pylint: disable=import-outside-toplevel
     print(f"wrote {plot.plot(shown, shown[0].limit, args.plot)}", file=sys.stderr)

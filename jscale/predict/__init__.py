@@ -12,12 +12,12 @@ from __future__ import annotations
 from jscale import metrics
 from jscale.analysis import gpu_target, introspect
 from jscale.config import Config
-from jscale.predict import cost, program, rates, report
+from jscale.predict import timing, launches, rates, summary
 
 
-def predict(hlo_text: str, gpu: str, fit: rates.Fit = rates.FIT) -> cost.Schedule:
+def predict(hlo_text: str, gpu: str, fit: rates.Fit = rates.FIT) -> timing.Schedule:
   """The predicted schedule of one step of `hlo_text` (`compiled.as_text()`) on `gpu`."""
-  return cost.schedule(program.Program(hlo_text).items(), rates.chip(gpu, fit))
+  return timing.schedule(launches.Program(hlo_text).items(), rates.chip(gpu, fit))
 
 
 def model_flops_per_device(cfg: Config, n_devices: int) -> float:
@@ -41,11 +41,11 @@ def compile_step(cfg: Config, target: str) -> str:
 
 
 def predict_config(cfg: Config, target: str, hlo_text: str | None = None, top: int = 20,
-                   fit: rates.Fit = rates.FIT) -> report.Summary:
+                   fit: rates.Fit = rates.FIT) -> summary.Summary:
   """`cfg`'s train step compiled for `target` ("h100x8", `compile_step`) — or `hlo_text`, that
   step compiled already — predicted and summarised."""
   gpu, n = gpu_target.parse(target)
   hlo_text = hlo_text if hlo_text is not None else compile_step(cfg, target)
-  return report.summarize(predict(hlo_text, gpu, fit), rates.chip(gpu, fit),
+  return summary.summarize(predict(hlo_text, gpu, fit), rates.chip(gpu, fit),
                           model_flops_per_device(cfg, n),
                           cfg.train.batch_size * cfg.train.seq_len, top)

@@ -28,7 +28,7 @@ from jscale import exit_codes
 from jscale.analysis import gpu_target
 from jscale.config import ConfigError
 from jscale.config_load import load_config
-from jscale.predict import predict_config, report
+from jscale.predict import predict_config, summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.json:
     print(json.dumps(dataclasses.asdict(r), indent=1))
   else:
-    print(report.format_summary(r, f"{args.config or 'tiny'} {' '.join(args.overrides)} on "
+    print(summary.format_summary(r, f"{args.config or 'tiny'} {' '.join(args.overrides)} on "
                                    f"{args.target}"))
   return 0
 

@@ -1,4 +1,4 @@
-"""What each kind of kernel achieves on a Hopper GPU: the constants `jscale.predict.cost` times
+"""What each kind of kernel achieves on a Hopper GPU: the constants `jscale.predict.timing` times
 a launch with, each with where it comes from.
 
 Peaks, SMs and the HBM bandwidth (the best copy measured on the card) are `jscale.hardware`'s.

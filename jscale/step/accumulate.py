@@ -1,6 +1,6 @@
 """Gradient accumulation (playbook: "Gradient accumulation"): one optimizer step's gradient
 summed over micro-batches in a `lax.scan`, reduced over devices once, at the end; and `Grads`,
-what both step paths (this one and the pipeline's, `jscale.step.pipeline`) hand the optimizer.
+what both step paths (this one and the pipeline's, `jscale.step.pipelined`) hand the optimizer.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ delayed scaling also `"dot_state"`, the linear layers' amax histories (`matmul.D
 stacked with the layers they belong to.
 
 Under a pipeline with several chunks per stage the layer stack is stored in chunk order, as
-the schedule places them (`jscale.parallel.pipeline.layout`); `params_to_storage` is the one place a tree in model layer
+the schedule places them (`jscale.parallel.pipeline.placement`); `params_to_storage` is the one place a tree in model layer
 order (parameters or their `dot_state`) is put in the stored order, whatever it comes from:
 random init, `checkpoint.init_from`, or a model loaded for evaluation.
 """
@@ -24,7 +24,7 @@ from jscale.config import Config, PipelineConfig
 from jscale.fp8 import linears as fp8_linears
 from jscale.model import llama, matmul
 from jscale.optim import make_optimizer
-from jscale.parallel.pipeline import layout
+from jscale.parallel.pipeline import placement
 
 State = dict[str, Any]
 
@@ -58,8 +58,8 @@ def params_to_storage(tree: dict, n_layers: int, stages: int, pipeline: Pipeline
   if "blocks" not in tree:
     return tree
   v = pipeline.virtual_stages if stages > 1 else 1
-  return {**tree, "blocks": layout.to_storage(tree["blocks"], n_layers, stages, v,
-                                              layout.placement_of(pipeline.schedule))}
+  return {**tree, "blocks": placement.to_storage(tree["blocks"], n_layers, stages, v,
+                                              placement.placement_of(pipeline.schedule))}
 
 
 def restack(state: State, n_layers: int, stages: int, saved: PipelineConfig,
@@ -69,14 +69,14 @@ def restack(state: State, n_layers: int, stages: int, saved: PipelineConfig,
   stage count and chunks per stage): a checkpoint of an interleaved run resumed by ZB-V or
   DualPipeV, or back. Identity when the placements agree."""
   v = now.virtual_stages if stages > 1 else 1
-  before, after = (layout.placement_of(c.schedule) for c in (saved, now))
+  before, after = (placement.placement_of(c.schedule) for c in (saved, now))
   if v == 1 or before == after:
     return state
 
   def move(path, x):
     if not any(getattr(k, "key", None) == "blocks" for k in path):
       return x
-    return layout.to_storage(layout.to_model(x, n_layers, stages, v, before), n_layers, stages,
+    return placement.to_storage(placement.to_model(x, n_layers, stages, v, before), n_layers, stages,
                              v, after)
 
   return jax.tree_util.tree_map_with_path(move, state)

@@ -1,5 +1,5 @@
 """The jitted train and eval steps: the loss of a micro-batch, its gradient (accumulated over
-micro-batches, `jscale.step.accumulate`, or through the pipeline, `jscale.step.pipeline`),
+micro-batches, `jscale.step.accumulate`, or through the pipeline, `jscale.step.pipelined`),
 the once-per-step reduction and the optimizer update. With FP8's delayed scaling the state's
 `dot_state` (amax histories) gets its new values out of the backward. Nothing in the step
 synchronises with the host.
@@ -18,7 +18,7 @@ from jscale.config import Config
 from jscale.model import moe as moe_lib
 from jscale.optim import lr_schedule, make_optimizer
 from jscale.parallel.comms import LOCAL, Comms
-from jscale.step import pipeline as pipeline_step, router_bias
+from jscale.step import pipelined, router_bias
 from jscale.step.accumulate import Batch, accumulate_grads
 from jscale.step.loss import head_loss_sums, mtp_terms
 from jscale.step.state import State, merge
@@ -72,14 +72,14 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
   optimizer = make_optimizer(cfg.train)
   schedule = lr_schedule(cfg.train)
   loss_fn = make_loss_fn(graphdef, cfg, comms)
-  stages = pipeline_step.Settings.of(cfg)
+  stages = pipelined.Settings.of(cfg)
   balance = router_bias.balanced(cfg.model.moe)
 
   def step(state: State, batch: Batch):
     _check_positions(batch, batch_sharding)
     params = state["params"]
     if comms.stages > 1:
-      out = pipeline_step.grads(stages, graphdef, comms, params, batch, state.get("dot_state"))
+      out = pipelined.grads(stages, graphdef, comms, params, batch, state.get("dot_state"))
     else:
       out = accumulate_grads(loss_fn, params, batch, cfg.train.microbatches, comms,
                              state.get("dot_state"))
@@ -126,12 +126,12 @@ def make_eval_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
   """Returns jitted `eval(params, batch[, dot_state]) -> (loss sum, token count)` over the
   global batch; `dot_state` (the train state's, FP8's amax histories) if the model has one."""
   loss_fn = make_loss_fn(graphdef, cfg, comms)
-  stages = pipeline_step.Settings.of(cfg)
+  stages = pipelined.Settings.of(cfg)
 
   def evaluate(params, batch: Batch, dot_state: Any = None):
     _check_positions(batch, batch_sharding)
     if comms.stages > 1:
-      return pipeline_step.loss_sums(stages, graphdef, comms, params, batch, dot_state)
+      return pipelined.loss_sums(stages, graphdef, comms, params, batch, dot_state)
     loss_sum, count, _ = loss_fn(params, batch, dot_state=dot_state)
     return comms.batch_sum(loss_sum), comms.batch_sum(count)
 

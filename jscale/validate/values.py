@@ -7,7 +7,7 @@ import dataclasses
 from jscale import distributed
 from jscale.config import Config, ConfigError, ModelConfig
 from jscale.fp8 import linears as fp8_linears
-from jscale.validate import deepseek, moe
+from jscale.validate import deepseek, experts
 from jscale.validate.choices import check_choices
 
 
@@ -66,7 +66,7 @@ def _check_model(m: ModelConfig) -> None:
     raise ConfigError("model.rope_scaling needs factor >= 1 and 0 < low_freq_factor < "
                       f"high_freq_factor, got {rs}")
   if m.moe is not None:
-    moe.check_values(m)
+    experts.check_values(m)
   if m.mla is not None or (rs is not None and rs.rope_type == "yarn"):
     deepseek.check_mla(m)
 

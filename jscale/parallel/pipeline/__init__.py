@@ -1,4 +1,4 @@
 """Pipeline parallelism: schedules as data (`schedules`), pictures (`timeline`), the table
 compiled for the executor (`program`), the executor (`executor`), the stage region in both
 modes (`region`) and the layer layout (`layout`). The train step's use of them is
-`jscale.step.pipeline`."""
+`jscale.step.pipelined`."""

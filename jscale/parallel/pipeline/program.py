@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jscale.parallel.pipeline import layout
+from jscale.parallel.pipeline import placement
 from jscale.parallel.pipeline.table import B, F, IDLE, W, Table
 
 # What a device computes in one tick (the executor's lax.switch branches); a pair's code is
@@ -230,9 +230,9 @@ def compile_program(table: Table) -> Program:
     a = lambda name, value, t=t, s=s: arrays[name].__setitem__((t, s), value)
     a("code", codes.index(code))
     a("mb", op[0][1])
-    a("local", layout.local_of(op[0][2], p, table.placement))
+    a("local", placement.local_of(op[0][2], p, table.placement))
     a("mb_b", op[-1][1])
-    a("local_b", layout.local_of(op[-1][2], p, table.placement))
+    a("local_b", placement.local_of(op[-1][2], p, table.placement))
     _write_op(a, table, t, s, op, slots)
     used = defaultdict(int)
     for d, k, to in sends[t, s]:

@@ -1,7 +1,7 @@
 """Pipeline schedules as data: for every tick and stage, the action it runs.
 
 A schedule is a `Table` (`table.py`): `kind[t, s]` (IDLE, F, B or W), `mb[t, s]` (micro-batch)
-and `chunk[t, s]` (model chunk; the placement says on which stage it lives, `layout.py`: the
+and `chunk[t, s]` (model chunk; the placement says on which stage it lives, `placement.py`: the
 interleaved chunk c % p, or the V of ZB-V and DualPipeV). Time is in unit ticks costing
 F = B = W = 1: B is the input gradient (what the previous stage waits for) and W the weight
 gradient. Schedules without the split (AFAB, 1F1B, interleaved) run W right after B on the same
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jscale.parallel.pipeline import layout, vshape
+from jscale.parallel.pipeline import placement, vshape
 from jscale.parallel.pipeline.table import B, F, IDLE, NAMES, W, Table
 
 __all__ = ["B", "F", "IDLE", "NAMES", "W", "Table", "SCHEDULES", "theory_bubble",
@@ -78,7 +78,7 @@ def why_not(name: str, p: int, m: int, v: int) -> str | None:
     if m % p:
       return (f"pipeline.schedule=interleaved needs pipeline.microbatches ({m}) to be a "
               f"multiple of mesh.stage ({p}): micro-batches go round in groups of p")
-  elif name in layout.V_SCHEDULES:
+  elif name in placement.V_SCHEDULES:
     if v != 2:
       return (f"pipeline.schedule={name} runs two chunks per stage in a V: set "
               f"pipeline.virtual_stages=2 (not {v})")
@@ -105,7 +105,7 @@ def make_table(name: str, p: int, m: int, v: int = 1) -> Table:
   """The action table of schedule `name` for p stages, m micro-batches, v chunks per stage."""
   check_args(name, p, m, v)
   bound = theory_in_flight(name, p, m, v)
-  if name in layout.V_SCHEDULES:
+  if name in placement.V_SCHEDULES:
     orders = (vshape.zbv_orders if name == "zbv" else vshape.dualpipev_orders)(p, m)
     kind, mb, chunk, fuse = vshape.place(p, orders)
     return Table(name, p, m, v, True, bound, kind, mb, chunk, placement="v", fuse=fuse)

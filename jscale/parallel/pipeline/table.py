@@ -2,7 +2,7 @@
 
 `kind[t, s]` is IDLE, F (forward), B (input gradient) or W (weight gradient), for micro-batch
 `mb[t, s]` and model chunk `chunk[t, s]`; the chunk runs on the stage the table's placement
-gives it (`layout.stage_of`). Time is in unit ticks, F = B = W = 1.
+gives it (`placement.stage_of`). Time is in unit ticks, F = B = W = 1.
 
 Actions may be fused into one op of several ticks: `with_next()[t, s]` says the action at
 (t, s) runs together with the one at (t + 1, s), in one executor branch. Two kinds exist: a full
@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from jscale.parallel.pipeline import layout
+from jscale.parallel.pipeline import placement
 
 IDLE, F, B, W = 0, 1, 2, 3
 NAMES = {IDLE: ".", F: "F", B: "B", W: "W"}
@@ -37,7 +37,7 @@ class Table:
   mb: np.ndarray  # [T, p] int (-1 when idle)
   chunk: np.ndarray  # [T, p] int, model chunk (-1 when idle)
   backward: bool = True  # False: forwards only (evaluation)
-  placement: str = "interleaved"  # `layout.PLACEMENTS`
+  placement: str = "interleaved"  # `placement.PLACEMENTS`
   # [T, p] bool: the action runs fused with the next tick's (None: every B with its W when the
   # table has no split, nothing else)
   fuse: np.ndarray | None = None
@@ -52,7 +52,7 @@ class Table:
 
   def stage_of(self, c: int) -> int:
     """The stage that runs model chunk c."""
-    return layout.stage_of(c, self.p, self.placement)
+    return placement.stage_of(c, self.p, self.placement)
 
   def with_next(self) -> np.ndarray:
     """[T, p] bool: the action at (t, s) runs in one op with the one at (t + 1, s)."""

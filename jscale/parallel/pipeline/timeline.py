@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from jscale.parallel.pipeline import layout
+from jscale.parallel.pipeline import placement
 from jscale.parallel.pipeline.schedules import (IDLE, NAMES, SCHEDULES, Table, theory_bubble,
                                                 theory_in_flight)
 
 
 def _local(table: Table, t: int, s: int) -> int:
-  return layout.local_of(int(table.chunk[t, s]), table.p, table.placement)
+  return placement.local_of(int(table.chunk[t, s]), table.p, table.placement)
 
 
 def _cell(table: Table, t: int, s: int, in_pair: np.ndarray) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jscale.predict.cost import Schedule, Timed
+from jscale.predict.timing import Schedule, Timed
 from jscale.predict.rates import Chip
 from jscale.profile import CATEGORIES, categorize
 

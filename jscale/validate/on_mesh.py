@@ -8,7 +8,7 @@ from jax.sharding import Mesh
 from jscale.config import Config, ConfigError
 from jscale.parallel.context.order import token_order
 from jscale.parallel.pipeline import schedules
-from jscale.validate import kernels, moe
+from jscale.validate import kernels, experts
 
 
 def check_mesh(cfg: Config, mesh: Mesh) -> None:
@@ -54,7 +54,7 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
   if sizes["stage"] > 1:
     _check_pipeline(cfg, sizes)
   if cfg.model.moe is not None or sizes["expert"] > 1:
-    moe.check_experts(cfg, sizes)
+    experts.check_experts(cfg, sizes)
   if cfg.model.moe is not None and cfg.model.moe.gemm == "pallas":
     kernels.check_moe_gemm(cfg, sizes, mesh.devices.flat[0])
 

@@ -5,7 +5,7 @@ the order the GPU stream runs them) and turns every instruction that launches wo
 `Launch`: what it is (gemm, attention, kernel, memory, collective start / done), its FLOPs and
 operand types where it multiplies, and the HBM bytes it reads and writes. Control flow stays
 structure: a `while` is a `Loop` over its body's launches with XLA's known trip count, a
-`conditional` a `Branches` of its branches, a `call` is inlined. `jscale.predict.cost` times
+`conditional` a `Branches` of its branches, a `call` is inlined. `jscale.predict.timing` times
 the launches and walks the structure.
 
 Bytes are what a fused kernel must move: each operand once (a parameter read only through a

@@ -32,7 +32,7 @@ import math
 from jscale.analysis import volume
 from jscale import hardware
 from jscale.predict import rates
-from jscale.predict.program import Branches, Item, Launch, Loop
+from jscale.predict.launches import Branches, Item, Launch, Loop
 
 _TILES = ((128, 256), (256, 128), (128, 128))
 

@@ -19,7 +19,7 @@ from jscale.config import Config, ModelConfig, PipelineConfig
 from jscale.model import llama
 from jscale.model import moe as moe_lib
 from jscale.parallel.comms import Comms
-from jscale.parallel.pipeline import executor, layout, program as prog_lib, schedules
+from jscale.parallel.pipeline import executor, placement, program as prog_lib, schedules
 from jscale.step.accumulate import Grads, batch_sums, split_microbatches, token_count
 from jscale.step.loss import head_loss_sums, mtp_terms
 
@@ -39,7 +39,7 @@ class Settings(NamedTuple):
 @functools.lru_cache(maxsize=64)
 def _program(name: str, p: int, m: int, v: int, train: bool) -> prog_lib.Program:
   table = (schedules.make_table(name, p, m, v) if train else
-           schedules.forward_table(p, m, v, layout.placement_of(name)))
+           schedules.forward_table(p, m, v, placement.placement_of(name)))
   schedules.validate(table)
   return prog_lib.compile_program(table)
 
