@@ -185,8 +185,10 @@ _MODEL_FILES = tuple(f"jscale.model.{m}" for m in ("llama", "gqa", "mla", "mlp",
     # So are the GPU facts and the exit statuses: everyone may read them.
     ("jscale/hardware.py", lambda n: False),
     ("jscale/exit_codes.py", lambda n: False),
+    ("jscale/jax_compat.py", lambda n: False),
     # The model owns its seam (jscale.model.seam): it never imports a parallel layout.
-    ("jscale/model/*.py", _under("jscale.config", "jscale.model", "pallas_kernels")),
+    ("jscale/model/*.py", _under("jscale.config", "jscale.jax_compat", "jscale.model",
+                                 "pallas_kernels")),
     # Kernels are standalone (JAX's Pallas ops style).
     ("pallas_kernels/**/*.py", _under("pallas_kernels")),
     # Parallel layouts implement the seams: never the config, the step (the loss among it),
@@ -288,3 +290,12 @@ def test_pip_install_dot_is_enough_to_run():
     for name in _third_party(path) - installed - optional:
       used.setdefault(name, []).append(str(path.relative_to(ROOT)))
   assert used == {}
+
+
+def test_private_jax_lives_in_jax_compat_only():
+  """`jax._src` and JAX's private keyword arguments appear in `jscale/jax_compat.py` alone (the
+  kernels' hooks: `pallas_kernels/mosaic_gpu_env.py`)."""
+  allowed = {"jscale/jax_compat.py", "pallas_kernels/mosaic_gpu_env.py"}
+  found = sorted(str(p.relative_to(ROOT)) for p in MODULES.values()
+                 if re.search(r"jax\._src|_dot_general=", p.read_text()))
+  assert set(found) <= allowed, set(found) - allowed

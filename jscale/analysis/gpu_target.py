@@ -27,10 +27,8 @@ import importlib.resources
 import re
 
 import jax
-from jax._src.interpreters import pxla
-from jax._src.lib import xla_client
 
-from jscale import hardware
+from jscale import hardware, jax_compat
 
 # name (`jscale.hardware.GPUS`) -> its spec file in gpu_specs/
 TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb"}
@@ -116,14 +114,5 @@ def launched_memory(size: int | None):
         return bytes(out)
   inner = b"\x78" + varint(size)
   extra = b"\x1a" + varint(len(inner)) + inner
-  original = pxla.create_compile_options
-
-  def with_memory(*args, **kwargs):
-    opts = original(*args, **kwargs)
-    return xla_client.CompileOptions.ParseFromString(opts.SerializeAsString() + extra)
-
-  pxla.create_compile_options = with_memory
-  try:
+  with jax_compat.appended_compile_options(extra):
     yield
-  finally:
-    pxla.create_compile_options = original

@@ -21,7 +21,7 @@ plugs into, forward and backward (FP8: `jscale.fp8`). A model's linear layers pi
 `for_linear(dot_general, name)`, so the hook may also be a per-layer factory; a layer's product
 may keep state between steps (`DotState` variables, e.g. FP8's amax histories) and reduce over
 devices through the model's seam (`on_seam`). `einsum_f32`'s hook (the head, attention scores)
-must be a pure, hashable function: jnp.einsum is jitted with it as a static argument.
+must be a pure, hashable function: its custom_vjp takes it as a static argument.
 """
 
 from __future__ import annotations
@@ -86,8 +86,15 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, dtype,
   """`jnp.einsum(spec, x, w)` with both operands cast to the compute `dtype`; the result is in
   `dtype` (accumulated in fp32 by the hardware), and so is the backward's cotangent. The
   product is one `dot_general(x, w, dimension_numbers)`, forward and backward."""
+  return contract(spec, x.astype(dtype), w.astype(dtype), dot_general)
+
+
+def contract(spec: str, a: jax.Array, b: jax.Array, dot_general: DotGeneral = jax.lax.dot_general,
+             preferred_element_type=None) -> jax.Array:
+  """`jnp.einsum(spec, a, b)` as one call of `dot_general` (the model's hook; JAX's einsum takes
+  one only through a private argument), then the transpose to the spec's output order."""
   dims, transpose = _contraction(spec)
-  y = dot_general(x.astype(dtype), w.astype(dtype), dims)
+  y = dot_general(a, b, dims, preferred_element_type=preferred_element_type)
   return y if transpose is None else jnp.transpose(y, transpose)
 
 
@@ -117,7 +124,7 @@ def einsum_f32(spec: str, a: jax.Array, b: jax.Array, dtype,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _einsum_f32(spec: str, dot_general: DotGeneral, a: jax.Array, b: jax.Array) -> jax.Array:
-  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, _dot_general=dot_general)
+  return contract(spec, a, b, dot_general, preferred_element_type=jnp.float32)
 
 
 def _einsum_f32_fwd(spec, dot_general, a, b):
@@ -126,7 +133,7 @@ def _einsum_f32_fwd(spec, dot_general, a, b):
 
 def _einsum_f32_bwd(spec, dot_general, res, g):
   a, b = res
-  _, pullback = jax.vjp(lambda a, b: jnp.einsum(spec, a, b, _dot_general=dot_general), a, b)
+  _, pullback = jax.vjp(lambda a, b: contract(spec, a, b, dot_general), a, b)
   return pullback(g.astype(a.dtype))
 
 

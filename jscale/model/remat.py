@@ -18,6 +18,7 @@ from typing import Callable
 
 import jax
 
+from jscale import jax_compat
 from jscale.config import ModelConfig
 from jscale.model.seam import GATHERED
 
@@ -51,19 +52,7 @@ def _attention_kernel_forward(prim, params) -> bool:
   # Saving them spares the backward a second attention forward. (The kernels' output is not
   # also named "attn_ctx": the same values would be saved twice.)
   return (prim.name == "dot_product_attention_fwd_wrapper" or
-          any("flash_attention_fwd" in name for name in _pallas_call_names(prim, params)))
-
-
-def _pallas_call_names(prim, params) -> list[str]:
-  """The kernel names `prim` runs: a pallas_call's own, or those inside the `custom_vmap_call`
-  a Mosaic GPU kernel (`plgpu.kernel`) is wrapped in, which is what a remat policy sees of it
-  (the kernel within is a pallas_call, or an `mpmd_map` in jax 0.10)."""
-  if prim.name in ("pallas_call", "mpmd_map"):
-    return [str(params.get("name") or params.get("name_and_src_info"))]
-  call = params.get("call") if prim.name == "custom_vmap_call" else None
-  if call is None:
-    return []
-  return [n for eqn in call.jaxpr.eqns for n in _pallas_call_names(eqn.primitive, eqn.params)]
+          any("flash_attention_fwd" in name for name in jax_compat.kernel_names(prim, params)))
 
 
 def remat_policy(remat: str):

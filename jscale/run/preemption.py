@@ -26,10 +26,9 @@ from typing import Callable
 
 import jax
 import numpy as np
-from jax._src import distributed as jax_distributed  # the coordination service's key-value store
 from jax.experimental import multihost_utils
 
-from jscale import exit_codes
+from jscale import exit_codes, jax_compat
 
 
 class StopSignals:
@@ -115,7 +114,7 @@ class StopStep:
     self.by = ""
     run = next(_RUNS)
     self._dir, self._count = f"jscale/stop/{run}/", f"jscale/stop_proposals/{run}"
-    self._client = jax_distributed.global_state.client if jax.process_count() > 1 else None
+    self._client = jax_compat.coordination_client() if jax.process_count() > 1 else None
     if self._client is not None:
       signals.on_request = self._propose
       if signals.requested is not None:  # the signal came before the loop (while compiling)

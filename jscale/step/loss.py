@@ -124,8 +124,8 @@ def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int,
     return x_BC.reshape(s, x_BC.shape[0] // s, q, x_BC.shape[1] // q, *x_BC.shape[2:])
 
   def chunk_loss(head_DV, h_BCD, labels_BC, mask_BC, with_grads: bool):
-    logits = comms.activation(jnp.einsum("BCD,DV->BCV", h_BCD, head_DV, _dot_general=dot_general,
-                                         preferred_element_type=jnp.float32), LOGITS_NAMES)
+    logits = comms.activation(matmul.contract("BCD,DV->BCV", h_BCD, head_DV, dot_general,
+                                              preferred_element_type=jnp.float32), LOGITS_NAMES)
     st = _softmax_stats(logits, labels_BC, comms)
     loss_SQ = jnp.sum(by_shard(st.token_loss * mask_BC), axis=(1, 3))
     if not with_grads:
@@ -133,9 +133,9 @@ def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int,
     # d(loss)/d(logits) = (softmax - onehot) * mask, cast to the compute dtype for both
     # products (dh: partial over vocab shards, summed by the head's tensor-parallel entry).
     dlogits = ((st.exp / st.sum_exp - st.hit) * mask_BC[..., None]).astype(h_BCD.dtype)
-    dh_BCD = jnp.einsum("BCV,DV->BCD", dlogits, head_DV, _dot_general=dot_general)
-    dw_SQDV = jnp.einsum("sbqcd,sbqcv->sqdv", by_shard(h_BCD), by_shard(dlogits),
-                         preferred_element_type=jnp.float32, _dot_general=dot_general)
+    dh_BCD = matmul.contract("BCV,DV->BCD", dlogits, head_DV, dot_general)
+    dw_SQDV = matmul.contract("sbqcd,sbqcv->sqdv", by_shard(h_BCD), by_shard(dlogits),
+                              dot_general, preferred_element_type=jnp.float32)
     return per_shard(loss_SQ), dh_BCD, per_shard(dw_SQDV, "embed", "vocab")
 
   def chunks(h_BLD, labels_BL, mask_BL):

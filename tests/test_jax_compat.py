@@ -1,0 +1,31 @@
+"""Each private JAX hook of `jscale.jax_compat`, one test each: a JAX upgrade that moves one
+fails here, by name."""
+
+import jax
+import jax.numpy as jnp
+from jax._src.interpreters import pxla
+from jax.experimental import pallas as pl
+
+from jscale import jax_compat
+
+
+def test_the_coordination_client_is_none_without_jax_distributed():
+  assert jax_compat.coordination_client() is None  # multi-process use: test_run_lifecycle
+
+
+def test_appended_compile_options_reach_the_compile_and_are_undone():
+  original = pxla.create_compile_options
+  with jax_compat.appended_compile_options(b""):
+    assert pxla.create_compile_options is not original
+    assert float(jax.jit(lambda x: x + 1).lower(1.0).compile()(1.0)) == 2.0
+  assert pxla.create_compile_options is original
+
+
+def test_kernel_names_read_a_pallas_calls_name():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+  call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+                        interpret=True, name="doubling_kernel")
+  eqn = next(e for e in jax.make_jaxpr(call)(jnp.ones(8)).eqns)
+  assert any("doubling_kernel" in n for n in jax_compat.kernel_names(eqn.primitive, eqn.params))
