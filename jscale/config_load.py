@@ -15,9 +15,8 @@ from typing import Any
 
 import yaml
 
-from jscale import config_cli
+from jscale import config_cli, validate
 from jscale.ckpt import init_from
-from jscale import validate
 from jscale.config import Config, ConfigError
 from jscale.config_dict import from_dict
 

@@ -136,7 +136,7 @@ def _bounded(dist_cfg: DistributedConfig, me: str, coordinator: str):
             f"distributed.init_timeout_s={dist_cfg.init_timeout_s} s: a process failed to start "
             "or died while starting (see its log); relaunch the same command on every process "
             "(a run with checkpoints resumes)", file=sys.stderr, flush=True)
-      os._exit(exit_codes.PEERS_MISSING)  # pylint: disable=protected-access
+      os._exit(exit_codes.PEERS_MISSING)  # at once: JAX's blocked threads never return
 
   threading.Thread(target=watchdog, name="jscale-init-watchdog", daemon=True).start()
   try:

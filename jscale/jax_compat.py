@@ -7,6 +7,8 @@ own hooks stay with them (`pallas_kernels/mosaic_gpu_env.py`).
 - `appended_compile_options`: bytes appended to the serialised CompileOptions of every compile
   inside it (protobuf merges them): how a compile for GPUs not here plans for a device memory
   size (`jscale.analysis.gpu_target.launched_memory`). JAX has no option for it.
+- `jit_cache_size`: how many programs a jitted function has compiled (generation checks its
+  decode step compiles once). Public JAX exposes no count.
 - `kernel_names`: the names of the kernels a jaxpr equation runs (a `pallas_call`'s name
   parameter, spelled differently across JAX versions, or inside the `custom_vmap_call` a Mosaic
   GPU kernel is wrapped in), for the remat policy that saves the flash kernels' outputs.
@@ -42,6 +44,11 @@ def appended_compile_options(extra: bytes):
     yield
   finally:
     _pxla.create_compile_options = original
+
+
+def jit_cache_size(fn: Any) -> int:
+  """The number of compiled programs in jitted function `fn`'s cache."""
+  return fn._cache_size()
 
 
 def kernel_names(prim: Any, params: dict) -> list[str]:

@@ -19,6 +19,7 @@ import jax
 from jscale import hardware
 from jscale.config import ModelConfig
 
+
 def attention_params(cfg: ModelConfig) -> tuple[int, int]:
   """(one attention module's parameters, those of them in matmuls): GQA's four projections, or
   MLA's (`model.mla`): the (low-rank) query, the latent and RoPE key, its key / value
@@ -114,7 +115,7 @@ class MetricsWriter:
     self.nonfinite_steps = trim_metrics(path, start_step)
     self._jsonl = open(path, "a", encoding="utf-8")
     if tensorboard:
-      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      from tensorboardX import SummaryWriter
       # A unique file per writer: tensorboardX names files by the second, so a resume within
       # the same second would overwrite the earlier events.
       self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"),

@@ -96,7 +96,7 @@ def find_trace(path: str) -> str:
 
 def _events(trace: str) -> tuple[str, list[tuple[str, str, float, float]]]:
   """(device label, [(name, hlo_op, start_ns, duration_ns)]) of the trace's device work."""
-  from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
+  from jax.profiler import ProfileData
   planes = list(ProfileData.from_file(trace).planes)
   gpus = sorted((p for p in planes if p.name.startswith("/device:GPU")), key=lambda p: p.name)
   out = []

@@ -14,18 +14,19 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jscale import mesh as mesh_lib
-from jscale.step import state as state_lib, train_step as ts
 from jscale import validate
 from jscale.config import Config
-from jscale.parallel.context.order import Reorder
 from jscale.model import attention as attn_lib
 from jscale.model import moe_gemm as moe_gemm_lib
 from jscale.model.layers import norm_backend
 from jscale.optim import make_optimizer
 from jscale.parallel.comms import Comms
+from jscale.parallel.context.order import Reorder
 from jscale.parallel.manual import ManualComms
 from jscale.parallel.xla import XlaComms
 from jscale.sharding import Layouts
+from jscale.step import state as state_lib
+from jscale.step import train_step as ts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ from typing import Any, Sequence
 import jax
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jscale.config import ParallelConfig
 from jscale.model import matmul

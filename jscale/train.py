@@ -21,13 +21,8 @@ import jax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jscale import config_cli
-from jscale import exit_codes
-from jscale import distributed
+from jscale import config_cli, distributed, exit_codes, runtime, validate, xla_flags
 from jscale import metrics as metrics_lib
-from jscale import runtime
-from jscale import validate
-from jscale import xla_flags
 from jscale.analysis import plots
 from jscale.ckpt import checkpoint as ckpt_lib
 from jscale.ckpt import init_from
@@ -36,8 +31,8 @@ from jscale.config_load import load_config
 from jscale.data import load_splits, load_tokenizer, make_eval_batches, make_train_iterator
 from jscale.infer import sampling
 from jscale.optim import make_optimizer
-from jscale.run import directory as run_dir
 from jscale.run import console as console_lib
+from jscale.run import directory as run_dir
 from jscale.run import loop, output, preemption, startup
 from jscale.step import state as state_lib
 

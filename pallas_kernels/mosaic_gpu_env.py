@@ -21,6 +21,6 @@ def interpret_params():
   0.11; jax 0.10 has them private)."""
   params = getattr(plgpu, "InterpretParams", None)
   if params is None:
-    from jax._src.pallas.mosaic_gpu.interpret import params as p  # pylint: disable=import-outside-toplevel
+    from jax._src.pallas.mosaic_gpu.interpret import params as p
     params = p.InterpretGPUParams
   return params()

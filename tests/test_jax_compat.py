@@ -29,3 +29,10 @@ def test_kernel_names_read_a_pallas_calls_name():
                         interpret=True, name="doubling_kernel")
   eqn = next(e for e in jax.make_jaxpr(call)(jnp.ones(8)).eqns)
   assert any("doubling_kernel" in n for n in jax_compat.kernel_names(eqn.primitive, eqn.params))
+
+
+def test_jit_cache_size_counts_compiled_programs():
+  f = jax.jit(lambda x: x * 2)
+  f(jnp.ones(2))
+  f(jnp.ones(3))
+  assert jax_compat.jit_cache_size(f) == 2

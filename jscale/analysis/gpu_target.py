@@ -68,7 +68,7 @@ def devices(target: str) -> list[jax.Device]:
 
 @functools.lru_cache(maxsize=None)
 def _topology(gpu: str, n: int) -> tuple[jax.Device, ...]:
-  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  from jax.experimental import topologies
   target = f"{gpu}x{n}"
   try:
     topo = topologies.get_topology_desc(platform="cuda",

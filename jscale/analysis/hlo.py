@@ -256,7 +256,7 @@ def summary(hlo_text: str) -> dict[str, dict[str, int]]:
 def compiled_collectives(fn: Any, *args: Any, **kwargs: Any) -> dict[str, dict[str, int]]:
   """`summary` of `fn` (jitted, or jitted here) compiled for args (arrays or ShapeDtypeStructs)."""
   if not hasattr(fn, "lower"):
-    import jax  # pylint: disable=import-outside-toplevel
+    import jax
     fn = jax.jit(fn)
   return summary(fn.lower(*args, **kwargs).compile().as_text())
 

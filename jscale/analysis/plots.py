@@ -41,9 +41,9 @@ def read_metrics(run_dir: str) -> Series:
 def figure(runs: dict[str, Series], out_path: str) -> dict[str, list[str]]:
   """Draws `runs` ({label: series}) into a 3-panel PNG at `out_path`, written whole (a temp
   file renamed). Returns {panel title: labels of the runs drawn in it}."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
+  import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  import matplotlib.pyplot as plt
   fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
   drawn: dict[str, list[str]] = {title: [] for _, title in PANELS}
   for i, (label, series) in enumerate(runs.items()):
@@ -64,15 +64,16 @@ def figure(runs: dict[str, Series], out_path: str) -> dict[str, list[str]]:
     if ax.lines:
       ax.legend(fontsize=8)
     else:  # e.g. MFU on CPU, where no peak FLOP/s is known
-      ax.text(0.5, 0.5, "not recorded: no device peak\nFLOP/s known (train.peak_flops)" if title.startswith("MFU")
-              else "not recorded", ha="center", va="center", transform=ax.transAxes)
+      why = ("not recorded: no device peak\nFLOP/s known (train.peak_flops)"
+             if title.startswith("MFU") else "not recorded")
+      ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes)
   save(fig, out_path)
   return drawn
 
 
 def save(fig, out_path: str) -> None:
   """Writes `fig` to `out_path` atomically (a temporary file renamed) and closes it."""
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  import matplotlib.pyplot as plt
   fig.tight_layout()
   out_dir = os.path.dirname(os.path.abspath(out_path))
   os.makedirs(out_dir, exist_ok=True)
@@ -109,6 +110,6 @@ def plot_run_end(output_dir: str) -> str | None:
   any trouble is one printed warning and None."""
   try:
     return plot_runs([output_dir])
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # a picture is never worth a failed run
     print(f"warning: no metrics.png for {output_dir}: {type(e).__name__}: {e}", flush=True)
     return None

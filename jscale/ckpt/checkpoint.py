@@ -100,7 +100,7 @@ class Checkpointer:
     for i, step in enumerate(steps):
       try:
         return self.restore(step, abstract_state, data_iter), step
-      except Exception as e:  # pylint: disable=broad-except  (tensorstore / orbax / OSError)
+      except Exception as e:  # any storage error: tensorstore / orbax / OSError
         reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
       moved = self._move_aside(step)
       rest = (f"restoring step {steps[i + 1]} instead" if i + 1 < len(steps) else

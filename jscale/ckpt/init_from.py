@@ -241,7 +241,7 @@ def check_tokenizer(cfg: Config, saved: ModelConfig) -> None:
 
 def _vocab_diff(path: str, ckpt_tok: str) -> str | None:
   """None if the two tokenizer.json files map the same tokens to the same ids, else a summary."""
-  import tokenizers  # pylint: disable=import-outside-toplevel
+  import tokenizers
   if filecmp.cmp(path, ckpt_tok, shallow=False):
     return None
   a, b = (set(tokenizers.Tokenizer.from_file(p).get_vocab(with_added_tokens=True).items())

@@ -155,9 +155,9 @@ def load(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
   src = describe(path, step)
   place = None
   if mesh is not None:
-    place = lambda abstract: sharding_lib.tensor_parallel(abstract, mesh)  # noqa: E731
+    place = lambda abstract: sharding_lib.tensor_parallel(abstract, mesh)
   elif shardings is not None:
-    place = lambda _: shardings  # noqa: E731
+    place = lambda _: shardings
   if src.kind == "hf":
     return load_hf(path, dtype=dtype or "float32", param_dtype=param_dtype or "float32",
                    shardings=place)

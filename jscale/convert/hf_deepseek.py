@@ -1,6 +1,6 @@
 """Hugging Face DeepSeek-V3 (`DeepseekV3ForCausalLM`, transformers >= 5) <-> jscale: the
-`config.json` and the safetensors, in numpy. `jscale.convert.hf_config` and `hf_weights` dispatch here (`is_deepseek`); the
-`reader` arguments are `hf_weights.SafetensorsReader`s.
+`config.json` and the safetensors, in numpy. `jscale.convert.hf_config` and `hf_weights`
+dispatch here (`is_deepseek`); the `reader` arguments are `hf_weights.SafetensorsReader`s.
 
 A jscale model with `model.mla` is a DeepSeek-V3 model: MLA (with or without the low-rank
 query), sigmoid group-limited routing, shared experts (`n_shared_experts` x
@@ -31,8 +31,14 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
-from jscale.config import ConfigError, MlaConfig, ModelConfig, MoeConfig, MtpConfig, \
-    RopeScalingConfig
+from jscale.config import (
+  ConfigError,
+  MlaConfig,
+  ModelConfig,
+  MoeConfig,
+  MtpConfig,
+  RopeScalingConfig,
+)
 from jscale.model.router import BIAS
 
 MODEL_TYPE = "deepseek_v3"
@@ -70,7 +76,7 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScalingConfig | None]:
     raise ConfigError("rope_parameters: YaRN with truncate=false or an explicit "
                       "attention_factor is not DeepSeek-V3's; jscale implements its YaRN only")
   d = RopeScalingConfig(rope_type="yarn")
-  get = lambda k: float(rp[k]) if rp.get(k) is not None else float(getattr(d, k))  # noqa: E731
+  get = lambda k: float(rp[k]) if rp.get(k) is not None else float(getattr(d, k))
   return theta, RopeScalingConfig(
       rope_type="yarn", factor=get("factor"),
       original_max_position_embeddings=int(get("original_max_position_embeddings")),
@@ -167,9 +173,9 @@ def _linears(cfg: ModelConfig, moe: bool) -> list[tuple[tuple[str, ...], str, An
   k, perm = n + p, np.concatenate([np.arange(n), n + _deinterleave(p)])
   inv, rperm = np.argsort(perm), _deinterleave(p)
   cols = np.concatenate([np.arange(m.kv_lora_rank), m.kv_lora_rank + rperm])
-  t = lambda w: w.T  # noqa: E731
-  same = lambda w: w  # noqa: E731
-  heads = lambda rows: (lambda w: w.T.reshape(rows, h, k)[..., perm],  # noqa: E731
+  t = lambda w: w.T
+  same = lambda w: w
+  heads = lambda rows: (lambda w: w.T.reshape(rows, h, k)[..., perm],
                         lambda w: w[..., inv].reshape(rows, h * k).T)
   specs = [(("attn_norm", "scale"), "input_layernorm.weight", same, same),
            (("mlp_norm", "scale"), "post_attention_layernorm.weight", same, same),

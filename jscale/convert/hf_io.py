@@ -1,4 +1,5 @@
-"""load_hf / save_hf: whole-model conversion between HF Llama / Mixtral / DeepSeek-V3 dirs and jscale models."""
+"""load_hf / save_hf: whole-model conversion between HF Llama / Mixtral / DeepSeek-V3 dirs and
+jscale models."""
 
 from __future__ import annotations
 

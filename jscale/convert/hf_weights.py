@@ -1,4 +1,5 @@
-"""HF Llama / Mixtral (DeepSeek-V3: `jscale.convert.hf_deepseek`) safetensors <-> jscale parameter pure dicts, in numpy (no torch).
+"""HF Llama / Mixtral (DeepSeek-V3: `jscale.convert.hf_deepseek`) safetensors <-> jscale
+parameter pure dicts, in numpy (no torch).
 
 HF stores every projection as a Linear weight [out, in] per layer; jscale keeps [in, ..., out]
 with heads split out and layers stacked on a leading axis. All conversions here are transposes,
@@ -42,8 +43,8 @@ _MOE = "block_sparse_moe."  # Mixtral's MoE prefix on disk; transformers 5 renam
 def _specs(cfg: ModelConfig) -> list[tuple[tuple[str, ...], str, tuple[int, ...], _Fn, _Fn]]:
   """(jscale path, HF name, HF shape, hf->jscale, jscale->hf) per tensor; `{}` is the layer."""
   d, h, g, k, f = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.d_ff)
-  same = lambda w: w  # noqa: E731
-  t = lambda w: w.T  # noqa: E731
+  same = lambda w: w
+  t = lambda w: w.T
   lay = "model.layers.{}."
   specs = [
       (("embed",), "model.embed_tokens.weight", (cfg.vocab_size, d), same, same),

@@ -1,7 +1,7 @@
 """Data pipeline: tokenizers, token sources (stdlib, text, bin), packed grain iterators."""
 
-from jscale.data.position import checkpoint_restore, checkpoint_save
 from jscale.data.iterators import make_eval_batches, make_train_iterator
+from jscale.data.position import checkpoint_restore, checkpoint_save
 from jscale.data.sources import Splits, load_splits
 from jscale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_vocab_size
 from jscale.data.windows import Windows

@@ -46,7 +46,7 @@ class HFTokenizer:
   """
 
   def __init__(self, path: str):
-    import tokenizers  # pylint: disable=import-outside-toplevel
+    import tokenizers
     if not os.path.isfile(path):
       raise ConfigError(f"data.tokenizer={path!r}: no such file; give a path to a Hugging Face "
                         "tokenizer.json, or 'byte' for the byte tokenizer")

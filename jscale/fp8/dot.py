@@ -72,7 +72,7 @@ def _forward(dims, recipe, amax, lhs, rhs, histories):
   # The FP8 residuals travel as their bytes: under a remat policy that saves them, JAX rounds
   # every saved float with reduce_precision(finfo(dtype)), which for e4m3fn (no infinities)
   # turns the top binade (256..448) into inf / NaN.
-  bytes_ = (jax.lax.bitcast_convert_type(qx, jnp.uint8), jax.lax.bitcast_convert_type(qw, jnp.uint8))
+  bytes_ = tuple(jax.lax.bitcast_convert_type(q, jnp.uint8) for q in (qx, qw))
   return (y * (sx * sw)).astype(lhs.dtype), (*bytes_, sx, sw, ax, aw, histories)
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from jscale import jax_compat
 from jscale import sharding as sharding_lib
 from jscale.config import ParallelConfig
 from jscale.infer.sampling import Sampling, sample
@@ -114,7 +115,7 @@ class Generator:
     them for devices that are not here (`jscale.analysis.gpu_target`)."""
     replicated = (NamedSharding(self.mesh, jax.sharding.PartitionSpec()) if self.mesh
                   else None)
-    spec = lambda shape, dtype, where=None: jax.ShapeDtypeStruct(  # noqa: E731
+    spec = lambda shape, dtype, where=None: jax.ShapeDtypeStruct(
         shape, dtype, sharding=where or replicated)
     state = jax.tree.map(lambda x: spec(x.shape, x.dtype, getattr(x, "sharding", None)),
                          self.state)
@@ -131,7 +132,7 @@ class Generator:
 
   def compiled_decode_steps(self) -> int:
     """How many decode steps have been compiled (1 after any number of tokens)."""
-    return self._decode._cache_size()  # pylint: disable=protected-access
+    return jax_compat.jit_cache_size(self._decode)
 
   # ------------------------------------------------------------------ the loop
 

@@ -12,7 +12,6 @@ import shlex
 import jax
 import jax.numpy as jnp
 
-
 # What a finished run suggests: a temperature below 1 and a nucleus keep a small model's text on
 # its likelier paths without the loop greedy decoding falls into (`def the the the ...`).
 SUGGESTED = "--temperature 0.8 --top-p 0.95 --seed 0"

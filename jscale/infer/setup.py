@@ -11,8 +11,7 @@ import sys
 import jax
 from flax import nnx
 
-from jscale import exit_codes
-from jscale import config_cli
+from jscale import config_cli, exit_codes
 from jscale import mesh as mesh_lib
 from jscale.config import ConfigError, DataConfig, MeshConfig, ModelConfig
 from jscale.data import load_tokenizer
@@ -23,10 +22,10 @@ from jscale.model.llama import Llama
 
 def for_this_backend(cfg: ModelConfig, model: Llama, dtype: str | None = None
                      ) -> tuple[ModelConfig, Llama]:
-  """(cfg, model) with the same weights, runnable here: compute `dtype` if given; the attention `auto` picks for this
-  backend and dtype (cuDNN on a GPU where it applies; a run trained with other kernels may be
-  sampled anywhere); GPU-only kernels (Pallas norm, the Pallas grouped matmul) replaced by
-  XLA's off the GPU (`auto`'s tiled grouped matmul); MoE dropless."""
+  """(cfg, model) with the same weights, runnable here: compute `dtype` if given; the attention
+  `auto` picks for this backend and dtype (cuDNN on a GPU where it applies; a run trained with
+  other kernels may be sampled anywhere); GPU-only kernels (Pallas norm, the Pallas grouped
+  matmul) replaced by XLA's off the GPU (`auto`'s tiled grouped matmul); MoE dropless."""
   dtype = dtype or cfg.dtype
   on_gpu = jax.default_backend() == "gpu"
   impl = attention.local_impl("auto", jax.ShapeDtypeStruct((1, 1, 1, cfg.qk_head_dim), dtype),

@@ -79,7 +79,7 @@ def pallas_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
   backend, _ = pallas_backend(q_BLHK.shape, k_BSGK.shape, v_BSGK.shape, q_BLHK.dtype, causal,
                               None if interpret else compute_capability(device))
   if backend == "hopper":
-    from pallas_kernels.flash_attention import hopper  # pylint: disable=import-outside-toplevel
+    from pallas_kernels.flash_attention import hopper
     return hopper.flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal)
   return flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal, interpret=interpret)
 
@@ -98,7 +98,7 @@ def pallas_backend(q_shape, k_shape, v_shape, dtype, causal: bool,
   the interpreter, fp32, odd head sizes)."""
   if compute_capability is None or not str(compute_capability).startswith("9"):
     return "portable", f"compute capability {compute_capability}: not Hopper"
-  from pallas_kernels.flash_attention import hopper  # pylint: disable=import-outside-toplevel
+  from pallas_kernels.flash_attention import hopper
   if tuple(v_shape) != tuple(k_shape):
     return "portable", f"V {tuple(v_shape)} differs from K {tuple(k_shape)}"
   if (why := hopper.why_not(q_shape, k_shape, dtype, causal=causal)) is not None:

@@ -44,7 +44,7 @@ def norm_backend(shape, dtype, compute_capability: str | None) -> tuple[str, str
   interpreter, odd widths)."""
   if compute_capability is None or not str(compute_capability).startswith("9"):
     return "portable", f"compute capability {compute_capability}: not Hopper"
-  from pallas_kernels.rms_norm import hopper  # pylint: disable=import-outside-toplevel
+  from pallas_kernels.rms_norm import hopper
   if (why := hopper.why_not(shape, dtype)) is not None:
     return "portable", why
   return "hopper", f"Hopper (sm_{str(compute_capability).replace('.', '')}): Mosaic GPU kernels"
@@ -88,7 +88,7 @@ class RMSNorm(nnx.Module):
 
     def norm(x, weight_D, residual=None):  # leading dims flattened to rows; weight cast to x's
       if norm_backend(x.shape, self.dtype, capability)[0] == "hopper":
-        from pallas_kernels.rms_norm import hopper  # pylint: disable=import-outside-toplevel
+        from pallas_kernels.rms_norm import hopper
         return hopper.rms_norm(x, weight_D, eps=self.eps, residual_ND=residual)
       return rms_norm(x, weight_D, eps=self.eps, residual_ND=residual, interpret=self.interpret)
 

@@ -20,9 +20,9 @@ import dataclasses
 from typing import Protocol
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jscale.config import ModelConfig
 from jscale.model import kv_cache, matmul, rope
@@ -34,6 +34,7 @@ from jscale.model.mlp import Mlp
 from jscale.model.moe import MoE
 from jscale.model.mtp import MtpModule, shift
 from jscale.model.seam import LOCAL, Seam
+
 
 class AttentionModule(Protocol):
   """What `Block` asks of its attention module (`GQA` by default): the normed input [B, L, D]

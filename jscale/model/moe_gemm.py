@@ -26,7 +26,7 @@ GEMMS = ("auto", "tiled", "ragged_dot", "pallas")
 def kernel_fits(dtype, d_model: int, d_ff: int, n_experts: int) -> str | None:
   """None if the Pallas kernels tile this MoE's expert matmuls (gate / up: d_model -> d_ff,
   down: d_ff -> d_model; forward and backward), else why not (naming the fix)."""
-  from pallas_kernels import grouped_matmul as gm  # pylint: disable=import-outside-toplevel
+  from pallas_kernels import grouped_matmul as gm
   s = jax.ShapeDtypeStruct
   sizes = s((n_experts,), jnp.int32)
   return next((why for k, n in ((d_model, d_ff), (d_ff, d_model))
@@ -57,7 +57,7 @@ class GroupedDot:
     """[A, N] in `dtype` (so are the backward's products); rows past sum(sizes_E) zero."""
     x, w = x_AK.astype(dtype), w_EKN.astype(dtype)
     if self.impl == "pallas":
-      from pallas_kernels.grouped_matmul import grouped_matmul  # pylint: disable=import-outside-toplevel
+      from pallas_kernels.grouped_matmul import grouped_matmul
       return grouped_matmul(x, w, sizes_E, interpret=self.interpret)
     if self.impl == "tiled":
       return grouped_tiles.grouped_dot(x, w, sizes_E, dtype)

@@ -22,7 +22,6 @@ from jscale import jax_compat
 from jscale.config import ModelConfig
 from jscale.model.seam import GATHERED
 
-
 # Matmul outputs kept by `remat: selective`; scores, softmax and pointwise ops are recomputed.
 # "attn_lse" (ring attention's log-sum-exp) lets the backward ring run without a forward ring.
 # MoE: the experts' input rows and output ("moe_in", "moe_out": dispatched, and before the

@@ -7,7 +7,8 @@ decide every layout. This file only composes the per-axis halves: DP / ZeRO (`ze
 from __future__ import annotations
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jscale.model.seam import Names
 from jscale.parallel.comms import Comms

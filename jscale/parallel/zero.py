@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jscale.model.seam import GATHERED
 from jscale.optim import global_norm, sumsq
@@ -170,7 +171,7 @@ class XlaZero:
     inner = type(self)(self.layouts, manual_axes=frozenset(axes))
     # ZeRO-1: each fsdp shard's optimizer needs only its slice of the sum, so the sum is
     # reduce-scattered over fsdp (the playbook's ZeRO-1 traffic), then all-reduced over data.
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    is_spec = lambda x: isinstance(x, P)
     dims = jax.tree.map(lambda s: _fsdp_dim(s, alone=True) if "fsdp" in axes else -1,
                         self.layouts.opt, is_leaf=is_spec)
     data = tuple(a for a in axes if a != "fsdp")

@@ -1,1 +1,2 @@
-"""Layout planning: the playbook's "find the best training configuration" as a tool (`python -m jscale.plan`)."""
+"""Layout planning: the playbook's "find the best training configuration" as a tool
+(`python -m jscale.plan`)."""

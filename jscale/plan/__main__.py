@@ -20,8 +20,7 @@ import json
 import os
 import sys
 
-from jscale import exit_codes
-from jscale import hardware
+from jscale import exit_codes, hardware
 from jscale.config import ConfigError
 
 # GPUs whose single-device step efficiency jscale measured: the planner's compute term.
@@ -42,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--model", required=True,
                  help="a preset (llama3_8b, mixtral_8x7b, ...) or a config YAML file")
   p.add_argument("--gpus", type=int, required=True, help="devices in the run")
-  p.add_argument("--gpu", default="h100", help="device type: one of jscale/hardware.py's measured GPUs (h100, h200)")
+  p.add_argument("--gpu", default="h100",
+                 help="device type: one of jscale/hardware.py's measured GPUs (h100, h200)")
   p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
   p.add_argument("--global-batch-tokens", type=_count, required=True,
                  help="tokens per optimizer step (4M = 4 x 2^20, 512k, or a number)")
@@ -70,8 +70,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _model(spec: str, overrides: list[str]):
-  from jscale.config_load import load_config  # pylint: disable=import-outside-toplevel
-  from jscale.presets import PRESETS  # pylint: disable=import-outside-toplevel
+  from jscale.config_load import load_config
+  from jscale.presets import PRESETS
   if os.path.isfile(spec):
     return load_config(spec, overrides).model
   if spec not in PRESETS:
@@ -85,7 +85,7 @@ def _target_devices(args):
   what to change or install."""
   if args.target is None:
     return None
-  from jscale.analysis import gpu_target  # pylint: disable=import-outside-toplevel
+  from jscale.analysis import gpu_target
   _, n = gpu_target.parse(args.target)
   if n != args.gpus:
     raise ValueError(f"--target {args.target} compiles for {n} GPUs but --gpus is {args.gpus}: "
@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.gpus}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from jscale.plan import listing  # pylint: disable=import-outside-toplevel
-  from jscale.plan.rank import rank  # pylint: disable=import-outside-toplevel
+  from jscale.plan import listing
+  from jscale.plan.rank import rank
   try:
     if args.gpu not in PLANNABLE:
       raise ConfigError(f"--gpu {args.gpu!r}: the planner knows the measured step efficiency "
@@ -128,10 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     print(listing.header(model, args, gpu, len(rows), len(fitting)))
     print(listing.table(shown, args.seq, gpu, args.explain))
   if args.plot:
-    from jscale.plan import plot  # pylint: disable=import-outside-toplevel
+    from jscale.plan import plot
     print(f"wrote {plot.plot(shown, shown[0].limit, args.plot)}", file=sys.stderr)
   if args.verify:
-    from jscale.plan import verify  # pylint: disable=import-outside-toplevel
+    from jscale.plan import verify
     checked = [verify.compare(args.model, args.overrides, row, args.seq, gpu, devices,
                               collectives=args.collectives) for row in shown[:args.verify]]
     if args.rank == "compiled":

@@ -18,12 +18,11 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jscale import hardware
 from jscale.config import ModelConfig
 from jscale.metrics import flops_per_token
-from jscale import hardware
 from jscale.plan.layout import Layout, layout_of
-from jscale.plan.memory import (channels, local_param_split, schedule_table,
-                                 tokens_per_microbatch)
+from jscale.plan.memory import channels, local_param_split, schedule_table, tokens_per_microbatch
 
 GRAD_BYTES = 4  # gradients are reduced in fp32
 

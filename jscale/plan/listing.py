@@ -45,8 +45,9 @@ def terms(r: Row) -> list[str]:
              f"+ remat) x (1 + bubble {c.bubble:.3f})")
   for t in c.transfers:
     link = "NVLink" if t.nodes == 1 else f"{t.nodes} nodes"
+    hidden = f" (hidden behind the {t.overlap})" if t.overlap else " (exposed)"
     out.append(f"{t.axis}: {t.what}: {t.kind} {t.bytes / 1e9:.3f} GB over {link} = "
-               f"{1e3 * t.seconds():.1f} ms" + (f" (hidden behind the {t.overlap})" if t.overlap else " (exposed)"))
+               f"{1e3 * t.seconds():.1f} ms" + hidden)
   out.append(f"exposed communication {c.exposed_s:.3f} s; step {c.step_s:.3f} s; "
              f"MFU {100 * c.mfu:.1f}%")
   return out

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 
 from jscale import hardware
 from jscale.config import ModelConfig, TrainConfig
-from jscale.step.loss import num_chunks
 from jscale.metrics import attention_params, param_counts
 from jscale.parallel.pipeline import program, schedules
 from jscale.plan.layout import Layout
+from jscale.step.loss import num_chunks
 from jscale.xla_flags import MEM_FRACTION
 
 GiB = hardware.GiB
@@ -219,8 +219,9 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
     activations += cast_weights(model, lay) * layers_per_chunk * sets
   # Transients at the step's peak, whichever is larger: the loss's or the backward's beside the
   # gradients. Both hold the vocabulary weight in the compute dtype (the head's operand). The
-  # backward adds half a recomputed layer under remat (the rest is saved or freed as it goes), ZeRO-3's gathered weights of this layer and the next
-  # (prefetched), ZeRO-2/3's full fp32 vocabulary gradient before its reduce-scatter, and under
+  # backward adds half a recomputed layer under remat (the rest is saved or freed as it goes),
+  # ZeRO-3's gathered weights of this layer and the next (prefetched), ZeRO-2/3's full fp32
+  # vocabulary gradient before its reduce-scatter, and under
   # accumulation the micro-batch's gradients beside their running sum; an untied embedding's
   # gradient is made last, after the layers' transients are gone. Fitted to XLA:GPU's buffer
   # assignment with the launcher's overlap flags (`python -m jscale.plan --verify N --target

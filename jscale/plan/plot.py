@@ -10,9 +10,9 @@ from jscale.plan.rank import Row
 
 def plot(rows: list[Row], limit_bytes: float, out_path: str) -> str:
   """Draws `rows` (ranked) into a two-panel PNG at `out_path` (written whole); returns it."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
+  import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  import matplotlib.pyplot as plt
   labels = [f"#{i} {r.layout.describe()}" for i, r in enumerate(rows, 1)]
   ys = range(len(rows))
   fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(15, 0.45 * len(rows) + 1.6), sharey=True)

@@ -20,16 +20,15 @@ from typing import Sequence
 
 import jax
 
-from jscale import predict
+from jscale import hardware, predict
 from jscale.analysis import hlo, introspect, volume
 from jscale.config_load import load_config
-from jscale import hardware
 from jscale.plan.rank import Row
 
 
 def _config(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
             gpu: hardware.Gpu, collectives: str = "xla"):
-  import os  # pylint: disable=import-outside-toplevel
+  import os
   lay = row.layout
   run = [o for o in lay.overrides(seq, gpu.gpus_per_node) if ".dcn_" not in o]
   # One simulated host: each axis gets its full size inside it.

@@ -12,7 +12,7 @@ from __future__ import annotations
 from jscale import metrics
 from jscale.analysis import gpu_target, introspect
 from jscale.config import Config
-from jscale.predict import timing, launches, rates, summary
+from jscale.predict import launches, rates, summary, timing
 
 
 def predict(hlo_text: str, gpu: str, fit: rates.Fit = rates.FIT) -> timing.Schedule:

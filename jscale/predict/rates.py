@@ -3,7 +3,8 @@ a launch with, each with where it comes from.
 
 Peaks, SMs and the HBM bandwidth (the best copy measured on the card) are `jscale.hardware`'s.
 Kernels whose speed the compiled program cannot tell (cuDNN's fused attention, jscale's Pallas
-kernels) run at rates measured on our GPUs, looked up by shape; where none was measured the launch is timed as a roofline and flagged.
+kernels) run at rates measured on our GPUs, looked up by shape; where none was measured the
+launch is timed as a roofline and flagged.
 The efficiencies (`Fit`) were fitted on at most half of the measured training rows
 (`scripts/predict_vs_measured.py`, results/predict_vs_measured.md lists which).
 """

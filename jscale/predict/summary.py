@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jscale.predict.timing import Schedule, Timed
 from jscale.predict.rates import Chip
+from jscale.predict.timing import Schedule, Timed
 from jscale.profile import CATEGORIES, categorize
 
 TARGET_MFU = 0.55

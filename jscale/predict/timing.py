@@ -29,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jscale.analysis import volume
 from jscale import hardware
+from jscale.analysis import volume
 from jscale.predict import rates
 from jscale.predict.launches import Branches, Item, Launch, Loop
 

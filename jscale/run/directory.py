@@ -25,8 +25,8 @@ import time
 from importlib import metadata as importlib_metadata
 from typing import Any
 
-from jscale.ckpt import checkpoint as ckpt_lib
 from jscale import config as config_lib
+from jscale.ckpt import checkpoint as ckpt_lib
 from jscale.config import Config, ConfigError
 
 # Key prefixes whose change gives another model, optimizer state or data stream than the

@@ -23,13 +23,13 @@ from typing import Any
 
 import jax
 
-from jscale.ckpt import checkpoint as ckpt_lib
 from jscale import metrics as metrics_lib
-from jscale.run import console as console_lib
-from jscale.run import preemption
 from jscale import runtime
+from jscale.ckpt import checkpoint as ckpt_lib
 from jscale.config import Config
 from jscale.infer import evaluate
+from jscale.run import console as console_lib
+from jscale.run import preemption
 
 
 @dataclasses.dataclass

@@ -64,7 +64,7 @@ class StopSignals:
     if self.requested is not None and signum == signal.SIGINT:
       print(f"\n{name} again: exiting now, without saving (the checkpoints on disk are whole)",
             file=sys.stderr, flush=True)
-      os._exit(exit_codes.INTERRUPTED)  # pylint: disable=protected-access
+      os._exit(exit_codes.INTERRUPTED)  # at once: no cleanup, no save
     if self.requested is not None:
       return
     self.requested, self.at = name, self.started  # before printing: a signal may come mid-print

@@ -19,7 +19,8 @@ from jscale.config import Config, ModelConfig, PipelineConfig
 from jscale.model import llama
 from jscale.model import moe as moe_lib
 from jscale.parallel.comms import Comms
-from jscale.parallel.pipeline import executor, placement, program as prog_lib, schedules
+from jscale.parallel.pipeline import executor, placement, schedules
+from jscale.parallel.pipeline import program as prog_lib
 from jscale.step.accumulate import Grads, batch_sums, split_microbatches, token_count
 from jscale.step.loss import head_loss_sums, mtp_terms
 

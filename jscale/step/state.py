@@ -6,9 +6,9 @@ delayed scaling also `"dot_state"`, the linear layers' amax histories (`matmul.D
 stacked with the layers they belong to.
 
 Under a pipeline with several chunks per stage the layer stack is stored in chunk order, as
-the schedule places them (`jscale.parallel.pipeline.placement`); `params_to_storage` is the one place a tree in model layer
-order (parameters or their `dot_state`) is put in the stored order, whatever it comes from:
-random init, `checkpoint.init_from`, or a model loaded for evaluation.
+the schedule places them (`jscale.parallel.pipeline.placement`); `params_to_storage` is the one
+place a tree in model layer order (parameters or their `dot_state`) is put in the stored order,
+whatever it comes from: random init, `checkpoint.init_from`, or a model loaded for evaluation.
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def restack(state: State, n_layers: int, stages: int, saved: PipelineConfig,
   def move(path, x):
     if not any(getattr(k, "key", None) == "blocks" for k in path):
       return x
-    return placement.to_storage(placement.to_model(x, n_layers, stages, v, before), n_layers, stages,
-                             v, after)
+    in_model_order = placement.to_model(x, n_layers, stages, v, before)
+    return placement.to_storage(in_model_order, n_layers, stages, v, after)
 
   return jax.tree_util.tree_map_with_path(move, state)
 

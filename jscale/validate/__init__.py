@@ -15,8 +15,8 @@ naming the key.
 """
 
 from jscale.validate.kernels import check_backend, flash_attention_why_not
-from jscale.validate.on_mesh import check_mesh
 from jscale.validate.machine import check_runtime
+from jscale.validate.on_mesh import check_mesh
 from jscale.validate.values import check_config
 
 __all__ = ["check_backend", "check_config", "check_mesh", "check_runtime",

@@ -8,7 +8,7 @@ from jax.sharding import Mesh
 from jscale.config import Config, ConfigError
 from jscale.parallel.context.order import token_order
 from jscale.parallel.pipeline import schedules
-from jscale.validate import kernels, experts
+from jscale.validate import experts, kernels
 
 
 def check_mesh(cfg: Config, mesh: Mesh) -> None:

@@ -14,7 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.flash_attention import hopper_bwd, hopper_config as hc, hopper_fwd
+from pallas_kernels.flash_attention import hopper_bwd, hopper_fwd
+from pallas_kernels.flash_attention import hopper_config as hc
 from pallas_kernels.flash_attention.hopper_config import HopperBlocks, blocks_for
 from pallas_kernels.flash_attention.kernel import split_segments
 

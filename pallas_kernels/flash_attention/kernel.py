@@ -21,8 +21,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.flash_attention.kernel_config import (BlockSizes, Config, check_shapes,
-                                                          validate, why_not)
+from pallas_kernels.flash_attention.kernel_config import (
+  BlockSizes,
+  Config,
+  check_shapes,
+  validate,
+  why_not,
+)
 
 __all__ = ["BlockSizes", "check_shapes", "flash_attention", "why_not"]
 

@@ -25,8 +25,8 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.rms_norm import hopper_pipeline as hp
-from pallas_kernels.rms_norm.kernel import check_shapes
 from pallas_kernels.rms_norm.hopper_pipeline import HopperNormBlocks, why_not
+from pallas_kernels.rms_norm.kernel import check_shapes
 
 __all__ = ["HopperNormBlocks", "check_shapes", "rms_norm", "why_not"]
 

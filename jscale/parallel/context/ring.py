@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jscale.parallel.context.order import chunks_per_device as parts
 from jscale.model import blockwise_attention
 from jscale.model.blockwise_attention import BlockFns
+from jscale.parallel.context.order import chunks_per_device as parts
 
 _EMPTY_LSE = -1e30  # lse of rows that have seen no key yet (finite: merges never give nan)
 

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jscale.parallel.pipeline import placement
-from jscale.parallel.pipeline.table import B, F, IDLE, W, Table
+from jscale.parallel.pipeline.table import IDLE, B, F, Table, W
 
 # What a device computes in one tick (the executor's lax.switch branches); a pair's code is
 # "<forward code>+<backward code>" (e.g. "f_first+bw"), appended to these when a table has pairs.

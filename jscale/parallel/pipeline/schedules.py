@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from jscale.parallel.pipeline import placement, vshape
-from jscale.parallel.pipeline.table import B, F, IDLE, NAMES, W, Table
+from jscale.parallel.pipeline.table import IDLE, NAMES, B, F, Table, W
 
 __all__ = ["B", "F", "IDLE", "NAMES", "W", "Table", "SCHEDULES", "theory_bubble",
            "theory_in_flight", "why_not", "check_args", "make_table", "forward_table",
@@ -193,7 +193,7 @@ def validate(table: Table) -> None:
   chunk) with exactly one F, B and W, fused ops a full backward or a forward + backward pair,
   every input produced before the op that needs it starts (an op hands its outputs on when it
   ends), and at most `table.bound` residual sets held by any stage."""
-  p, C = table.p, table.chunks
+  C = table.chunks
   at: dict[tuple[int, int, int], tuple[int, int]] = {}
   for t, s in zip(*np.nonzero(table.kind)):
     key = (int(table.kind[t, s]), int(table.mb[t, s]), int(table.chunk[t, s]))

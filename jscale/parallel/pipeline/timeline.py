@@ -7,8 +7,14 @@ from __future__ import annotations
 import numpy as np
 
 from jscale.parallel.pipeline import placement
-from jscale.parallel.pipeline.schedules import (IDLE, NAMES, SCHEDULES, Table, theory_bubble,
-                                                theory_in_flight)
+from jscale.parallel.pipeline.schedules import (
+  IDLE,
+  NAMES,
+  SCHEDULES,
+  Table,
+  theory_bubble,
+  theory_in_flight,
+)
 
 
 def _local(table: Table, t: int, s: int) -> int:
@@ -38,8 +44,9 @@ def ascii_timeline(table: Table) -> str:
   in_pair = _pair_cells(table)
   cells = [[_cell(table, t, s, in_pair) for t in range(table.ticks)] for s in range(table.p)]
   width = max(len(c) for row in cells for c in row)
+  theory = theory_bubble(table.name, table.p, table.m, table.v)
   lines = [f"{table.name}: p={table.p} m={table.m} v={table.v}, {table.ticks} ticks, bubble "
-           f"{table.bubble():.3f} (theory {theory_bubble(table.name, table.p, table.m, table.v):.3f})"]
+           f"{table.bubble():.3f} (theory {theory:.3f})"]
   if table.name in SCHEDULES:
     lines[0] += (f", residual sets {table.live().max()} (theory "
                  f"{theory_in_flight(table.name, table.p, table.m, table.v)})")
@@ -53,9 +60,9 @@ _COLORS = {1: (0.30, 0.55, 0.85), 2: (0.90, 0.55, 0.25), 3: (0.45, 0.70, 0.40)}
 
 def render_png(table: Table, path: str) -> None:
   """Draws the table as coloured boxes (F blue, B orange, W green; later chunks lighter)."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
+  import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * table.ticks), 0.45 * table.p + 0.9))
   for t in range(table.ticks):

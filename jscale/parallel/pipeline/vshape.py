@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jscale.parallel.pipeline.table import B, F, IDLE, W
+from jscale.parallel.pipeline.table import IDLE, B, F, W
 
 Op = tuple[tuple[int, int, int], ...]  # fused actions (kind, local chunk, micro-batch)
 
