@@ -55,7 +55,7 @@ def _comments(cls) -> dict[str, str]:
               if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
   out = {}
   for stmt in node.body:
-    if not isinstance(stmt, ast.AnnAssign):
+    if not isinstance(stmt, ast.AnnAssign) or not isinstance(stmt.target, ast.Name):
       continue
     above, line = [], stmt.lineno - 1
     while line in alone:
@@ -77,7 +77,8 @@ def _doc(cls) -> str:
 def _section_type(tp) -> type | None:
   """The dataclass a field of type `tp` holds (`X` or `X | None`), if any."""
   args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
-  return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
+  one = args[0] if len(args) == 1 else None
+  return one if isinstance(one, type) and dataclasses.is_dataclass(one) else None
 
 
 def _kind(tp) -> str:
@@ -106,13 +107,14 @@ def sections(cls=Config, prefix: str = "") -> list[tuple[str, str, list[Key]]]:
   hints = typing.get_type_hints(cls)
   notes = _comments(cls)
   keys, nested = [], []
+  defaults = cls()  # every config section has a default for every field
   for f in dataclasses.fields(cls):
     name, tp = f"{prefix}{f.name}", hints[f.name]
     sub = _section_type(tp)
     if sub is not None and prefix == "":  # a top-level section
       nested += sections(sub, f"{name}.")
       continue
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    default = getattr(defaults, f.name)
     if sub is not None:  # an optional section inside one (model.moe): its keys follow
       keys.append(Key(name, "section | null", _show(None if default is None else "{...}"),
                       "; ".join(x for x in (notes.get(f.name, ""), _doc(sub)) if x)))

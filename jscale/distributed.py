@@ -179,7 +179,8 @@ def global_batch(local_batch: Mapping[str, np.ndarray],
 
 def _use_gloo_on_cpu() -> None:
   """Cross-process CPU collectives need an implementation: gloo unless one was chosen (mpi)."""
-  if jax.config.jax_cpu_collectives_implementation is None:
+  # A flag JAX defines at run time (its config has no static attribute for it).
+  if getattr(jax.config, "jax_cpu_collectives_implementation") is None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 

@@ -21,7 +21,9 @@ from typing import Any
 
 from jax._src import distributed as _distributed
 from jax._src.interpreters import pxla as _pxla
-from jax._src.lib import xla_client as _xla_client
+
+# Private by design: this file is the one home of JAX's private hooks.
+from jax._src.lib import xla_client as _xla_client  # pyright: ignore[reportPrivateImportUsage]
 
 
 def coordination_client() -> Any:

@@ -62,7 +62,7 @@ class AdamWState(NamedTuple):
 
 
 def adamw(schedule: optax.Schedule, b1: float, b2: float, eps: float, weight_decay: float,
-          clip_norm: float = 0.0) -> optax.GradientTransformation:
+          clip_norm: float = 0.0) -> optax.GradientTransformationExtraArgs:
   """Decoupled-weight-decay Adam; gradients are first scaled to global norm <= clip_norm (> 0)."""
 
   def init(params):
@@ -82,7 +82,7 @@ def adamw(schedule: optax.Schedule, b1: float, b2: float, eps: float, weight_dec
     c1, c2 = (1 - b1) * scale, (1 - b2) * scale * scale
     bc1 = 1 - b1 ** count.astype(jnp.float32)
     bc2 = 1 - b2 ** count.astype(jnp.float32)
-    lr = schedule(state.count)
+    lr = jnp.asarray(schedule(state.count))
     if finite is not None:  # a dropped step: lr 0, and no 0/0 before the first update
       lr = jnp.where(finite, lr, 0.0)
       bc1, bc2 = jnp.where(count == 0, 1.0, bc1), jnp.where(count == 0, 1.0, bc2)
@@ -105,6 +105,6 @@ def adamw(schedule: optax.Schedule, b1: float, b2: float, eps: float, weight_dec
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformationExtraArgs:
   """The optimizer; its state has the dtype of the (fp32 master) parameters."""
   return adamw(lr_schedule(cfg), cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay, cfg.clip_norm)

@@ -85,8 +85,8 @@ def pipeline_grads(*overrides) -> Result:
                                                       cfg.pipeline), params_sh)
 
   def fn(params, b):
-    out, codes = pipelined.grads(pipelined.Settings.of(cfg), rt.graphdef, comms,
-                                     params, b, with_codes=True)
+    out, codes = pipelined.grads_and_codes(pipelined.Settings.of(cfg), rt.graphdef, comms,
+                                           params, b)
     return comms.sync_grads(out.grads), out.loss, codes
 
   codes_sh = NamedSharding(rt.mesh, P("stage"))

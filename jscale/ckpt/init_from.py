@@ -217,6 +217,8 @@ def _shapes(tree: dict) -> dict[str, tuple[int, ...]]:
 def check_tokenizer(cfg: Config, saved: ModelConfig) -> None:
   """`data.tokenizer` against checkpoint.init_from's tokenizer (the rule in the module doc)."""
   path = cfg.checkpoint.init_from
+  if path is None:
+    return
   n = tokenizer_vocab_size(cfg.data)  # a missing or invalid data.tokenizer fails here, named
   ckpt_tok = os.path.join(path, TOKENIZER)
   where = f"data.tokenizer={cfg.data.tokenizer} (data.source={cfg.data.source})"

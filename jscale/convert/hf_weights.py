@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors' np API reads it)
 import numpy as np
@@ -89,7 +89,7 @@ class SafetensorsReader:
     else:
       raise FileNotFoundError(f"{path}: neither {SINGLE} nor {INDEX} there (only safetensors "
                               "checkpoints are supported; re-save with safe_serialization=True)")
-    self._open: dict[str, object] = {}
+    self._open: dict[str, Any] = {}  # file -> its open safetensors handle
 
   def __enter__(self) -> "SafetensorsReader":
     return self

@@ -73,7 +73,13 @@ def make_eval_batches(data_cfg: DataConfig, seq_len: int, global_batch: int, num
   if transform is not None:
     ds = ds.map(transform)
   ds = ds.batch(local, drop_remainder=True)
-  return [ds[i] for i in range(num_batches)]
+  batches: list[Batch] = []
+  for i in range(num_batches):
+    batch = ds[i]
+    if batch is None:  # grain's "filtered out": the pipeline above never filters
+      raise RuntimeError(f"the {split} split's batch {i} came back empty")
+    batches.append(batch)
+  return batches
 
 
 def _windows(stream: np.ndarray, seq_len: int, pad_id: int, split: str) -> Windows:

@@ -80,8 +80,11 @@ def pallas_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
                               None if interpret else compute_capability(device))
   if backend == "hopper":
     from pallas_kernels.flash_attention import hopper
-    return hopper.flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal)
-  return flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal, interpret=interpret)
+    out = hopper.flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal)
+  else:
+    out = flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal, interpret=interpret)
+  assert isinstance(out, jax.Array)  # (out, lse) comes only with return_lse
+  return out
 
 
 def compute_capability(device: jax.Device | None = None) -> str | None:

@@ -50,6 +50,9 @@ class LatentCache(NamedTuple):
     return self.latent.shape[2]
 
 
+# What `init` makes for a model: GQA's keys and values, or MLA's latent.
+Cache = KVCache | LatentCache
+
 # Logical names of the cache's dims (`jscale.sharding` maps kv_heads over tensor).
 NAMES = (None, "batch", None, "kv_heads", "head_dim")
 LATENT_NAMES = (None, "batch", None, None)  # shared by the heads: whole on every tensor rank
@@ -60,7 +63,7 @@ def names(cfg: ModelConfig) -> tuple:
   return NAMES if cfg.mla is None else LATENT_NAMES
 
 
-def init(cfg: ModelConfig, batch: int, length: int) -> KVCache | LatentCache:
+def init(cfg: ModelConfig, batch: int, length: int) -> Cache:
   """A zero cache for `batch` rows of `length` positions, in the compute dtype."""
   if cfg.mla is not None:
     lead = (cfg.n_layers, batch, length)

@@ -17,7 +17,7 @@ F mlp hidden, V vocab.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -48,12 +48,13 @@ class AttentionModule(Protocol):
                comms: Seam) -> jax.Array: ...
 
 
+@runtime_checkable
 class CachedAttention(AttentionModule, Protocol):
   """An attention module generation can run (`Block.cached`): through a KV cache."""
 
   def cached(self, h_BLD: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array,
-             cache: kv_cache.KVCache, layer: jax.Array,
-             prefill: bool) -> tuple[jax.Array, kv_cache.KVCache]: ...
+             cache: Any, layer: jax.Array,
+             prefill: bool) -> tuple[jax.Array, Any]: ...  # cache: `kv_cache.init`'s kind
 
 
 class MlpModule(Protocol):
@@ -100,12 +101,15 @@ class Block(nnx.Module):
     out_BLD, stats = self.mlp(h_BLD, comms)
     return x_BLD + checkpoint_name(comms.leave_tensor_parallel(out_BLD), "mlp_out"), stats
 
-  def cached(self, x_BLD, positions_BL, inv_freq, cache: kv_cache.KVCache, layer: jax.Array,
-             prefill: bool) -> tuple[jax.Array, kv_cache.KVCache]:
+  def cached(self, x_BLD, positions_BL, inv_freq, cache: kv_cache.Cache, layer: jax.Array,
+             prefill: bool) -> tuple[jax.Array, kv_cache.Cache]:
     """The block for generation: attention through layer `layer` of the KV cache (the
     attention module's `cached`), no seam (one device, or GSPMD-sharded weights)."""
-    out_BLD, cache = self.attn.cached(self.attn_norm(x_BLD), positions_BL, inv_freq, cache,
-                                      layer, prefill)
+    attn = self.attn
+    if not isinstance(attn, CachedAttention):
+      raise TypeError(f"{type(attn).__name__} cannot run through a KV cache (no `cached`)")
+    out_BLD, cache = attn.cached(self.attn_norm(x_BLD), positions_BL, inv_freq, cache, layer,
+                                 prefill)
     x_BLD = x_BLD + out_BLD
     out_BLD, _ = self.mlp(self.mlp_norm(x_BLD), LOCAL)
     return x_BLD + out_BLD, cache
@@ -136,8 +140,8 @@ class MoeGroup(nnx.Module):
     x_BLD, _ = jax.lax.scan(dense, x_BLD, stacked)
     return self.moe_block(x_BLD, positions_BL, inv_freq, comms)
 
-  def cached(self, x_BLD, positions_BL, inv_freq, cache: kv_cache.KVCache, group: jax.Array,
-             prefill: bool) -> tuple[jax.Array, kv_cache.KVCache]:
+  def cached(self, x_BLD, positions_BL, inv_freq, cache: kv_cache.Cache, group: jax.Array,
+             prefill: bool) -> tuple[jax.Array, kv_cache.Cache]:
     """`Block.cached` over the group's layers: cache layers group·k .. group·k + k-1."""
     graphdef, stacked = nnx.split(self.dense)
     every = self.dense_count + 1
@@ -233,8 +237,8 @@ class Llama(nnx.Module):
     return x_BLD, stats, embed_VD
 
   def cached_hidden(self, tokens_BL: jax.Array, positions_BL: jax.Array,
-                    cache: kv_cache.KVCache, prefill: bool
-                    ) -> tuple[jax.Array, kv_cache.KVCache]:
+                    cache: kv_cache.Cache, prefill: bool
+                    ) -> tuple[jax.Array, kv_cache.Cache]:
     """Generation's forward (one device or GSPMD-sharded; `jscale.model.kv_cache`): hidden
     states [B, L, D] before the final norm (`logits` takes them), and the cache with these
     tokens' K / V stored. `prefill`: the tokens are positions 0..L-1 of every row."""

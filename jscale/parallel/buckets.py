@@ -41,6 +41,8 @@ class Plan:
 def _to_rows(x: jax.Array, dim: int | None, n: int) -> jax.Array:
   if n == 1:
     return x.reshape(1, -1)
+  if dim is None:
+    raise ValueError(f"{n} shards of a tensor that has no dimension to split them over")
   shape = x.shape[:dim] + (n, x.shape[dim] // n) + x.shape[dim + 1:]
   return jnp.moveaxis(x.reshape(shape), dim, 0).reshape(n, -1)
 

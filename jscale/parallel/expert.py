@@ -15,9 +15,11 @@ Shape suffixes: T local tokens, K experts per token, A = T·K, E experts, D mode
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jscale.model import moe_dispatch as md
@@ -25,11 +27,19 @@ from jscale.model.moe_gemm import GroupedDot
 from jscale.model.seam import Seam
 from jscale.parallel import expert_exchange as ex
 from jscale.parallel import tensor
+from jscale.sharding import Layouts
 
 
 class XlaExpert:
   """GShard dispatch under sharding constraints (mixed into `XlaComms`: uses `layouts`,
   `manual_axes`, `_over_manual_batch`)."""
+  # Provided by the composition (`jscale.parallel.xla.XlaComms`):
+  layouts: Layouts
+  manual_axes: frozenset[str]
+  kernel: Callable[..., Any]
+  _sharding: Callable[[P], Any]
+  _over_manual_batch: Callable[..., jax.Array]
+
 
   def token_sum(self, x: jax.Array) -> jax.Array:
     # Router statistics: global under GSPMD; in a region manual over batch axes (the gradient
@@ -82,6 +92,11 @@ def _axes(axes) -> str | tuple[str, ...] | None:
 class ManualExpert:
   """All-to-all dispatch by hand (mixed into `ManualComms`: uses `mesh`, `tp`,
   `batch_axes`)."""
+  # Provided by the composition (`jscale.parallel.manual.ManualComms`):
+  mesh: Mesh
+  tp: int
+  batch_axes: tuple[str, ...]
+
 
   def token_sum(self, x: jax.Array) -> jax.Array:
     return tensor.reduce_from_tp(x, self.batch_axes) if self.batch_axes else x
@@ -95,7 +110,7 @@ class ManualExpert:
   def experts(self, x_GTD, ids_GTK, gates_GTK, w, moe, dtype, gemm=GroupedDot()):
     n_ep = self.mesh.shape["expert"]
     if n_ep == 1:
-      return super().experts(x_GTD, ids_GTK, gates_GTK, w, moe, dtype, gemm)
+      return Seam.experts(self, x_GTD, ids_GTK, gates_GTK, w, moe, dtype, gemm)
     x_TD, ids_TK, gates_TK = x_GTD[0], ids_GTK[0], gates_GTK[0]
     if moe.dispatch == "dropless":
       gpu = self.mesh.devices.flat[0].platform == "gpu"  # native ragged_all_to_all there

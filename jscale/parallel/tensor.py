@@ -26,6 +26,7 @@ the backward (reduce-scatter for the gather, all-gather for the scatter).
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,9 @@ scale_grad.defvjp(lambda x, factor: (x, None), lambda factor, _, g: (g * factor,
 
 class XlaTensor:
   """TP / SP as constraints on the residual stream (mixed into `XlaComms`)."""
+  # Provided by the composition (`jscale.parallel.xla.XlaComms`):
+  activation: Callable[..., jax.Array]
+
 
   def enter_tensor_parallel(self, x_BLD: jax.Array) -> jax.Array:
     # With sequence parallelism this is the all-gather along the sequence (playbook's g).
@@ -85,6 +89,10 @@ class XlaTensor:
 
 class ManualTensor:
   """TP / SP by hand (mixed into `ManualComms`: uses `tp`, `sp`)."""
+  # Provided by the composition (`jscale.parallel.manual.ManualComms`):
+  tp: int
+  sp: bool
+
 
   def enter_tensor_parallel(self, x_BLD: jax.Array) -> jax.Array:
     if self.tp == 1:

@@ -33,6 +33,10 @@ class XlaComms(XlaZero, XlaTensor, XlaContext, XlaExpert, XlaStages, Comms):
     # include the other shards explicitly.
     self.manual_axes = frozenset(manual_axes)
 
+  def with_manual_axes(self, axes: frozenset[str]) -> "XlaComms":
+    """This mode inside a shard_map manual over `axes` (the stage region, the batch loop)."""
+    return type(self)(self.layouts, manual_axes=axes)
+
   @property
   def in_stage_region(self) -> bool:
     return "stage" in self.manual_axes

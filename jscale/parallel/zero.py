@@ -31,13 +31,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jscale.model.seam import GATHERED
 from jscale.optim import global_norm, sumsq
 from jscale.parallel.buckets import Plan, reduce_buckets
-from jscale.sharding import add_fsdp, spec, spec_axes
+from jscale.parallel.comms import Comms
+from jscale.sharding import Layouts, add_fsdp, spec, spec_axes
 
 _POST = 1 << 30  # forward position of leaves after the layer stack (final norm, head)
 
@@ -70,6 +71,14 @@ def gather_layers_in_place(new: jax.Array, old: jax.Array,
 class XlaZero:
   """ZeRO as sharding constraints (mixed into `XlaComms`: uses `layouts`, `_sharding`,
   `in_stage_region`, `manual_axes`, `local_batch_axes`)."""
+  # Provided by the composition (`jscale.parallel.xla.XlaComms`):
+  layouts: Layouts
+  manual_axes: frozenset[str]
+  in_stage_region: bool
+  local_batch_axes: tuple[str, ...]
+  _sharding: Callable[[P], Any]
+  with_manual_axes: Callable[[frozenset[str]], Any]
+
 
   def gather_params(self, params: Any, dtype: Any) -> Any:
     # ZeRO-2/3 per layer, inside the layer scan. Backward: the layer's gradient is constrained
@@ -168,7 +177,7 @@ class XlaZero:
     axes = self.local_batch_axes
     if not axes or self.manual_axes:
       return fn(self, params, dot_state, batch, scale)
-    inner = type(self)(self.layouts, manual_axes=frozenset(axes))
+    inner = self.with_manual_axes(frozenset(axes))
     # ZeRO-1: each fsdp shard's optimizer needs only its slice of the sum, so the sum is
     # reduce-scattered over fsdp (the playbook's ZeRO-1 traffic), then all-reduced over data.
     is_spec = lambda x: isinstance(x, P)
@@ -251,6 +260,14 @@ def _stored_weight(shard: jax.Array, full: jax.Array, dim: int) -> jax.Array:
 class ManualZero:
   """ZeRO by hand (mixed into `ManualComms`: uses `layouts`, `mesh`, `fsdp`, `tp`, `sp`,
   `dp_axes`; `_init_zero` sets up the per-leaf reduction plans)."""
+  # Provided by the composition (`jscale.parallel.manual.ManualComms`):
+  layouts: Layouts
+  mesh: Mesh
+  tp: int
+  sp: bool
+  fsdp: int
+  dp_axes: tuple[str, ...]
+
 
   def _init_zero(self, bucket_mb: float) -> None:
     layouts = self.layouts
@@ -372,7 +389,7 @@ class ManualZero:
 
   def zero_grads(self, params: Any) -> Any:
     if not self._zero2():
-      return super().zero_grads(params)
+      return Comms.zero_grads(self, params)
 
     def zeros(p, dim):
       shape = list(p.shape)

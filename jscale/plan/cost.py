@@ -141,7 +141,10 @@ def estimate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu) -> Co
   extra = {"none": 0.0, "full": forward,
            # selective recomputes the norms, pointwise ops and attention core (not matmuls):
            "selective": 0.1 * forward}[lay.remat]
-  compute = (model_flops + extra) / (gpu.peak_flops["bf16"] * gpu.step_efficiency)
+  peak, efficiency = gpu.peak_flops["bf16"], gpu.step_efficiency
+  if peak is None or efficiency is None:
+    raise ValueError(f"{gpu.name}: no measured step efficiency (jscale/hardware.py)")
+  compute = (model_flops + extra) / (peak * efficiency)
   bub = bubble(lay.schedule, lay.stage, lay.accum, lay.virtual_stages)
   ts = transfers(model, lay, seq, gpu.gpus_per_node)
   backward = compute * 2 / 3
@@ -151,7 +154,7 @@ def estimate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu) -> Co
     exposed += max(0.0, sum(t.seconds() for t in ts if t.overlap == name) - window)
   step = compute * (1 + bub) + exposed
   return Cost(compute, bub, tuple(ts), exposed, step, model_flops,
-              model_flops / (step * gpu.peak_flops["bf16"]))
+              model_flops / (step * peak))
 
 
 def playbook_volume(rt) -> dict[str, float]:

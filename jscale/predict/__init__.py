@@ -37,7 +37,10 @@ def compile_step(cfg: Config, target: str) -> str:
   """The optimised HLO text of `cfg`'s train step compiled for `target` ("h100x8") as
   `python -m jscale.train` launches it, with the gemms the GPU's autotuner would mostly pick."""
   compiled, _ = introspect.compile_train_step(cfg, gpu_target.devices(target), AUTOTUNED_GEMMS)
-  return compiled.as_text()
+  text = compiled.as_text()
+  if text is None:
+    raise RuntimeError(f"XLA gave no HLO text for the step compiled for {target}")
+  return text
 
 
 def predict_config(cfg: Config, target: str, hlo_text: str | None = None, top: int = 20,

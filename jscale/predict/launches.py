@@ -233,8 +233,8 @@ class Program:
         key + r"=\{([\d,]*)\}", dot_attrs).group(1))] if re.search(key, dot_attrs) else []
     _set_gemm(launch, (lt, ls), (rt, rs), *(dims(f"{side}_{what}_dims") for side in ("lhs", "rhs")
                                              for what in ("contracting", "batch")))
-    launch.highest = "highest" in (re.search(r"operand_precision=\{([^}]*)\}", dot_attrs)
-                                   or [None, ""])[1]
+    precision = re.search(r"operand_precision=\{([^}]*)\}", dot_attrs)
+    launch.highest = precision is not None and "highest" in precision.group(1)
 
   # -------------------------------------------------------------------------- custom calls
   def _custom_call(self, launch: Launch, comp: str, shape, attrs: str) -> None:

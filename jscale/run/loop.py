@@ -90,7 +90,8 @@ class StepClock:
   left out by restarting the clock after them."""
 
   def __init__(self, start: int):
-    self.time, self.step = None, start
+    self.time: float | None = None
+    self.step = start
 
   def restart(self, done: int) -> None:
     self.time, self.step = time.perf_counter(), done
@@ -98,7 +99,8 @@ class StepClock:
   def per_step(self, done: int) -> float | None:
     """Seconds per step since the last restart (None if no step ran since), and restarts."""
     now = time.perf_counter()
-    step_time = (now - self.time) / max(done - self.step, 1) if done > self.step else None
+    since = self.time if self.time is not None else now
+    step_time = (now - since) / max(done - self.step, 1) if done > self.step else None
     self.time, self.step = now, done
     return step_time
 
@@ -228,6 +230,8 @@ class _NonFinite:
     return False
 
   def message(self, last_checkpoint: str) -> str:
+    if self.first is None:
+      raise RuntimeError("no non-finite step to report: settle() found none")
     s, r = self.first
     return (f"non-finite loss or gradient norm at step {s} (loss {r['loss']}, grad_norm "
             f"{r['grad_norm']}): stopped without saving (train.on_nan=stop); its update was not "

@@ -148,4 +148,5 @@ def agree(*flags: bool) -> tuple[bool, ...]:
   if jax.process_count() == 1:
     return tuple(bool(f) for f in flags)
   gathered = multihost_utils.process_allgather(np.asarray(flags, dtype=np.int32))
-  return tuple(bool(v) for v in np.asarray(gathered).reshape(-1, len(flags)).any(axis=0))
+  anywhere = np.asarray(np.asarray(gathered).reshape(-1, len(flags)).any(axis=0))
+  return tuple(bool(v) for v in anywhere.ravel())

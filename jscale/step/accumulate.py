@@ -70,8 +70,8 @@ def accumulate_grads(loss_fn: Callable, params, batch: Batch, microbatches: int,
                                                 batch, scale, 1)
     else:  # each batch shard sums its micro-batches' gradients, reduced once (`over_batch`)
       grads, loss, stats, new_dots = comms.over_batch(
-          lambda c, *a: _grad_loop(c, loss_fn, *a, microbatches), params, dot_state or {},
-          batch, scale)
+          lambda c, p, d, b, s: _grad_loop(c, loss_fn, p, d, b, s, microbatches), params,
+          dot_state or {}, batch, scale)
   return Grads(grads, comms.batch_sum(loss), count, stats, new_dots)
 
 

@@ -120,11 +120,17 @@ def _dot_blocks(dot_state: Any) -> Any:
 
 
 def grads(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
-          batch: dict[str, jax.Array], dot_state: Any = None, with_codes: bool = False):
+          batch: dict[str, jax.Array], dot_state: Any = None) -> Grads:
   """The pipelined counterpart of `accumulate.accumulate_grads`: `Grads`, gradients not yet
   reduced over the data axes, `dot_state` (FP8's amax histories) as the max over micro-batches
-  of each one's new value. With `with_codes`, (Grads, the executor codes [T] this stage ran)
-  (for checking the executed schedule)."""
+  of each one's new value."""
+  return grads_and_codes(s, graphdef, comms, params, batch, dot_state)[0]
+
+
+def grads_and_codes(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
+                    batch: dict[str, jax.Array], dot_state: Any = None
+                    ) -> tuple[Grads, jax.Array]:
+  """`grads`, and the executor codes [T] this stage ran (for checking the executed schedule)."""
   count = token_count(batch, comms)
   scale = 1.0 / jnp.maximum(count, 1.0)
   program = program_for(s.pipeline, comms.stages, train=True)
@@ -147,7 +153,7 @@ def grads(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
   g, (loss, stats), codes, new_dots = comms.over_stages(
       on_stage, params, _dot_blocks(dot_state), _microbatches(s, batch), scale)
   out = Grads(g, comms.batch_sum(loss), count, stats, {"blocks": new_dots} if new_dots else {})
-  return (out, codes) if with_codes else out
+  return out, codes
 
 
 def loss_sums(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,

@@ -94,5 +94,6 @@ def flash_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, segment_ids=
   sm_scale = 1.0 / math.sqrt(q_BLHK.shape[-1]) if sm_scale is None else sm_scale
   cfg = hc.Config(causal=causal, sm_scale=float(sm_scale), blocks=blocks,
                   segments=q_seg is not None, interpret=interpret)
-  out, lse = _flash(q_BLHK, k_BSGK, v_BSGK, q_seg, kv_seg, cfg)
+  # partial(custom_vjp)'s result is typed as object
+  out, lse = _flash(q_BLHK, k_BSGK, v_BSGK, q_seg, kv_seg, cfg)  # pyright: ignore[reportGeneralTypeIssues]
   return (out, lse) if return_lse else out

@@ -14,6 +14,7 @@ warpgroups' ping-pong schedule, masks, causal block skipping, GQA indexing, segm
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +22,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+# Mosaic GPU's accumulator ref, not in its module's __all__.
+_ACC = plgpu.ACC  # pyright: ignore[reportPrivateImportUsage]
+
 
 def _value(x):
   """A shared-memory ref's contents, or x itself when it already is a value."""
-  if hasattr(x, "transforms") or isinstance(getattr(x, "aval", None), jax.ref.AbstractRef):
+  # jax.ref is loaded lazily by JAX: its type stubs do not name it.
+  abstract_ref = jax.ref.AbstractRef  # pyright: ignore[reportAttributeAccessIssue]
+  if hasattr(x, "transforms") or isinstance(getattr(x, "aval", None), abstract_ref):
     return x[...]
   return x
 
@@ -54,9 +60,9 @@ class Ops:
       if issued is not None:
         issued()
       return acc_ref[...]
-    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+    return pl.run_scoped(body, _ACC(shape, jnp.float32))
 
-  def accumulate(self, accs, operands, issued=None):
+  def accumulate(self, accs, operands, issued=None) -> tuple[Any, ...]:
     """[acc + a @ b] for each acc and (a, b_ref, transpose_b) of `operands` (a in registers
     or shared memory): one wgmma group compiled (a single wait). `issued()` as in product."""
     if self.interpret:
@@ -70,7 +76,7 @@ class Ops:
         plgpu.wgmma(ref, a, plgpu.transpose_ref(b, (1, 0)) if t else b)
       if issued is not None:
         issued()
-    out = pl.run_state(body)(tuple(plgpu.ACC.init(acc) for acc in accs))
+    out = pl.run_state(body)(tuple(_ACC.init(acc) for acc in accs))
     return tuple(out)
 
   def zeros(self, shape, value: float = 0.0):

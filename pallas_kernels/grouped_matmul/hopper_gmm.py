@@ -19,6 +19,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_matmul import hopper_config as C
 
+# Mosaic GPU's accumulator ref, not in its module's __all__.
+_ACC = plgpu.ACC  # pyright: ignore[reportPrivateImportUsage]
+
 
 def gmm(lhs_MK: jax.Array, rhs: jax.Array, sizes_G: jax.Array, *, blocks: C.GmmBlocks,
         transpose_rhs: bool = False, interpret: bool = False) -> jax.Array:
@@ -66,7 +69,7 @@ def gmm(lhs_MK: jax.Array, rhs: jax.Array, sizes_G: jax.Array, *, blocks: C.GmmB
         live = (tile.group < g) & (tile.size > 0)
 
         def context(run_pipeline):
-          @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, tn), jnp.float32))
+          @functools.partial(pl.run_scoped, acc=_ACC((tm, tn), jnp.float32))
           def _acc(acc):
             run_pipeline(acc)
             out = acc[...].astype(out_gmem.dtype)

@@ -20,6 +20,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_matmul import hopper_config as C
 
+# Mosaic GPU's accumulator ref, not in its module's __all__.
+_ACC = plgpu.ACC  # pyright: ignore[reportPrivateImportUsage]
+
 
 def _keep_rows(ref, row0, start, end, interpret: bool) -> None:
   """Zeroes the rows of the shared-memory block `ref` (first row: global row row0) outside
@@ -82,7 +85,7 @@ def tgmm(lhs_MK: jax.Array, rhs_MN: jax.Array, sizes_G: jax.Array, *, blocks: C.
                                             steps_gmem[gi])
 
         def context(run_pipeline):
-          @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, tn), jnp.float32))
+          @functools.partial(pl.run_scoped, acc=_ACC((tm, tn), jnp.float32))
           def _acc(acc):
             run_pipeline(acc)
             out = acc[...].astype(out_gmem.dtype)

@@ -18,6 +18,7 @@ JAX's Mosaic GPU interpreter) the same kernels run unchanged.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -174,7 +175,8 @@ def rms_norm(x_ND, weight_D, *, eps: float = 1e-6, residual_ND=None,
   fwd_cfg = hp.config(n, d, itemsize, eps, block_sizes, 2 + 2 * has_residual, interpret)
   bwd_cfg = hp.config(n, d, itemsize, eps, block_sizes, 3 + has_residual, interpret)
   flat = lambda a: None if a is None else a.reshape(n, d)
-  result = _rms_norm(flat(x_ND), weight_D, flat(residual_ND), fwd_cfg, bwd_cfg)
+  # partial(custom_vjp)'s result is typed as object
+  result: Any = _rms_norm(flat(x_ND), weight_D, flat(residual_ND), fwd_cfg, bwd_cfg)
   if not has_residual:
     return result.reshape(shape)
   return result[0].reshape(shape), result[1].reshape(shape)

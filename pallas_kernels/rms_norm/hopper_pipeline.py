@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
@@ -53,8 +54,9 @@ class Config:
     return next(v for v in (8, 4, 2, 1) if self.d % (WARPGROUP * v) == 0)
 
   @property
-  def chunks(self) -> list[pl.Slice]:
-    """A row's chunks: 128 * vec_size elements each."""
+  def chunks(self) -> list[Any]:
+    """A row's chunks (`pl.Slice`s; `pl.ds` is typed as maybe a slice): 128 * vec_size
+    elements each."""
     size = WARPGROUP * self.vec_size
     return [pl.ds(c * size, size) for c in range(self.d // size)]
 

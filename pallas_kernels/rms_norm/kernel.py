@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -221,7 +222,8 @@ def rms_norm(x_ND, weight_D, *, eps: float = 1e-6, residual_ND=None,
                 interpret=interpret)
   shape = x_ND.shape
   flat = lambda a: None if a is None else a.reshape(-1, d)
-  result = _rms_norm(flat(x_ND), weight_D, flat(residual_ND), cfg)
+  # partial(custom_vjp)'s result is typed as object
+  result: Any = _rms_norm(flat(x_ND), weight_D, flat(residual_ND), cfg)
   if residual_ND is None:
     return result.reshape(shape)
   return result[0].reshape(shape), result[1].reshape(shape)

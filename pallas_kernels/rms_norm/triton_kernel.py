@@ -11,6 +11,7 @@ and writes one fp32 partial sum of dweight, reduced in jnp. Untested here (no GP
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,11 @@ import jax.numpy as jnp
 @functools.cache
 def _kernels():
   """Builds the Triton kernels (imports triton lazily)."""
-  import triton
-  import triton.language as tl
+  # the optional triton extra
+  import triton  # pyright: ignore[reportMissingImports]
+
+  # the optional triton extra
+  import triton.language as tl  # pyright: ignore[reportMissingImports]
 
   @triton.jit
   def fwd_kernel(x_ptr, w_ptr, n_cols, eps, out_ptr, rstd_ptr, BLOCK_D: tl.constexpr):
@@ -74,7 +78,8 @@ def _out_kwarg(jt) -> str:
 
 
 def _forward(x_ND, weight_D, eps: float):
-  import jax_triton as jt
+  # the optional triton extra
+  import jax_triton as jt  # pyright: ignore[reportMissingImports]
   triton, fwd_kernel, _ = _kernels()
   n, d = x_ND.shape
   block_d = triton.next_power_of_2(d)
@@ -88,7 +93,8 @@ def _forward(x_ND, weight_D, eps: float):
 
 
 def _backward(h_ND, weight_D, rstd_N, dout_ND, rows_per_program: int):
-  import jax_triton as jt
+  # the optional triton extra
+  import jax_triton as jt  # pyright: ignore[reportMissingImports]
   triton, _, bwd_kernel = _kernels()
   n, d = h_ND.shape
   block_d = triton.next_power_of_2(d)
@@ -129,5 +135,7 @@ def rms_norm_triton(x, weight, eps: float = 1e-6, residual=None, rows_per_progra
   """
   h = x if residual is None else x + residual
   d = h.shape[-1]
-  out = _rms_norm(h.reshape(-1, d), weight, float(eps), rows_per_program).reshape(h.shape)
+  # partial(custom_vjp)'s result is typed as object
+  out: Any = _rms_norm(h.reshape(-1, d), weight, float(eps), rows_per_program)
+  out = out.reshape(h.shape)
   return out if residual is None else (out, h)

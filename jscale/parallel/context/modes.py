@@ -3,21 +3,30 @@
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 
 from jscale.model import attention as attn_lib
+from jscale.model.seam import Seam
 from jscale.parallel.context.ring import ring_attention
+from jscale.sharding import Layouts
 
 
 class XlaContext:
   """CP in xla mode (mixed into `XlaComms`: uses `layouts`, `activation`, `_shard_map`)."""
+  # Provided by the composition (`jscale.parallel.xla.XlaComms`):
+  layouts: Layouts
+  activation: Callable[..., jax.Array]
+  _shard_map: Callable[..., Callable]
+
 
   def attention(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, impl: str,
                 interpret: bool = False) -> jax.Array:
     layouts = self.layouts
     if layouts.mesh.shape["sequence"] == 1:
-      return super().attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl, interpret)
+      # The seam's own attention: one device's math (GSPMD shards it).
+      return Seam.attention(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, impl, interpret)
     if impl in ("ring", "pallas"):  # the hand-written ring, on the shards XLA already holds
       q_spec = layouts.activation(("batch", "seq", "heads", "head_dim")).spec
       kv_spec = layouts.activation(("batch", "seq", "kv_heads", "head_dim")).spec
@@ -40,6 +49,10 @@ class XlaContext:
 
 class ManualContext:
   """CP by hand (mixed into `ManualComms`: uses `cp`, `layouts`)."""
+  # Provided by the composition (`jscale.parallel.manual.ManualComms`):
+  layouts: Layouts
+  cp: int
+
 
   def sequence_sum(self, x: jax.Array) -> jax.Array:
     return jax.lax.psum(x, "sequence") if self.cp > 1 else x
@@ -47,7 +60,7 @@ class ManualContext:
   def attention(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, impl: str,
                 interpret: bool = False) -> jax.Array:
     if self.cp == 1:  # a Pallas impl runs on this device's shards as they are
-      return super().attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl, interpret)
+      return Seam.attention(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, impl, interpret)
     # Context parallelism is always the ring here; the block math is the flash kernel for
     # attention_impl=pallas, else plain jnp. It names its output "attn_ctx" itself.
     return ring_attention(q_BLHK, k_BSGK, v_BSGK, "sequence", layout=self.layouts.context_layout,

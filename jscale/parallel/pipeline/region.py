@@ -6,7 +6,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+
+from jscale.sharding import Layouts
 
 
 class XlaStages:
@@ -14,6 +17,11 @@ class XlaStages:
   gradient loop keeps apart (`local_batch_axes`: each shard sums its own micro-batches'
   gradients, the shards are summed once at the end), so XLA still partitions fsdp (ZeRO-2) /
   tensor inside each stage and reduces nothing per tick."""
+  # Provided by the composition (`jscale.parallel.xla.XlaComms`):
+  layouts: Layouts
+  local_batch_axes: tuple[str, ...]
+  with_manual_axes: Callable[[frozenset[str]], Any]
+
 
   @property
   def stages(self) -> int:
@@ -21,7 +29,7 @@ class XlaStages:
 
   def in_pipeline(self):
     # Inside the stage region constraints are bare specs, resolved against its mesh.
-    return type(self)(self.layouts, manual_axes=frozenset({"stage", *self.local_batch_axes}))
+    return self.with_manual_axes(frozenset({"stage", *self.local_batch_axes}))
 
   def over_stages(self, fn: Callable, params: Any, dots: Any, microbatches: Any,
                   scale: jax.Array, grads: bool = True):
@@ -51,6 +59,9 @@ class XlaStages:
 class ManualStages:
   """manual mode (mixed into `ManualComms`): the whole step already runs on each device's
   shards, the stage's layers among them."""
+  # Provided by the composition (`jscale.parallel.manual.ManualComms`):
+  mesh: Mesh
+
 
   @property
   def stages(self) -> int:

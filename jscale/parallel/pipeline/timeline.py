@@ -63,6 +63,7 @@ def render_png(table: Table, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from matplotlib.patches import Rectangle
 
   fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * table.ticks), 0.45 * table.p + 0.9))
   for t in range(table.ticks):
@@ -72,11 +73,11 @@ def render_png(table: Table, path: str) -> None:
         continue
       fade = _local(table, t, s) / max(1, table.v)
       color = tuple(c + (1 - c) * 0.55 * fade for c in _COLORS[k])
-      ax.add_patch(plt.Rectangle((t, s), 1, 1, facecolor=color, edgecolor="white", lw=0.8))
+      ax.add_patch(Rectangle((t, s), 1, 1, facecolor=color, edgecolor="white", lw=0.8))
       ax.text(t + 0.5, s + 0.5, str(table.mb[t, s]), ha="center", va="center", fontsize=7)
   for t, s in zip(*np.nonzero(table.paired())):  # a pair: one op, one frame
     n = table.ends()[t, s] - t + 1
-    ax.add_patch(plt.Rectangle((t, s), n, 1, fill=False, edgecolor="black", lw=1.2))
+    ax.add_patch(Rectangle((t, s), n, 1, fill=False, edgecolor="black", lw=1.2))
   ax.set_xlim(0, table.ticks)
   ax.set_ylim(table.p, 0)
   ax.set_yticks(np.arange(table.p) + 0.5, [f"stage {s}" for s in range(table.p)])
