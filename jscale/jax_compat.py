@@ -1,5 +1,5 @@
 """Every private JAX hook jscale uses, in one file, each with a one-line test
-(tests/test_jax_compat.py): a JAX upgrade that moves one breaks here, by name. The kernels'
+(tests/house/test_jax_compat.py): a JAX upgrade that moves one breaks here, by name. The kernels'
 own hooks stay with them (`pallas_kernels/mosaic_gpu_env.py`).
 
 - `coordination_client`: the distributed coordination service's key-value store (agreeing on

@@ -36,8 +36,8 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
              "manylinux2014_x86_64", "manylinux1_x86_64", "any")
 PY = "python3"
 MIN_LEFT_S = 30  # a command is not started with less of the budget left
-HOPPER_TESTS = ["tests/test_hopper_attention.py", "tests/test_hopper_rms_norm.py",
-                "tests/test_grouped_matmul.py"]
+HOPPER_TESTS = ["tests/kernels/test_hopper_attention.py", "tests/kernels/test_hopper_rms_norm.py",
+                "tests/kernels/test_grouped_matmul.py"]
 # part -> [(label, argv, extra environment, result files it writes)]
 PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
     # Issue 38: the rows jscale.predict needs most, in one call of <= 8 minutes (start-up

@@ -1,5 +1,5 @@
 """The measured GPU train-step rows (22), each with the code, config and GPU it ran on, as the
-sources record them. `measured_rows.py` compiles them; `tests/test_measured_rows.py` checks them.
+sources record them. `measured_rows.py` compiles them; `tests/predict/test_measured_rows.py` checks them.
 
 Sources (figures copied verbatim; per-step values are derived in properties):
 * H100_MD = results/h100_measured/h100_2026-11-23.md (1x H100 80GB HBM3, main at 29f9f33, jax

@@ -1,6 +1,6 @@
 """The planner against XLA:GPU at real sizes (seq 4096) for every layout of the sweep: model
 state, the rest of the peak and manual mode's collective volume, estimated and compiled for
-H100s on this machine (`jscale.analysis.gpu_target`, no GPU). tests/test_gpu_compile.py checks
+H100s on this machine (`jscale.analysis.gpu_target`, no GPU). tests/plan/test_gpu_compile.py checks
 one layout per axis (`CHECKED`); this runs all of `LAYOUTS` (~1 min each on 2 cores).
 
     JAX_PLATFORMS=cpu python scripts/planner_vs_gpu.py [--out results/planner_vs_gpu.md]
@@ -25,7 +25,7 @@ from jscale.plan.verify import compare  # noqa: E402
 
 H100 = hardware.GPUS["h100"]
 B1, B3, B8 = ("llama3_1b", ()), ("llama3_3b", ()), ("llama3_8b", ("model.n_layers=8",))
-# (model, GPUs, layout): the ones tests/test_gpu_compile.py checks in CI.
+# (model, GPUs, layout): the ones tests/plan/test_gpu_compile.py checks in CI.
 CHECKED = [(B1, 1, Layout(mbs=2, remat="selective")),
            (B1, 8, Layout(data=8, remat="selective")),
            (B1, 8, Layout(fsdp=8, zero_stage=3, remat="selective")),

@@ -5,7 +5,7 @@ and rewrites the README's sentence between the `quickstart` markers from it.
     python scripts/quickstart_figures.py            # train (~5 min on 2 cores), count, write
     python scripts/quickstart_figures.py --run runs/tiny   # read a finished run instead
 
-tests/test_docs.py checks that the README says exactly what `results/quickstart.json` holds.
+tests/house/test_docs.py checks that the README says exactly what `results/quickstart.json` holds.
 """
 
 from __future__ import annotations

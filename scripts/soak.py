@@ -12,7 +12,7 @@ time relaunched with the same command, must end with exactly the losses of an un
 3. Check: every step's loss in metrics.jsonl appears once and equals the reference bit for bit.
 
 Prints a table (kills, resumes, steps, wall time, losses equal) and writes it as JSON to
-`--results` (default results/soak.json). The helpers are shared with tests/test_run_lifecycle.py.
+`--results` (default results/soak.json). The helpers are shared with tests/run/test_run_lifecycle.py.
 """
 
 from __future__ import annotations

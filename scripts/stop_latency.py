@@ -3,7 +3,7 @@ seconds from the signal to the process's exit (the checkpoint save included).
 
     python scripts/stop_latency.py [--processes 1|2] [--every 25]
 
-Trains the model of tests/test_stop.py (~0.15 s steps on a 2-core CPU) on CPU devices, sends
+Trains the model of tests/run/test_stop.py (~0.15 s steps on a 2-core CPU) on CPU devices, sends
 SIGTERM to the last process `--delay` seconds after step `--every` is logged (between two
 logging steps, where a host running ahead of its device has the most steps queued), and prints
 one JSON line.

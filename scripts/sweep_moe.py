@@ -3,7 +3,7 @@
 
   python scripts/sweep_moe.py [--all] [--only manual,ep4] [--out results/sweep_moe.md]
 
-tests/test_moe.py checks a representative 8 (in each mode one local expert and several, with
+tests/model/test_moe.py checks a representative 8 (in each mode one local expert and several, with
 data, tensor (+SP), ZeRO and gradient accumulation; xla mode also ep=4 and the shared expert).
 By default this runs the 13 the suite checked before it was trimmed; with `--all`, every mode x
 mesh.expert x extra below that fits on 8 devices (44 of 66; the rest, and any that config
@@ -20,7 +20,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "model")]
 
 # (mode, mesh.expert, extra): the suite's layouts before it was trimmed.
 CASES = [(mode, ep, extra) for mode in ("xla", "manual")

@@ -4,10 +4,10 @@ one step's loss and gradients, and whether the executor ran exactly the schedule
   python scripts/sweep_pipeline.py [--all] [--only manual,interleaved] \
       [--out results/sweep_pipeline.md]
 
-tests/test_pipeline.py checks a representative 12 layouts (in each mode every schedule, p = 2
+tests/parallel/test_pipeline.py checks a representative 12 layouts (in each mode every schedule, p = 2
 and 4, m = 4 and 8, data, tensor, SP, ZeRO-1 and ZeRO-2 at least once). By default this runs
 the 21 the suite checked before it was trimmed plus the two of its permute test and five
-more of ZB-V and DualPipeV (tests/test_pipeline_v.py runs four); with `--all`,
+more of ZB-V and DualPipeV (tests/parallel/test_pipeline_v.py runs four); with `--all`,
 every mode x schedule x p x m x extra below that fits on 8 devices and passes config validation
 (272 of 352 fit; the rest are listed as skipped). `--only` keeps the layouts whose id contains
 every comma-separated word (`--all --only xla,zero_bubble,p4`). On 8 simulated CPU devices a
@@ -45,7 +45,7 @@ CASES = [
     ("xla", "1f1b", 4, 4, ("mesh.tensor=2", "parallel.sequence_parallel=true")),
     ("xla", "zero_bubble", 2, 4, ("mesh.fsdp=2", "parallel.zero_stage=1")),
     ("xla", "1f1b", 2, 4, ("mesh.fsdp=2", "parallel.zero_stage=2", "mesh.data=2")),
-    # The V schedules beyond tests/test_pipeline_v.py's (which also runs them with MoE).
+    # The V schedules beyond tests/parallel/test_pipeline_v.py's (which also runs them with MoE).
     ("manual", "dualpipev", 4, 8, ("mesh.data=2",)),
     ("manual", "zbv", 2, 4, ("mesh.tensor=2",)),
     ("xla", "zbv", 4, 8, ("mesh.fsdp=2", "parallel.zero_stage=1")),

@@ -1,6 +1,6 @@
 """One process of a multi-process test: `python tests/mp_worker.py [distributed.key=value ...]`.
 
-Started several times (directly by tests/test_distributed.py, or by scripts/launch_local.py,
+Started several times (directly by tests/run/test_distributed.py, or by scripts/launch_local.py,
 which appends the distributed.* overrides), with JAX_PLATFORMS=cpu and its own
 --xla_force_host_platform_device_count. Calls jscale.distributed.initialize (twice: it is
 idempotent), builds a global batch over a 1-D "data" mesh of every process's devices from

@@ -82,7 +82,7 @@ def _host_init(cfg: Config) -> dict:
 def initial_state(rt: runtime.Runtime):
   """`rt.init_state()`'s values without compiling `rt`'s init: one device's initial state (an
   init compiled once per model, numerics and seed) in `rt`'s layer order and shardings.
-  Every layout's init equals one device's (`tests/test_parallel_xla.py` checks it); compiles
+  Every layout's init equals one device's (`tests/parallel/test_parallel_xla.py` checks it); compiles
   dominate the parity tests, and the sharded init was a third of each."""
   host = _host_init(one_device(rt.cfg))
   placed = {**host, "params": rt.params_to_storage(host["params"])}

@@ -3,7 +3,7 @@ Pallas kernel does not run on (`model.moe.gemm: tiled`, what `auto` picks there)
 
 XLA:GPU lowers `jax.lax.ragged_dot` by expanding the rows into a zero-padded [A, E·K] matrix
 and running one dense dot against all E experts' weights: E times the products' FLOPs (8x for
-8 experts; `tests/test_gpu_compile.py` measures it from the compiled program). Here each
+8 experts; `tests/plan/test_gpu_compile.py` measures it from the compiled program). Here each
 expert's sorted rows are split into tiles of `tile` rows, every tile lands at a tile boundary
 of a padded [T·tile, K] buffer, and one batched matmul multiplies each tile by its expert's
 weights (gathered per tile by a one-hot matmul, so its transpose sums the tiles' weight

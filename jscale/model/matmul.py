@@ -13,7 +13,7 @@ and dW) with fp32 operands: TF32 gemms at half rate plus converts (measured on o
     in the compute dtype (FlashAttention does the same with dS).
   * `FP32_MATMULS`: the matmuls that take fp32 operands on purpose, each with its reason; they
     run under `fp32_scope(name)`, whose name the lowered program's locations carry
-    (`jscale.analysis.dots` reads them; tests/test_precision.py allows only these).
+    (`jscale.analysis.dots` reads them; tests/model/test_precision.py allows only these).
   * `FP32_ELEMENTWISE`: where else the step computes in fp32 on purpose (no matmul).
 
 Both einsums take `dot_general` (default `jax.lax.dot_general`): the hook a low-precision matmul

@@ -3,7 +3,7 @@
   * tiled: a batched matmul over tiles of each expert's rows, in plain XLA
     (`jscale.model.grouped_tiles`; any backend, any dtype, ~1.1-1.3x the products' FLOPs).
   * ragged_dot: `jax.lax.ragged_dot`. XLA:GPU and XLA:CPU expand it into one dense dot
-    against every expert's weights: E times the FLOPs (`tests/test_gpu_compile.py`).
+    against every expert's weights: E times the FLOPs (`tests/plan/test_gpu_compile.py`).
   * pallas: the Hopper Mosaic GPU kernels (`pallas_kernels.grouped_matmul`): persistent, warp
     specialised, tiles that never mix two experts' weights; bf16 / fp16, widths that tile.
     With model.kernel_interpret they run in JAX's Mosaic GPU interpreter (CPU tests).

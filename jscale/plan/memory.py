@@ -107,7 +107,7 @@ def tokens_per_microbatch(lay: Layout, seq: int) -> int:
 def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: str) -> float:
   """Bytes one layer keeps for its backward, per device, for `tokens` local tokens: what JAX
   saves under jscale's remat policy (`jax.ad_checkpoint.saved_residuals` of the layer lists the
-  same; `tests/test_plan.py` checks it, dense and MoE), with cuDNN's fused attention (GPU's
+  same; `tests/plan/test_plan.py` checks it, dense and MoE), with cuDNN's fused attention (GPU's
   default).
 
   Per token, h = d_model, c = the compute dtype's bytes, f = the MLP's hidden width (MoE: k
@@ -226,7 +226,7 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   # gradient is made last, after the layers' transients are gone. Fitted to XLA:GPU's buffer
   # assignment with the launcher's overlap flags (`python -m jscale.plan --verify N --target
   # h100xN`): 19 llama3_1b / 3b / 8b / 70b layouts on 1 to 64 H100s within 12%
-  # (tests/test_gpu_compile.py).
+  # (tests/plan/test_gpu_compile.py).
   vocab = vocab_gradient_bytes(model, lay)
   vocab_weight = vocab * jnp.dtype(model.dtype).itemsize / 4
   backward = vocab_weight

@@ -146,7 +146,7 @@ def test_the_attention_output_is_saved_once_through_the_seam(mode, remat, sequen
   layer saves the attention output once: the flash kernel's output (saved by the remat policy
   as the kernel's) or the ring's (named inside it) was saved a second time as the seam's
   "attn_ctx" (1 GiB per step for llama3_1b at batch 4 on an H100). On one device the layer saves
-  what the bare model does (`tests/test_plan.py` equates that with the planner's estimate)."""
+  what the bare model does (`tests/plan/test_plan.py` equates that with the planner's estimate)."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=import-outside-toplevel
   from jscale.step import train_step as ts  # pylint: disable=import-outside-toplevel

@@ -13,9 +13,8 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-
-from test_convert import (SEQ, VOCAB, _assert_bitwise, _hf_logits, _jscale_logits, _params,
-                          _tensors, assert_greedy_equals_transformers, reinit)
+from hf_case import (SEQ, VOCAB, assert_bitwise, assert_greedy_equals_transformers, hf_logits,
+                     jscale_logits, param_arrays, reinit, safetensors_in)
 
 from jscale.config import MtpConfig
 from jscale.convert import load_hf, save_hf
@@ -50,7 +49,7 @@ def deepseek(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("deepseek_hf"))
   hf.save_pretrained(path)
   cfg, model = load_hf(path)
-  return hf, path, _hf_logits(hf), cfg, model
+  return hf, path, hf_logits(hf), cfg, model
 
 
 def test_deepseek_logits_match_transformers(deepseek):
@@ -60,7 +59,7 @@ def test_deepseek_logits_match_transformers(deepseek):
       "sigmoid", 4, 2, 32)
   assert cfg.rope_scaling.rope_type == "yarn" and cfg.mtp is None  # HF saved no MTP weights
   assert np.abs(np.asarray(model.blocks.mlp.router_bias[...])).max() > 0.01
-  got = _jscale_logits(model)
+  got = jscale_logits(model)
   assert got.shape == ref.shape == (2, SEQ, VOCAB) and np.abs(ref).max() > 1.0
   np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
@@ -79,18 +78,18 @@ def test_jscale_deepseek_exports_to_transformers_with_its_mtp(deepseek, tmp_path
   nnx.update(ours, state)
   out = str(tmp_path / "export")
   save_hf(ours, mtp_cfg, out)
-  names = _tensors(out)
+  names = safetensors_in(out)
   assert "model.layers.3.eh_proj.weight" in names
   assert "model.layers.2.mlp.gate.e_score_correction_bias" in names
   hf = transformers.DeepseekV3ForCausalLM.from_pretrained(out, attn_implementation="eager")
   assert not any(k.startswith("model.layers.3.") for k in hf.state_dict())
-  np.testing.assert_allclose(_hf_logits(hf.eval()), ref, atol=1e-4, rtol=0)
+  np.testing.assert_allclose(hf_logits(hf.eval()), ref, atol=1e-4, rtol=0)
   cfg2, back = load_hf(out)
   assert cfg2 == mtp_cfg
-  _assert_bitwise(_params(ours), _params(back))
-  assert np.abs(_params(back)["mtp"]["eh_proj"]).max() > 0
-  np.testing.assert_array_equal(_params(back)["blocks"]["mlp"][router.BIAS],
-                                _params(model)["blocks"]["mlp"][router.BIAS])
+  assert_bitwise(param_arrays(ours), param_arrays(back))
+  assert np.abs(param_arrays(back)["mtp"]["eh_proj"]).max() > 0
+  np.testing.assert_array_equal(param_arrays(back)["blocks"]["mlp"][router.BIAS],
+                                param_arrays(model)["blocks"]["mlp"][router.BIAS])
 
 
 def test_greedy_from_the_latent_cache_equals_transformers(deepseek):

@@ -27,7 +27,7 @@ import pytest
 from jscale import train as train_lib
 from jscale.config_load import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("soak", os.path.join(ROOT, "scripts", "soak.py"))
 soak = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(soak)

@@ -128,7 +128,7 @@ def test_benchmark_script_runs_its_kernel_table_on_cpu(tmp_path):
   import os  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   out = tmp_path / "bench_moe_gpu.md"
   proc = subprocess.run([sys.executable, "scripts/bench_moe_gpu.py", "--quick", "--part",
                          "kernels", "--out", str(out)], cwd=root, capture_output=True,

@@ -63,7 +63,7 @@ def test_deepseek_layout_matches_one_device(name, mode, reference):
 
 def test_deepseek_node_limited_dispatch_matches_one_device(reference):
   # Manual EP over 4 devices as 2 "nodes" of the tiny model's 2 groups of 4 experts
-  # (topk_group 1): DeepSeek-V3's two-hop dispatch (tests/test_node_limited.py) in training.
+  # (topk_group 1): DeepSeek-V3's two-hop dispatch (tests/parallel/test_node_limited.py) in training.
   want = reference(())
   got = _losses(("mesh.data=2", "mesh.expert=4", "parallel.collectives=manual",
                  "model.moe.exchange=node_limited"), jax.devices()[:8])

@@ -9,26 +9,19 @@ import shutil
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 from flax import nnx
-from safetensors import safe_open
+from hf_case import (LLAMA3, SEQ, VOCAB, assert_bitwise, hf_logits, hf_model, jscale_logits,
+                     param_arrays, safetensors_in)
 
 from jscale.config import ConfigError
 from jscale.convert import config_from_hf, config_to_hf, load_hf, save_hf
 from jscale.convert.__main__ import main
-from jscale.infer.generator import Generator
 from jscale.model import llama
-
-VOCAB, SEQ = 128, 64
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0,
-          # 32 at head_dim 16 puts one frequency in each of the kept / smoothed / scaled bands.
-          "original_max_position_embeddings": 32}
 
 # name -> (LlamaConfig kwargs, save_pretrained kwargs)
 CASES = {
@@ -40,84 +33,15 @@ CASES = {
 }
 
 
-def _hf_model(seed: int, **overrides) -> transformers.LlamaForCausalLM:
-  kw = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, intermediate_size=96,
-            max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
-  kw.update(overrides)
-  cfg = transformers.LlamaConfig(**kw)
-  cfg._attn_implementation = "eager"  # pylint: disable=protected-access
-  torch.manual_seed(seed)
-  return reinit(transformers.LlamaForCausalLM(cfg).eval())
-
-
-def reinit(model):
-  """HF's init (std 0.02, unit norms) leaves attention near uniform, which would hide RoPE and
-  norm mistakes: O(1) activations and non-trivial norm scales instead (from torch's seed)."""
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:
-        p.uniform_(0.5, 1.5)
-      else:
-        p.normal_(0.0, 0.15)
-  return model
-
-
-GREEDY_PROMPTS = [[5, 17, 99, 3, 42, 8, 120], [64, 1], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
-
-
-def assert_greedy_equals_transformers(hf, model, n: int, prompts=GREEDY_PROMPTS) -> None:
-  """jscale's greedy continuation of each prompt (`Generator`: batched, KV or latent cache)
-  equals transformers' `generate` of `hf` on that prompt alone, `n` new tokens."""
-  ours = Generator(model).generate(prompts, n).tokens
-  for prompt, got in zip(prompts, ours):
-    with torch.no_grad():
-      want = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
-                         min_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    assert got == want[0, len(prompt):].tolist()
-
-
-def _tokens() -> np.ndarray:
-  return np.random.default_rng(0).integers(0, VOCAB, (2, SEQ), dtype=np.int32)
-
-
-def _hf_logits(model) -> np.ndarray:
-  with torch.no_grad():
-    return model(torch.from_numpy(_tokens()).long()).logits.float().numpy()
-
-
-def _jscale_logits(model) -> np.ndarray:
-  return np.asarray(model(jnp.asarray(_tokens())))
-
-
-def _params(model) -> dict:
-  return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-
-
-def _tensors(path: str) -> dict[str, np.ndarray]:
-  out = {}
-  for f in sorted(os.listdir(path)):
-    if f.endswith(".safetensors"):
-      with safe_open(os.path.join(path, f), framework="np") as fh:
-        out.update({k: fh.get_tensor(k) for k in fh.keys()})
-  return out
-
-
-def _assert_bitwise(a: dict, b: dict) -> None:
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
-    assert x.dtype == y.dtype and x.shape == y.shape, path
-    assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), jax.tree_util.keystr(path)
-
-
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
   """name -> (HF checkpoint dir, HF logits), built once for the module."""
   out = {}
   for i, (name, (cfg_kw, save_kw)) in enumerate(CASES.items()):
-    model = _hf_model(i, **cfg_kw)
+    model = hf_model(i, **cfg_kw)
     path = str(tmp_path_factory.mktemp(name))
     model.save_pretrained(path, **save_kw)
-    out[name] = (path, _hf_logits(model))
+    out[name] = (path, hf_logits(model))
   return out
 
 
@@ -130,7 +54,7 @@ def test_logits_match_transformers(hf_dirs, name):
   assert cfg.tie_embeddings == (name == "gqa_tied")
   assert (cfg.rope_scaling is not None) == (name == "llama3")
   assert cfg.resolved_head_dim == (32 if name == "head_dim" else 16)
-  got = _jscale_logits(model)
+  got = jscale_logits(model)
   assert got.shape == ref.shape == (2, SEQ, VOCAB)
   assert np.abs(ref).max() > 1.0  # logits large enough for the tolerance to mean something
   np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
@@ -142,7 +66,7 @@ def test_llama3_scaling_changes_logits(hf_dirs):
   cfg, model = load_hf(path)
   unscaled = llama.create(dataclasses.replace(cfg, rope_scaling=None))
   nnx.update(unscaled, nnx.state(model, nnx.Param))
-  assert np.abs(_jscale_logits(unscaled) - ref).max() > 1e-2
+  assert np.abs(jscale_logits(unscaled) - ref).max() > 1e-2
 
 
 def test_pre_v5_config_loads_the_same(hf_dirs, tmp_path):
@@ -160,7 +84,7 @@ def test_pre_v5_config_loads_the_same(hf_dirs, tmp_path):
   cfg_new, model_new = load_hf(src)
   cfg_old, model_old = load_hf(old)
   assert cfg_old == cfg_new
-  np.testing.assert_allclose(_jscale_logits(model_old), ref, atol=1e-4, rtol=0)
+  np.testing.assert_allclose(jscale_logits(model_old), ref, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["llama3", "gqa_tied"])
@@ -172,11 +96,11 @@ def test_export_roundtrip_is_exact(hf_dirs, tmp_path, name):
   assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
   cfg2, model2 = load_hf(out)
   assert cfg2 == cfg
-  _assert_bitwise(_params(model), _params(model2))
+  assert_bitwise(param_arrays(model), param_arrays(model2))
   # Every HF tensor survives HF -> jscale -> HF bit for bit (a tied model stores no lm_head).
-  _assert_bitwise(_tensors(src), _tensors(out))
+  assert_bitwise(safetensors_in(src), safetensors_in(out))
   hf = transformers.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
-  np.testing.assert_allclose(_hf_logits(hf), ref, atol=1e-6, rtol=0)
+  np.testing.assert_allclose(hf_logits(hf), ref, atol=1e-6, rtol=0)
 
 
 def test_bfloat16_checkpoints(hf_dirs, tmp_path):
@@ -186,14 +110,14 @@ def test_bfloat16_checkpoints(hf_dirs, tmp_path):
   hf = transformers.LlamaForCausalLM.from_pretrained(src).to(torch.bfloat16)
   hf.save_pretrained(bf16)
   cfg, model = load_hf(bf16)
-  embed = _tensors(bf16)["model.embed_tokens.weight"]
+  embed = safetensors_in(bf16)["model.embed_tokens.weight"]
   assert embed.dtype == jnp.bfloat16
-  _assert_bitwise(_params(model)["embed"], embed.astype(np.float32))
+  assert_bitwise(param_arrays(model)["embed"], embed.astype(np.float32))
   exported = str(tmp_path / "exported")
   save_hf(model, cfg, exported, dtype="bfloat16")
   with open(os.path.join(exported, "config.json"), encoding="utf-8") as f:
     assert json.load(f)["dtype"] == "bfloat16"
-  _assert_bitwise(_tensors(bf16), _tensors(exported))
+  assert_bitwise(safetensors_in(bf16), safetensors_in(exported))
 
 
 def test_cli_roundtrip(hf_dirs, tmp_path, capsys):
@@ -202,9 +126,9 @@ def test_cli_roundtrip(hf_dirs, tmp_path, capsys):
   assert main(["hf-to-jscale", "--hf", src, "--out", ckpt]) == 0
   assert os.path.isfile(os.path.join(ckpt, "model.yaml"))
   assert main(["jscale-to-hf", "--ckpt", ckpt, "--out", out]) == 0
-  _assert_bitwise(_tensors(src), _tensors(out))
+  assert_bitwise(safetensors_in(src), safetensors_in(out))
   _, model = load_hf(out)
-  np.testing.assert_allclose(_jscale_logits(model), ref, atol=1e-4, rtol=0)
+  np.testing.assert_allclose(jscale_logits(model), ref, atol=1e-4, rtol=0)
   capsys.readouterr()
   # User mistakes: a clear message and status 2, no traceback.
   missing = str(tmp_path / "missing")

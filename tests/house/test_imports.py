@@ -11,7 +11,7 @@ import tomllib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("jscale", "pallas_kernels")
 
 # Function-local imports of jscale / pallas_kernels modules that are there on purpose, by file

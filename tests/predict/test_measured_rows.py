@@ -9,7 +9,7 @@ import pytest
 from jscale import metrics
 from jscale.config_load import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from measured_data import PEAK_TFLOPS, ROWS  # noqa: E402  pylint: disable=wrong-import-position

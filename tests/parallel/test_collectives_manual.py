@@ -92,7 +92,7 @@ def test_compare_script_runs(tmp_path):
   import os
   import subprocess
   import sys
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   out = tmp_path / "cmp.md"
   r = subprocess.run([sys.executable, "scripts/compare_collectives.py", "--only", "zero1",
                       "--steps", "2", "--out", str(out), "model.n_layers=2"],

@@ -1,6 +1,6 @@
 """Generation: the KV-cache path equals recomputing the prefix, greedy decoding equals
 transformers' generate token for token, sampling, EOS, one compiled decode step, tensor
-parallelism, the cache updated in place. The CLI on trained runs: tests/test_model_use.py."""
+parallelism, the cache updated in place. The CLI on trained runs: tests/ckpt/test_model_use.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-
-from test_convert import LLAMA3, assert_greedy_equals_transformers, reinit
+from hf_case import LLAMA3, assert_greedy_equals_transformers, reinit
 
 from jscale.config import ModelConfig, MoeConfig
 from jscale.convert import load_hf

@@ -3,7 +3,7 @@ fetches values only every 25 steps, so a loop that read its stop flag only then,
 of the device, would go on to step 50).
 
 1 process (SIGTERM; Ctrl-C takes the same path, and is the signal of the last test here and of
-tests/test_run_lifecycle.py): the step saved is at most one past the step the host had started
+tests/run/test_run_lifecycle.py): the step saved is at most one past the step the host had started
 when the signal came (the process says which: "received at step N"; the device may be a step
 behind it, no more). 2 processes, the signal to process 1 only: both save one step (a
 collective save), at most two past it; the libraries' chatter (Gloo) goes to the run's log
@@ -19,7 +19,7 @@ import time
 
 from conftest import TINY_RUN
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("soak", os.path.join(ROOT, "scripts", "soak.py"))
 soak = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(soak)

@@ -13,11 +13,11 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from safetensors.numpy import save_file
 
 # The Llama tests' tokens, logits and tensor helpers (VOCAB 128, SEQ 64).
-from test_convert import (SEQ, VOCAB, _assert_bitwise, _hf_logits, _jscale_logits, _params,
-                          _tensors, _tokens, reinit)
+from hf_case import (SEQ, VOCAB, assert_bitwise, hf_logits, jscale_logits, param_arrays, reinit,
+                     safetensors_in, tokens)
+from safetensors.numpy import save_file
 
 from jscale.config import ConfigError, ModelConfig, MoeConfig
 from jscale.convert import config_from_hf, config_to_hf, load_hf, save_hf
@@ -44,7 +44,7 @@ def _min_routing_margin(model) -> float:
   """Smallest gap between a token's k-th and (k+1)-th router probability over all layers: far
   above fp32 noise means both implementations must pick the same experts."""
   with torch.no_grad():
-    out = model(torch.from_numpy(_tokens()).long(), output_router_logits=True)
+    out = model(torch.from_numpy(tokens()).long(), output_router_logits=True)
   probs = torch.cat(out.router_logits).float().softmax(-1).sort(-1, descending=True).values
   return float((probs[:, K - 1] - probs[:, K]).min())
 
@@ -88,13 +88,13 @@ def mixtral(tmp_path_factory):
             os.path.join(dirs["fused"], "model.safetensors"), metadata={"format": "pt"})
   shutil.copy(config_json, os.path.join(dirs["fused"], "config.json"))
   _write_legacy(state, config_json, dirs["legacy"])
-  return dirs, _hf_logits(model)
+  return dirs, hf_logits(model)
 
 
 @pytest.mark.parametrize("layout", ["save_pretrained", "fused", "legacy"])
 def test_mixtral_logits_match_transformers(mixtral, layout):
   dirs, ref = mixtral
-  names = _tensors(dirs[layout])
+  names = safetensors_in(dirs[layout])
   fused = any(n.endswith("experts.gate_up_proj") for n in names)
   assert fused == (layout == "fused")
   if layout == "legacy":
@@ -103,7 +103,7 @@ def test_mixtral_logits_match_transformers(mixtral, layout):
   assert cfg.moe == MoeConfig(n_experts=E, top_k=K, d_ff=None, aux_loss_weight=0.02,
                               z_loss_weight=0.0)
   assert cfg.d_ff == F and cfg.rope_theta == 1e6
-  got = _jscale_logits(model)
+  got = jscale_logits(model)
   assert got.shape == ref.shape == (2, SEQ, VOCAB)
   assert np.abs(ref).max() > 1.0  # logits large enough for the tolerance to mean something
   np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
@@ -115,16 +115,16 @@ def test_mixtral_layouts_load_the_same_and_export_exactly(mixtral, tmp_path):
   dirs, ref = mixtral
   cfg, model = load_hf(dirs["fused"])
   _, legacy = load_hf(dirs["legacy"])
-  _assert_bitwise(_params(model), _params(legacy))
+  assert_bitwise(param_arrays(model), param_arrays(legacy))
   out = str(tmp_path / "export")
   save_hf(model, cfg, out, max_shard_bytes=100_000)  # sharded: experts split across files
   assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
-  _assert_bitwise(_tensors(dirs["save_pretrained"]), _tensors(out))
+  assert_bitwise(safetensors_in(dirs["save_pretrained"]), safetensors_in(out))
   cfg2, model2 = load_hf(out)
   assert cfg2 == cfg
-  _assert_bitwise(_params(model), _params(model2))
+  assert_bitwise(param_arrays(model), param_arrays(model2))
   hf = transformers.MixtralForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
-  np.testing.assert_allclose(_hf_logits(hf), ref, atol=1e-6, rtol=0)
+  np.testing.assert_allclose(hf_logits(hf), ref, atol=1e-6, rtol=0)
 
 
 def test_jscale_moe_model_exports_to_transformers(tmp_path):
@@ -135,7 +135,7 @@ def test_jscale_moe_model_exports_to_transformers(tmp_path):
                     moe=MoeConfig(n_experts=E, top_k=K, d_ff=F, aux_loss_weight=0.02),
                     dtype="float32", param_dtype="float32")
   model = llama.create(cfg, seed=3)
-  ours = _jscale_logits(model)
+  ours = jscale_logits(model)
   out = str(tmp_path / "hf")
   save_hf(model, cfg, out)
   hf = transformers.MixtralForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
@@ -144,12 +144,12 @@ def test_jscale_moe_model_exports_to_transformers(tmp_path):
   assert c.router_aux_loss_coef == 0.02 and c.sliding_window is None
   assert _min_routing_margin(hf) > 1e-4
   assert np.abs(ours).max() > 1.0
-  np.testing.assert_allclose(_hf_logits(hf), ours, atol=1e-4, rtol=0)
+  np.testing.assert_allclose(hf_logits(hf), ours, atol=1e-4, rtol=0)
   # Back in jscale: the same model, expert width now as d_ff (z-loss: HF has none).
   cfg2, model2 = load_hf(out)
   assert cfg2 == dataclasses.replace(cfg, d_ff=F, moe=dataclasses.replace(
       cfg.moe, d_ff=None, z_loss_weight=0.0))
-  _assert_bitwise(_params(model), _params(model2))
+  assert_bitwise(param_arrays(model), param_arrays(model2))
 
 
 def test_mixtral_cli_roundtrip(mixtral, tmp_path, capsys):
@@ -159,7 +159,7 @@ def test_mixtral_cli_roundtrip(mixtral, tmp_path, capsys):
   assert main(["hf-to-jscale", "--hf", src, "--out", ckpt]) == 0
   assert main(["jscale-to-hf", "--ckpt", ckpt, "--out", out]) == 0
   assert "MixtralForCausalLM" in capsys.readouterr().out
-  _assert_bitwise(_tensors(src), _tensors(out))
+  assert_bitwise(safetensors_in(src), safetensors_in(out))
 
 
 def test_mixtral_bad_checkpoints_error_clearly(mixtral, tmp_path):
@@ -167,7 +167,7 @@ def test_mixtral_bad_checkpoints_error_clearly(mixtral, tmp_path):
   bad = str(tmp_path / "bad")
   shutil.copytree(dirs["legacy"], bad)
   f = os.path.join(bad, "model.safetensors")
-  tensors = _tensors(bad)
+  tensors = safetensors_in(bad)
   missing = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
   save_file({k: v for k, v in tensors.items() if k != missing}, f, metadata={"format": "pt"})
   with pytest.raises(ConfigError, match=missing.replace(".", r"\.")):
@@ -235,11 +235,11 @@ def test_sliding_window_bound_matches_transformers():
   """Why sliding_window >= max_position_embeddings is accepted: in transformers a window as
   long as the sequence changes nothing, and one shorter does."""
   model = _hf_mixtral(1)
-  ref = _hf_logits(model)
+  ref = hf_logits(model)
   model.config.sliding_window = SEQ
-  np.testing.assert_array_equal(_hf_logits(model), ref)
+  np.testing.assert_array_equal(hf_logits(model), ref)
   model.config.sliding_window = SEQ - 1
-  assert np.abs(_hf_logits(model) - ref).max() > 1e-3
+  assert np.abs(hf_logits(model) - ref).max() > 1e-3
 
 
 def test_save_hf_refuses_shared_experts_before_writing(tmp_path):

@@ -48,7 +48,7 @@ def test_bench_train_quick(tmp_path):
   import os
   import subprocess
   import sys
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   out = tmp_path / "bench_train.md"
   subprocess.run([sys.executable, "scripts/bench_train.py", "--quick", "--steps", "6",
                   "--every", "2", "--exact", "--only", "tiny b8", "--out", str(out)], cwd=root,

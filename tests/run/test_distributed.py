@@ -25,7 +25,7 @@ from jscale import distributed
 from jscale.config import ConfigError, DistributedConfig
 from jscale.config_load import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "mp_worker.py")
 LAUNCHER = os.path.join(ROOT, "scripts", "launch_local.py")
 SBATCH = os.path.join(ROOT, "scripts", "slurm", "train.sbatch")
@@ -289,7 +289,7 @@ def test_launcher_xla_flags_exist_in_this_jaxlib():
   mine = xla_flags.with_overlap_flags("--xla_gpu_enable_pipelined_all_gather=false")
   assert "--xla_gpu_enable_pipelined_all_gather=true" not in mine.split()
   assert "--xla_gpu_enable_latency_hiding_scheduler=true" in mine.split()
-  # Not the pipelined all-gather under ZeRO-3 with micro-batches (tests/test_gpu_compile.py).
+  # Not the pipelined all-gather under ZeRO-3 with micro-batches (tests/plan/test_gpu_compile.py).
   z3 = load_config(None, ["parallel.zero_stage=3", "mesh.fsdp=2", "train.microbatches=2"])
   assert "--xla_gpu_enable_pipelined_all_gather=true" in xla_flags.overlap_flags()
   assert "--xla_gpu_enable_pipelined_all_gather=true" not in xla_flags.with_overlap_flags("", z3)

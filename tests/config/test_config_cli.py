@@ -16,7 +16,7 @@ from jscale import eval as eval_cli
 from jscale import train
 from jscale.config_load import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 

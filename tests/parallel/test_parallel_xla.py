@@ -69,7 +69,7 @@ def test_two_processes_match_one(tmp_path, data_cache):
             "logging.progress=false", "checkpoint.every=2", f"data.cache_dir={data_cache}"]
   single = train_lib.run(small_config(None, *common, *layout,
                                       f"train.output_dir={tmp_path}/one"))
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   cmd = [sys.executable, "scripts/launch_local.py", "-n", "2", "--devices-per-process", "4",
          "--", sys.executable, "-m", "jscale.train", "--config", "configs/tiny.yaml", *common,
          *layout, f"train.output_dir={tmp_path}/two"]

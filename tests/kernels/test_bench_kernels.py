@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.profiler import ProfileData
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import kernel_timing  # noqa: E402

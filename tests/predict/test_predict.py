@@ -226,7 +226,7 @@ def test_bench_train_predicts_the_program_its_run_compiled(llama3_1b, tmp_path):
   """scripts/bench_train.py writes jscale.predict's figures beside each GPU row, from the step
   program XLA dumped while the run compiled it (here: the CPU compile of llama3_1b for H100s
   standing in for a GPU run's dump)."""
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts"))
   import bench_train  # pylint: disable=import-outside-toplevel
   r, text = llama3_1b()
   (tmp_path / "module_0042.jit_step.sm_9.0_gpu_after_optimizations.txt").write_text(text)

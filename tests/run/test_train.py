@@ -80,7 +80,7 @@ def test_cli_subprocess(tmp_path, data_cache):
   """The README command, as a real process (2 steps of a small model)."""
   import subprocess
   import sys
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   cmd = [sys.executable, "-m", "jscale.train", "--config", "configs/tiny.yaml", "train.steps=2",
          "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
          "model.d_ff=64", "train.seq_len=16", f"train.output_dir={tmp_path}",
