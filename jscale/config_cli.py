@@ -152,8 +152,9 @@ def markdown() -> str:
   """The reference as Markdown: docs/config.md."""
   out = ["# Config reference", "",
          "Every key of a jscale config, generated from the dataclasses in `jscale/config.py` "
-         "(`python -m jscale.config_cli > docs/config.md`; `tests/config/test_config_cli.py` keeps this "
-         "file equal to them). `python -m jscale.train --help` prints the same.", "",
+         "(`python -m jscale.config_cli > docs/config.md`; "
+         "`tests/config/test_config_cli.py` keeps this file equal to them). "
+         "`python -m jscale.train --help` prints the same.", "",
          USAGE_NOTE.replace("--print-config", "`--print-config`")]
   for name, doc, keys in sections():
     out += ["", f"## {name}", ""]

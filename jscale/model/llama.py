@@ -120,15 +120,17 @@ class MoeGroup(nnx.Module):
   MoE block. The model stacks groups on `layers`, so the layer scan stays homogeneous."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, **modules):
-    dense_cfg = dataclasses.replace(cfg, moe=None)
+    if cfg.moe is None:
+      raise ValueError("a group of MoE layers needs model.moe")
+    every, dense_cfg = cfg.moe.every, dataclasses.replace(cfg, moe=None)
 
-    @nnx.split_rngs(splits=cfg.moe.every - 1)
+    @nnx.split_rngs(splits=every - 1)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "sublayers"})
     def make_dense(rngs):
       return Block(dense_cfg, rngs, **modules)
 
     self.dense = make_dense(rngs)
-    self.dense_count = cfg.moe.every - 1
+    self.dense_count = every - 1
     self.moe_block = Block(cfg, rngs, **modules)
 
   def __call__(self, x_BLD, positions_BL, inv_freq, comms: Seam):
@@ -286,6 +288,8 @@ class Llama(nnx.Module):
     depth d = 1..D, after their final norms: what the shared head reads to predict token
     t+1+d. `x_BLD`: the trunk's output (before the final norm)."""
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+    if cfg.mtp is None:
+      raise ValueError("multi-token prediction needs model.mtp")
     if positions_BL is None:  # from the labels: under SP x_BLD holds 1/t of the sequence
       positions_BL = jnp.broadcast_to(jnp.arange(labels_BL.shape[1]), labels_BL.shape)
     if embed_VD is None:
@@ -337,9 +341,9 @@ class Llama(nnx.Module):
       final_norm = nnx.merge(norm_graphdef, comms.gather_params(norm_state, dt))
       h_BLD = comms.enter_tensor_parallel(final_norm(x_BLD, comms))
       if cfg.tie_embeddings:
-        if embed_VD is None:
-          embed_VD = comms.gather_params(self.embed, dt)[...]
-        head_DV = embed_VD.T
+        table_VD = (embed_VD if embed_VD is not None
+                    else comms.gather_params(self.embed, dt)[...])
+        head_DV = table_VD.T
       else:
         head_DV = comms.gather_params(self.lm_head, dt)[...]
     return h_BLD.astype(dt), head_DV.astype(dt)

@@ -51,6 +51,8 @@ class MLA(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs,
                dot_general: matmul.DotGeneral = jax.lax.dot_general):
     m, d, h = cfg.mla, cfg.d_model, cfg.n_heads
+    if m is None:
+      raise ValueError("multi-head latent attention needs model.mla")
     n, p, v, q, r = (m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank,
                      m.kv_lora_rank)
     pd, std = jnp.dtype(cfg.param_dtype), cfg.init_std

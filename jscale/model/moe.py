@@ -71,6 +71,8 @@ class MoE(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs,
                dot_general: matmul.DotGeneral = jax.lax.dot_general):
     m, d = cfg.moe, cfg.d_model
+    if m is None:
+      raise ValueError("an MoE layer needs model.moe (set model.moe.n_experts)")
     e, f = m.n_experts, m.d_ff or cfg.d_ff
     pd, std = jnp.dtype(cfg.param_dtype), cfg.init_std
     self.router = param(rngs, (d, e), ("embed", "router"), std, pd)

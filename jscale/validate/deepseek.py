@@ -4,12 +4,11 @@ names the key and the fix."""
 
 from __future__ import annotations
 
-from jscale.config import Config, ConfigError, ModelConfig
+from jscale.config import ConfigError, ModelConfig, MoeConfig, MtpConfig
 
 
-def check_routing(m: ModelConfig) -> None:
-  """DeepSeek-V3's routing keys (`jscale.model.router`)."""
-  e = m.moe
+def check_routing(e: MoeConfig, n_layers: int) -> None:
+  """DeepSeek-V3's routing keys (`jscale.model.router`) of `model.moe` = `e`."""
   if e.n_group < 1 or e.n_experts % e.n_group:
     raise ConfigError(f"model.moe.n_group={e.n_group} must be >= 1 and divide "
                       f"model.moe.n_experts={e.n_experts} (equal groups of experts)")
@@ -29,19 +28,19 @@ def check_routing(m: ModelConfig) -> None:
   if e.routed_scaling_factor <= 0:
     raise ConfigError(f"model.moe.routed_scaling_factor={e.routed_scaling_factor} must be "
                       "positive")
-  if e.first_dense < 0 or e.first_dense >= m.n_layers:
+  if e.first_dense < 0 or e.first_dense >= n_layers:
     raise ConfigError(f"model.moe.first_dense={e.first_dense} must lie in [0, model.n_layers="
-                      f"{m.n_layers}) (the leading dense layers, then the MoE stack)")
+                      f"{n_layers}) (the leading dense layers, then the MoE stack)")
   if e.first_dense and e.every != 1:
     raise ConfigError(f"model.moe.first_dense={e.first_dense} with model.moe.every={e.every}: "
                       "use one of them (DeepSeek: every=1 after the dense prefix)")
 
 
-def check_node_limited(cfg: Config, ep: int) -> None:
-  """What `model.moe.exchange=node_limited` needs on mesh.expert = `ep` > 1 devices."""
-  e = cfg.model.moe
+def check_node_limited(e: MoeConfig, collectives: str, ep: int) -> None:
+  """What `model.moe.exchange=node_limited` needs on mesh.expert = `ep` > 1 devices, in
+  `parallel.collectives` mode `collectives`."""
   fix = "or set model.moe.exchange=flat"
-  if cfg.parallel.collectives != "manual" or e.dispatch != "dropless":
+  if collectives != "manual" or e.dispatch != "dropless":
     raise ConfigError("model.moe.exchange=node_limited is the hand-written dropless exchange: "
                       "set parallel.collectives=manual and model.moe.dispatch=dropless, " + fix)
   if e.n_group < 2 or ep % e.n_group:
@@ -74,13 +73,12 @@ def check_mla(m: ModelConfig) -> None:
                       f"{rs.beta_fast} and {rs.beta_slow}")
 
 
-def check_mtp(cfg: Config) -> None:
-  """Multi-token prediction (`jscale.model.mtp`)."""
-  mtp = cfg.model.mtp
+def check_mtp(mtp: MtpConfig, seq_len: int) -> None:
+  """Multi-token prediction (`jscale.model.mtp`) with windows of `train.seq_len` tokens."""
   if mtp.depth < 1:
     raise ConfigError(f"model.mtp.depth={mtp.depth} must be >= 1 (or model.mtp: null)")
   if mtp.loss_weight < 0:
     raise ConfigError(f"model.mtp.loss_weight={mtp.loss_weight} must be >= 0")
-  if mtp.depth >= cfg.train.seq_len:
+  if mtp.depth >= seq_len:
     raise ConfigError(f"model.mtp.depth={mtp.depth} must be below train.seq_len="
-                      f"{cfg.train.seq_len}: depth d predicts token t+1+d within the window")
+                      f"{seq_len}: depth d predicts token t+1+d within the window")

@@ -2,28 +2,27 @@
 
 from __future__ import annotations
 
-from jscale.config import Config, ConfigError, ModelConfig
+from jscale.config import Config, ConfigError, MoeConfig
 from jscale.validate import deepseek
 
 
-def check_values(m: ModelConfig) -> None:
-  """`model.moe`'s sizes, grouping and loss weights, then DeepSeek-V3's routing keys."""
-  e = m.moe
+def check_values(e: MoeConfig, n_layers: int) -> None:
+  """`model.moe` (= `e`)'s sizes, grouping and loss weights, then DeepSeek-V3's routing keys."""
   if e.n_experts < 1 or not 1 <= e.top_k <= e.n_experts:
     raise ConfigError(f"model.moe.top_k={e.top_k} with model.moe.n_experts={e.n_experts}: need "
                       "1 <= top_k <= n_experts")
   if (e.d_ff is not None and e.d_ff <= 0) or e.shared_d_ff < 0:
     raise ConfigError(f"model.moe.d_ff={e.d_ff} / shared_d_ff={e.shared_d_ff}: give positive "
                       "sizes (d_ff null: model.d_ff; shared_d_ff 0: no shared expert)")
-  if e.every < 1 or m.n_layers % e.every:
+  if e.every < 1 or n_layers % e.every:
     raise ConfigError(f"model.moe.every={e.every} must be >= 1 and divide model.n_layers="
-                      f"{m.n_layers} (layers are stacked in groups of every-1 dense + 1 MoE)")
+                      f"{n_layers} (layers are stacked in groups of every-1 dense + 1 MoE)")
   if e.capacity_factor <= 0:
     raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} must be positive")
   if e.aux_loss_weight < 0 or e.z_loss_weight < 0 or e.seq_aux_loss_weight < 0:
     raise ConfigError("model.moe.aux_loss_weight, z_loss_weight and seq_aux_loss_weight must be "
                       ">= 0 (0 disables)")
-  deepseek.check_routing(m)
+  deepseek.check_routing(e, n_layers)
 
 
 def check_experts(cfg: Config, sizes: dict[str, int]) -> None:
@@ -36,4 +35,4 @@ def check_experts(cfg: Config, sizes: dict[str, int]) -> None:
     raise ConfigError(f"model.moe.n_experts={moe.n_experts} is not divisible by mesh.expert={ep}: "
                       "each device must hold the same number of experts")
   if moe.exchange == "node_limited" and ep > 1:
-    deepseek.check_node_limited(cfg, ep)
+    deepseek.check_node_limited(moe, cfg.parallel.collectives, ep)

@@ -45,8 +45,11 @@ def check_moe_gemm(cfg: Config, sizes: dict[str, int], device=None) -> None:
   if device is not None and device.platform == "gpu" and not str(cc).startswith("9"):
     raise ConfigError(f"model.moe.gemm=pallas needs a Hopper GPU (compute capability 9.x), "
                       f"this is {cc}: use model.moe.gemm=auto or tiled")
-  f = (m.moe.d_ff or m.d_ff) // sizes["tensor"]
-  why_not = moe_gemm.kernel_fits(m.dtype, m.d_model, f, m.moe.n_experts // sizes["expert"])
+  moe = m.moe
+  if moe is None:
+    raise ConfigError("model.moe.gemm=pallas needs an MoE: set model.moe.n_experts")
+  f = (moe.d_ff or m.d_ff) // sizes["tensor"]
+  why_not = moe_gemm.kernel_fits(m.dtype, m.d_model, f, moe.n_experts // sizes["expert"])
   if why_not is not None:
     raise ConfigError(f"model.moe.gemm=pallas cannot run this MoE (model.d_model={m.d_model}, "
                       f"expert width {f} per device, model.dtype={m.dtype}): {why_not}")

@@ -22,7 +22,7 @@ def check_config(cfg: Config) -> None:
   _check_signs(cfg)
   _check_model(cfg.model)
   if cfg.model.mtp is not None:
-    deepseek.check_mtp(cfg)
+    deepseek.check_mtp(cfg.model.mtp, cfg.train.seq_len)
   if cfg.fp8.enabled:
     _check_fp8(cfg)
   _check_train(cfg)
@@ -66,7 +66,7 @@ def _check_model(m: ModelConfig) -> None:
     raise ConfigError("model.rope_scaling needs factor >= 1 and 0 < low_freq_factor < "
                       f"high_freq_factor, got {rs}")
   if m.moe is not None:
-    experts.check_values(m)
+    experts.check_values(m.moe, m.n_layers)
   if m.mla is not None or (rs is not None and rs.rope_type == "yarn"):
     deepseek.check_mla(m)
 
