@@ -33,11 +33,11 @@ from jscale.infer.setup import run_cli
 
 
 def _batches(text: str) -> int:
-  """--batches: a count, or "all" (0, as 0 also reads: every full batch of the split)."""
+  """--batches: a positive count, or "all" (returned as 0: every full batch of the split)."""
   if text == "all":
     return 0
-  if not text.isdigit():
-    raise argparse.ArgumentTypeError(f"{text!r}: give a number of batches, or all")
+  if not text.isdigit() or int(text) == 0:
+    raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of batches, or all")
   return int(text)
 
 

@@ -37,14 +37,14 @@ def axis_sizes(cfg: MeshConfig, n_devices: int) -> dict[str, tuple[int, int]]:
     if n_devices % known:
       raise ConfigError(
           f"mesh.{free[0]}=-1: the other mesh sizes multiply to {known}, which does not divide "
-          f"the {n_devices} devices; change the mesh sizes")
+          f"the {_devices(n_devices)}; change the mesh sizes")
     ici[free[0]] = n_devices // known
   total = math.prod(ici.values()) * math.prod(dcn.values())
   if total != n_devices:
     sizes = " x ".join(f"{a}={ici[a] * dcn[a]}" for a in AXES if ici[a] * dcn[a] > 1) or "1"
-    raise ConfigError(f"mesh sizes multiply to {total} ({sizes}) but there are {n_devices} "
-                      "devices: make the product of mesh.* (times mesh.dcn_*) equal the device "
-                      "count, or set one axis to -1")
+    raise ConfigError(f"mesh sizes multiply to {total} ({sizes}) but the run has "
+                      f"{_devices(n_devices)}: make the product of mesh.* (times mesh.dcn_*) "
+                      "equal the device count, or set one axis to -1")
   return {a: (ici[a], dcn[a]) for a in AXES}
 
 
@@ -63,3 +63,6 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     grid = np.asarray(devices, dtype=object).reshape(ici_shape)
   return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
+
+def _devices(n: int) -> str:
+  return f"{n} device" if n == 1 else f"{n} devices"

@@ -68,6 +68,14 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
   return {"total": total, "active": total - moe_blocks * idle, "matmul": matmul}
 
 
+def count_text(n: float) -> str:
+  """A count as people read it: 3.3M, 38.2B, 16.4k, 512."""
+  for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+    if n >= size:
+      return f"{n / size:.3g}{unit}"
+  return f"{int(n)}"
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   """Model FLOPs (forward + backward) per trained token, causal attention counted honestly
   (MLA: scores over the q / k head size, the context over the value head size; MTP's blocks

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jscale import hardware
 from jscale.config import ModelConfig
-from jscale.metrics import param_counts
+from jscale.metrics import count_text, param_counts
 from jscale.plan.memory import GiB, usable_bytes
 from jscale.plan.rank import Row
 
@@ -12,7 +12,7 @@ from jscale.plan.rank import Row
 def header(model: ModelConfig, args, gpu: hardware.Gpu, n_rows: int, n_fit: int) -> str:
   """What was asked, and how many layouts were considered and fit."""
   n = param_counts(model)["total"]
-  return (f"{args.model}: {n / 1e9:.2f}B parameters, {model.n_layers} layers, d_model "
+  return (f"{args.model}: {count_text(n)} parameters, {model.n_layers} layers, d_model "
           f"{model.d_model}; {args.gpus} x {gpu.name} ({gpu.gpus_per_node} per node, "
           f"{usable_bytes(gpu) / GiB:.1f} GiB usable); seq {args.seq}, "
           f"{args.global_batch_tokens:,} tokens per step\n"
@@ -26,7 +26,7 @@ def table(rows: list[Row], seq: int, gpu: hardware.Gpu, explain: bool) -> str:
            "|---|---|---|---|---|---|---|---|"]
   for i, r in enumerate(rows, 1):
     lines.append(f"| {i} | {r.layout.describe()} | {r.memory.total / GiB:.1f} | "
-                 f"{r.cost.step_s:.3f} | {r.cost.bubble:.2f} | {r.cost.exposed_s:.3f} | "
+                 f"{r.cost.step_s:.3g} | {r.cost.bubble:.2f} | {r.cost.exposed_s:.3g} | "
                  f"{100 * r.cost.mfu:.1f}% | {r.tokens_per_s:,.0f} |")
   out = ["\n".join(lines), ""]
   for i, r in enumerate(rows, 1):

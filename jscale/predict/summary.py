@@ -115,8 +115,14 @@ def format_summary(r: Summary, header: str) -> str:
     lines.append(f"{k['ms']:>9.2f}{k['runs']:>6}  {k['category']:<19}{k['bound']:<9}"
                  f"{k['kernel'][:43]:<44}{k['what']}{'  (' + k['note'] + ')' if k['note'] else ''}")
   lines += ["", f"to {TARGET_MFU:.0%} MFU the step must take {ms(target_s):.1f} ms "
-            f"({ms(r.step_s - target_s):+.1f} ms from here); where the time goes beyond the "
+            f"({_to_target(r.step_s - target_s)}); where the time goes beyond the "
             "gemms and attention:"]
   lines += [f"  {ms(t):>8.1f} ms  {w}" for w, t in r.gap_to_target]
   lines += [f"note: {n}" for n in r.notes]
   return "\n".join(lines)
+
+
+def _to_target(seconds: float) -> str:
+  """How far the predicted step is from the target step time, in words."""
+  ms = 1e3 * abs(seconds)
+  return f"{ms:.1f} ms less than predicted" if seconds > 0 else f"already {ms:.1f} ms under it"

@@ -117,6 +117,9 @@ def saved_config(cfg: Config, step: int) -> dict[str, Any] | None:
 def plan(cfg: Config) -> Plan:
   """Decides new run / resume / refusal for `cfg` (reads files only; no JAX)."""
   out = os.path.abspath(cfg.train.output_dir)
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ConfigError(f"train.output_dir={cfg.train.output_dir} is a file: give a directory "
+                      "(created if missing)")
   directory = ckpt_lib.checkpoint_dir(cfg)
   steps = ckpt_lib.complete_steps(directory)
   if not steps:  # an earlier run without checkpoints left its metrics: keep them, aside

@@ -15,13 +15,7 @@ import jax
 from jscale import distributed, metrics, runtime
 from jscale.ckpt import init_from
 from jscale.config import Config, ModelConfig
-
-
-def _count(n: float) -> str:
-  for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-    if n >= size:
-      return f"{n / size:.3g}{unit}"
-  return f"{int(n)}"
+from jscale.metrics import count_text
 
 
 def model_line(cfg: ModelConfig) -> str:
@@ -31,9 +25,10 @@ def model_line(cfg: ModelConfig) -> str:
   shape = (f"{cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads / "
            f"{cfg.n_kv_heads} kv, d_ff {cfg.d_ff}, vocab {cfg.vocab_size}")
   if cfg.moe is None:
-    return f"model     {_count(total)} parameters ({shape})"
+    return f"model     {count_text(total)} parameters ({shape})"
   m = cfg.moe
-  return (f"model     {_count(total)} parameters, {_count(counts['active'])} active per token "
+  active = count_text(counts["active"])
+  return (f"model     {count_text(total)} parameters, {active} active per token "
           f"({shape}; {m.n_experts} experts top-{m.top_k}, {m.dispatch})")
 
 
@@ -117,9 +112,9 @@ def summary(cfg: Config, mesh: jax.sharding.Mesh, start_step: int, checkpoint_di
       f"{t.remat}{fp8}",
       *[("kernels   " if i == 0 else "          ") + line for i, line in enumerate(impls)],
       f"data      {source}, tokenizer {cfg.data.tokenizer} (vocab {tokenizer_vocab}): "
-      f"{_count(train_tokens)} train / {_count(val_tokens)} val tokens",
+      f"{count_text(train_tokens)} train / {count_text(val_tokens)} val tokens",
       f"batch     {t.batch_size} x {t.seq_len} = {step_tokens:,} tokens per step x {t.steps} "
-      f"steps = {_count(step_tokens * t.steps)} tokens ({epochs:.2g} epochs)",
+      f"steps = {count_text(step_tokens * t.steps)} tokens ({epochs:.2g} epochs)",
       f"output    {os.path.abspath(t.output_dir)} (metrics.jsonl, "
       f"{'metrics.png, ' if cfg.logging.plot else ''}run.json"
       f"{'; libraries: logs/process<i>.log' if jax.process_count() > 1 else ''}); "

@@ -137,3 +137,11 @@ def test_tensorboard_keeps_one_series_across_a_resume(tmp_path):
   assert _tensorboard_scalars(tmp_path / "tensorboard") == {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0,
                                                             5: 15.0, 6: 16.0}
   assert [json.loads(l)["step"] for l in open(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_an_output_dir_that_is_a_file_is_refused_by_name(tmp_path):
+  path = tmp_path / "not_a_dir"
+  path.write_text("x")
+  cfg = small_config(tmp_path, f"train.output_dir={path}")
+  with pytest.raises(ConfigError, match=r"train.output_dir=.* is a file: give a directory"):
+    run_dir.plan(cfg)

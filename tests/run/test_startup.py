@@ -67,7 +67,7 @@ def test_active_parameters_of_every_preset_match_a_hand_count(preset):
   cfg = load_config(None, [f"model.preset={preset}"]).model
   counts = metrics.param_counts(cfg)
   assert (counts["total"], counts["active"]) == _hand_counts(cfg)
-  assert f"{startup._count(counts['active'])} active per token" in startup.model_line(cfg) \
+  assert f"{metrics.count_text(counts['active'])} active per token" in startup.model_line(cfg) \
       or cfg.moe is None
 
 
