@@ -62,14 +62,16 @@ def compile_as_launched(lowered: jax.stages.Lowered, rt: runtime.Runtime,
 def time_steps(step: Callable, state: Any, batch: Any, steps: int) -> tuple[float, float]:
   """(median seconds per step, loss of the first step) over `steps` runs after one warm-up
   run; the state is threaded through (donated buffers stay valid)."""
-  times, losses = [], []
-  for _ in range(steps + 1):
+  times, first_loss = [], 0.0
+  for i in range(steps + 1):
     t0 = time.perf_counter()
     state, m = step(state, batch)
     jax.block_until_ready(m)
-    times.append(time.perf_counter() - t0)
-    losses.append(float(m["loss"]) if not losses else losses[0])
-  return statistics.median(times[1:]), losses[0]
+    if i == 0:  # the warm-up run: its loss, not its time (a single host read)
+      first_loss = float(m["loss"])
+    else:
+      times.append(time.perf_counter() - t0)
+  return statistics.median(times), first_loss
 
 
 def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
