@@ -292,6 +292,9 @@ class CheckpointConfig:
   # start anew (nothing is deleted)
   overwrite: bool = False
   init_from: str | None = None  # a jscale checkpoint dir (e.g. from jscale.convert) for params
+  # read every stored array back: of the checkpoint a resume starts from, and of a run's last
+  # save before it says done (jscale.ckpt.integrity); false: the metadata and data position only
+  verify: bool = True
 
 
 @dataclasses.dataclass

@@ -4,7 +4,8 @@ Thin CLI over `run(cfg)`: validates the config against this machine and decides 
 resume / refusal (`jscale.run.directory`) before compiling, builds the data iterator,
 initialises or restores the train state, and runs `jscale.run.loop` under SIGTERM / SIGINT
 handling (`jscale.run.preemption`). Exit status: 0 done, 2 config error, 3 non-finite loss
-(train.on_nan=stop), 75 stopped by a signal after saving (rerun to resume), 130 a second Ctrl-C.
+(train.on_nan=stop), 74 the last checkpoint did not read back twice, 75 stopped by a signal
+after saving (rerun to resume), 130 a second Ctrl-C.
 """
 
 from __future__ import annotations
@@ -42,10 +43,9 @@ def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer, train_iter
   """Resumes from the newest readable checkpoint (per `plan`), else starts from init_from
   params or random init."""
   cfg = rt.cfg
-  if plan.step is not None:
-    restored = ckptr.restore_latest(rt.abstract_state(), train_iter)
-    if restored is not None:
-      return _restacked(rt, restored[0], plan), restored[1]
+  if plan.step is not None:  # intact: `_start` moved any damaged newer step aside
+    return _restacked(rt, ckptr.restore(plan.step, rt.abstract_state(), train_iter), plan), \
+        plan.step
   state = rt.init_state()
   if cfg.checkpoint.init_from:
     model = state_lib.merge(rt.graphdef, state["params"], state.get("dot_state"))
@@ -72,7 +72,10 @@ def _restacked(rt: runtime.Runtime, state: Any, plan: run_dir.Plan) -> Any:
 
 
 def _start(cfg: Config) -> run_dir.Plan:
-  """Decides new run / resume / refusal before anything compiles, and says which."""
+  """Decides new run / resume / refusal before anything compiles, and says which. A resume
+  starts from the newest checkpoint that reads back (damaged newer ones are moved aside)."""
+  if cfg.checkpoint.resume:
+    ckpt_lib.newest_intact(ckpt_lib.checkpoint_dir(cfg), cfg.checkpoint.verify)
   plan = run_dir.plan(cfg)
   if distributed.is_main():
     print(plan.line(), flush=True)
@@ -124,6 +127,11 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
     try:
       out = loop.train(cfg, rt, state, start, end, train_iter, eval_batches, ckptr, writer,
                        console, signals)
+      if out.stopped is None:
+        signals.phase = "reading the last checkpoint back"
+        unsaved = ckptr.check_last(out.state, train_iter)
+        if unsaved:
+          out.stopped, out.message = "unsaved", unsaved
     finally:
       # A signal from here on lets the save and the plot finish (a second Ctrl-C exits at once).
       signals.phase = "the final checkpoint save"
@@ -201,8 +209,8 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _exit_code(summary: dict[str, Any]) -> int:
-  return {"preempted": exit_codes.PREEMPTED,
-          "nonfinite": exit_codes.NONFINITE}.get(summary["stopped"], 0)
+  return {"preempted": exit_codes.PREEMPTED, "nonfinite": exit_codes.NONFINITE,
+          "unsaved": exit_codes.UNSAVED}.get(summary["stopped"], 0)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,12 @@ writes into a temporary directory and renames it only once complete, so a crash 
 the previous checkpoints restorable and never a half-written one that `latest_step` would pick;
 the oldest step beyond `checkpoint.keep` is removed only after a newer one is complete.
 
-A checkpoint that is complete on disk but unreadable (a truncated array file, deleted metadata)
-is found at restore: it is moved aside to `<step>.unreadable-<time>` (nothing is deleted) and
-the previous one restored, with a warning naming both.
+Whether a step can be read back is `integrity`'s to decide, before anything restores it. A
+resume starts from `newest_intact`: a damaged newer step (a truncated array file, deleted
+metadata, a lost data position) is moved aside to `<step>.damaged-<time>` (nothing is deleted)
+with one warning line naming what is wrong; a step written by another number of processes is
+intact and never moved: the run is refused. A run's last save is read back before it says done
+(`Checkpointer.check_last`), and saved once more if it does not read back.
 """
 
 from __future__ import annotations
@@ -22,11 +25,15 @@ import time
 from typing import Any, Callable
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from jscale.ckpt import integrity
 from jscale.config import Config, ConfigError
 from jscale.data import checkpoint_restore, checkpoint_save
+
+Warn = Callable[[str], None]
 
 
 def checkpoint_dir(cfg: Config) -> str:
@@ -40,6 +47,64 @@ def complete_steps(directory: str) -> list[int]:
     return []
   return sorted(int(d) for d in os.listdir(directory)
                 if d.isdigit() and os.path.isdir(os.path.join(directory, d, "state")))
+
+
+def verify(directory: str, step: int, read_arrays: bool = True) -> integrity.Finding | None:
+  """`integrity.check_step` for this job's processes, each reading its share of the stored
+  values; every process returns a finding if any process found one (that process's log names
+  the value)."""
+  pi, pc = jax.process_index(), jax.process_count()
+  found = integrity.check_step(directory, step, processes=pc, read_arrays=read_arrays,
+                               share=(pi, pc))
+  if pc == 1:
+    return found
+  if found is not None:
+    print(f"process {pi}: {found.line()}", file=sys.stderr, flush=True)
+  bad = np.asarray(multihost_utils.process_allgather(np.int32(found is not None)))
+  if found is None and bad.any():
+    found = integrity.Finding(f"checkpoint step {step} in {directory}", "arrays",
+                              f"process {int(np.argmax(bad))} could not read its share of the "
+                              "stored values (its log names the first)")
+  return found
+
+
+def newest_intact(directory: str, read_arrays: bool, warn: Warn | None = None) -> int | None:
+  """The newest step in `directory` that reads back (None: none is there). Each newer, damaged
+  one is moved aside with one warning line. A step written by another number of processes
+  is a ConfigError (nothing is moved); so is a directory whose every step is damaged."""
+  warn = warn or _stderr
+  steps = complete_steps(directory)
+  for i, step in enumerate(reversed(steps)):
+    found = verify(directory, step, read_arrays)
+    if found is None:
+      return step
+    if not found.damaged:
+      raise ConfigError(f"{found.line()} (a resume at a new process count is not supported yet; "
+                        "nothing was moved)")
+    moved = move_aside(directory, step)
+    rest = (f"resuming from step {steps[-i - 2]} instead" if i + 1 < len(steps) else
+            "no older checkpoint is left")
+    warn(f"warning: {found.line()}; moved to {moved}; {rest}")
+  if steps:
+    raise ConfigError(f"no intact checkpoint in {directory} (steps "
+                      f"{', '.join(map(str, steps))} are damaged, moved aside): start a new run "
+                      "with train.output_dir=<new dir>, or checkpoint.resume=false")
+  return None
+
+
+def move_aside(directory: str, step: int) -> str:
+  """Renames step's directory to `<step>.damaged-<time>` (process 0, once every process is
+  done with it); returns the new path."""
+  target = os.path.join(directory, f"{step}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+  multihost_utils.sync_global_devices(f"jscale_damaged_{step}")
+  if jax.process_index() == 0:
+    os.replace(os.path.join(directory, str(step)), target)
+  multihost_utils.sync_global_devices(f"jscale_moved_{step}")
+  return target
+
+
+def _stderr(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
 
 
 def read_meta(directory: str, step: int) -> dict[str, Any] | None:
@@ -62,6 +127,7 @@ class Checkpointer:
         max_to_keep=ck.keep,
         enable_async_checkpointing=ck.async_save, create=True)
     self.enabled, self.every = ck.every > 0, ck.every
+    self.verify_arrays = ck.verify
     self.meta = meta or {}
     self.last_saved: int | None = None
     self._manager = ocp.CheckpointManager(self.directory, options=options)
@@ -91,36 +157,27 @@ class Checkpointer:
         state=ocp.args.StandardRestore(abstract_state), data=checkpoint_restore(data_iter)))
     return out["state"]
 
-  def restore_latest(self, abstract_state: Any, data_iter: Any,
-                     warn: Callable[[str], None] | None = None) -> tuple[Any, int] | None:
-    """Restores the newest readable checkpoint: `(state, step)`, or None when there is none.
-    Unreadable newer ones are moved aside (process 0, once every process failed on them)."""
-    warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    steps = sorted(self._manager.all_steps(), reverse=True)
-    for i, step in enumerate(steps):
-      try:
-        return self.restore(step, abstract_state, data_iter), step
-      except Exception as e:  # any storage error: tensorstore / orbax / OSError
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-      moved = self._move_aside(step)
-      rest = (f"restoring step {steps[i + 1]} instead" if i + 1 < len(steps) else
-              "no older checkpoint is left")
-      warn(f"warning: checkpoint step {step} in {self.directory} is unreadable ({reason}); "
-           f"moved to {moved}; {rest}")
-    if steps:
-      raise ConfigError(f"no readable checkpoint in {self.directory} (steps "
-                        f"{', '.join(map(str, sorted(steps)))} all failed, moved aside): start "
-                        "a new run with train.output_dir=<new dir>, or checkpoint.resume=false")
-    return None
-
-  def _move_aside(self, step: int) -> str:
-    target = os.path.join(self.directory, f"{step}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
-    multihost_utils.sync_global_devices(f"jscale_unreadable_{step}")  # every process has tried
-    if jax.process_index() == 0:
-      os.replace(os.path.join(self.directory, str(step)), target)
-    multihost_utils.sync_global_devices(f"jscale_moved_{step}")
-    self._manager.reload()  # forget the step
-    return target
+  def check_last(self, state: Any, data_iter: Any, warn: Warn | None = None) -> str | None:
+    """Reads the last save back once it is on disk. A damaged one is moved aside and `state` /
+    `data_iter` (still at that step) saved again; None when a readable copy is on disk, else
+    the line saying what could not be written."""
+    step = self.last_saved
+    if step is None:
+      return None
+    for attempt in range(2):
+      self.wait()
+      found = verify(self.directory, step, self.verify_arrays)
+      if found is None:
+        return None
+      moved = move_aside(self.directory, step)
+      self._manager.reload()  # forget the step
+      if attempt == 0:
+        (warn or _stderr)(f"warning: {found.line()}; moved to {moved}; saving step {step} again")
+        self.last_saved = None
+        self.save(step, state, data_iter, force=True)
+    return (f"{found.line()}, twice: the storage under {self.directory} does not keep what is "
+            f"written (full, over quota?). Both copies are beside it as {step}.damaged-*; once "
+            "it is fixed, rerun the command to train on from the newest intact checkpoint")
 
   def wait(self) -> None:
     """Blocks until pending async saves are complete on disk."""

@@ -34,7 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jscale.ckpt import params_io
+from jscale.ckpt import integrity, params_io
 from jscale.config import Config, ConfigError, ModelConfig
 from jscale.config_dict import from_dict
 from jscale.convert import hf_deepseek, hf_weights
@@ -170,24 +170,29 @@ def check(cfg: Config) -> None:
     _open_safetensors(path)  # the weights are there (one file, or an index of shards)
   else:
     abstract = nnx.eval_shape(lambda: llama.create(cfg.model))
-    _check_stored(path, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+    _check_stored(path, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)),
+                  cfg.checkpoint.verify)
   check_tokenizer(cfg, saved)
 
 
 def _open_safetensors(path: str) -> hf_weights.SafetensorsReader:
   try:
     return hf_weights.SafetensorsReader(path)
-  except FileNotFoundError as e:
+  except (FileNotFoundError, ConfigError) as e:
     raise ConfigError(f"checkpoint.init_from={path}: {e}") from None
 
 
-def _check_stored(path: str, want: dict) -> None:
-  """Every parameter of params checkpoint `path` against `want`'s shapes, read from orbax's
-  metadata (no array is loaded); one ConfigError listing each mismatch."""
+def _check_stored(path: str, want: dict, read_arrays: bool) -> None:
+  """Params checkpoint `path` reads back (`integrity`; `read_arrays`: every value, else the
+  index), and every parameter against `want`'s shapes, read from orbax's metadata (no array
+  is loaded); one ConfigError naming the damage or listing each mismatch."""
   params = os.path.join(os.path.abspath(path), "params")
   if not os.path.isdir(params):
     raise ConfigError(f"checkpoint.init_from={path}: no params/ there; create the checkpoint "
                       "with `python -m jscale.convert hf-to-jscale` (or params_io.save_params)")
+  found = integrity.check_store(params, f"checkpoint.init_from={path}", read_arrays=read_arrays)
+  if found:
+    raise ConfigError(f"{found.line()}; convert it again (`python -m jscale.convert`)")
   with ocp.StandardCheckpointer() as ckptr:
     stored = ckptr.metadata(params).item_metadata.tree
   problems = param_mismatches(want, stored)
@@ -261,7 +266,7 @@ def load_into(cfg: Config, model: nnx.Module) -> None:
   state = nnx.state(model, nnx.Param)
   want = nnx.to_pure_dict(state)
   if not is_hf_dir(path):
-    _check_stored(path, want)
+    _check_stored(path, want, read_arrays=False)  # `check` read the values before compiling
     params_io.load_params_into(path, model)
     return
   # The safetensors are read tensor by tensor into host memory (load_hf's reader), then each

@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jscale import sharding as sharding_lib
-from jscale.ckpt import params_io
+from jscale.ckpt import integrity, params_io
 from jscale.ckpt.checkpoint import complete_steps
 from jscale.ckpt.init_from import checkpoint_model, is_hf_dir
 from jscale.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
@@ -158,6 +158,8 @@ def load(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
     place = lambda abstract: sharding_lib.tensor_parallel(abstract, mesh)
   elif shardings is not None:
     place = lambda _: shardings
+  if src.kind != "hf":
+    check_intact(src)
   if src.kind == "hf":
     return load_hf(path, dtype=dtype or "float32", param_dtype=param_dtype or "float32",
                    shardings=place)
@@ -179,6 +181,32 @@ def load(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
   nnx.replace_by_pure_dict(state, jax.tree.map(lambda x, w: jnp.asarray(x, w.dtype), pure, want))
   nnx.update(model, state)
   return cfg, model
+
+
+def check_intact(src: Source) -> None:
+  """ConfigError naming what is wrong, in one line, if the parameters at `src` (a run's step or
+  a params checkpoint) do not read back (`integrity`); for a step, it names the newest step of
+  the run that does."""
+  if src.kind == "params":
+    found = integrity.check_store(os.path.join(src.path, "params"), src.label())
+    if found:
+      raise ConfigError(f"{found.line()}; convert it again (`python -m jscale.convert`)")
+    return
+  found = integrity.check_store(os.path.join(src.weights, "state"), f"checkpoint {src.label()}",
+                                only="params")
+  if found is None:
+    return
+  directory = os.path.dirname(os.path.abspath(src.weights))
+  others = [s for s in reversed(complete_steps(directory)) if s != src.step]
+  good = next((s for s in others if integrity.check_step(directory, s, only="params") is None),
+              None)
+  if good is None:
+    fix = "no other step of this run reads back"
+  elif src.kind == "run":
+    fix = f"the newest step that reads back is {good}: pass --step {good}"
+  else:
+    fix = f"the newest step that reads back is {os.path.join(directory, str(good))}"
+  raise ConfigError(f"{found.line()}; {fix}")
 
 
 def _restore_train_params(src: Source, stored: dict) -> dict:

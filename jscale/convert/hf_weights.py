@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors' np API reads it)
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jscale.config import ConfigError, ModelConfig
@@ -75,21 +75,23 @@ def _specs(cfg: ModelConfig) -> list[tuple[tuple[str, ...], str, tuple[int, ...]
 
 
 class SafetensorsReader:
-  """Lazy name -> numpy array access over a single-file or sharded HF checkpoint."""
+  """Lazy name -> numpy array access over a single-file or sharded HF checkpoint. Opening it
+  reads every file's header: a truncated or missing file is a ConfigError naming it."""
 
   def __init__(self, path: str):
     index, single = os.path.join(path, INDEX), os.path.join(path, SINGLE)
+    self._open: dict[str, Any] = {}  # file -> its open safetensors handle
     if os.path.isfile(index):
       with open(index, encoding="utf-8") as fh:
         weight_map = json.load(fh)["weight_map"]
       self.files = {name: os.path.join(path, f) for name, f in weight_map.items()}
+      for f in sorted(set(self.files.values())):
+        self._handle(f)
     elif os.path.isfile(single):
-      with safe_open(single, framework="np") as fh:
-        self.files = {name: single for name in fh.keys()}
+      self.files = {name: single for name in self._handle(single).keys()}
     else:
       raise FileNotFoundError(f"{path}: neither {SINGLE} nor {INDEX} there (only safetensors "
                               "checkpoints are supported; re-save with safe_serialization=True)")
-    self._open: dict[str, Any] = {}  # file -> its open safetensors handle
 
   def __enter__(self) -> "SafetensorsReader":
     return self
@@ -103,10 +105,19 @@ class SafetensorsReader:
   def get(self, name: str) -> np.ndarray:
     if name not in self.files:
       raise ConfigError(f"checkpoint lacks tensor {name}")
-    f = self.files[name]
+    return self._handle(self.files[name]).get_tensor(name)
+
+  def _handle(self, f: str) -> Any:
+    """The open handle of file `f` (its header read and checked against its size)."""
     if f not in self._open:
-      self._open[f] = safe_open(f, framework="np")
-    return self._open[f].get_tensor(name)
+      if not os.path.isfile(f):
+        raise ConfigError(f"{f}: the checkpoint's index names this file, and it is missing")
+      try:
+        self._open[f] = safe_open(f, framework="np")
+      except SafetensorError as e:  # safetensors checks the header against the file's size
+        raise ConfigError(f"{f} is damaged (safetensors: {e}): copy or download it again") \
+            from None
+    return self._open[f]
 
 
 def _resolve(reader: SafetensorsReader, name: str) -> str:

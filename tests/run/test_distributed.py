@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from conftest import TINY_RUN
 from jscale import distributed
 from jscale.config import ConfigError, DistributedConfig
 from jscale.config_load import load_config
@@ -180,6 +181,28 @@ def test_launch_local_propagates_first_failure_and_stops_the_others():
   assert time.monotonic() - start < 30
   assert {l[:3] for l in r.stdout.splitlines() if l.endswith("up")} == {"[0]", "[1]", "[2]"}
   assert "process 1 exited with 7" in r.stderr
+
+
+def test_a_two_process_checkpoint_is_not_moved_by_a_one_process_resume(tmp_path, data_cache,
+                                                                        child_env):
+  """Intact, written by 2 processes: a resume with 1 is refused in one line (exit 2) and no
+  checkpoint is moved aside (it used to move every one as unreadable)."""
+  train = [sys.executable, "-m", "jscale.train", "--config", "configs/tiny.yaml", *TINY_RUN,
+           "train.steps=2", "checkpoint.every=1", "train.eval_every=0",
+           f"train.output_dir={tmp_path}", f"data.cache_dir={data_cache}"]
+  r = _launch("-n", "2", "--devices-per-process", "1", "--", *train, "mesh.data=2",
+              env=child_env, timeout=240)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  ckpts = tmp_path / "checkpoints"
+  assert sorted(os.listdir(ckpts)) == ["1", "2"]
+  one = subprocess.run([*train, "train.steps=4"], cwd=ROOT, env=child_env, capture_output=True,
+                       text=True, timeout=TIMEOUT, check=False)
+  assert one.returncode == 2, one.stdout + one.stderr
+  assert "Traceback" not in one.stderr and one.stderr.strip().splitlines() == [
+      f"config error: checkpoint step 2 in {ckpts} does not fit this run: data position: "
+      "written by 2 processes, and this run has 1; resume it with 2 (a resume at a new process "
+      "count is not supported yet; nothing was moved)"]
+  assert sorted(os.listdir(ckpts)) == ["1", "2"]
 
 
 def test_launch_local_runs_the_distributed_worker():

@@ -139,10 +139,11 @@ def test_unreadable_latest_checkpoints_fall_back(reference, tmp_path, data_cache
   with contextlib.redirect_stderr(err):
     summary = train_lib.run(cfg)
   log = err.getvalue()
-  assert "checkpoint step 30 in" in log and "restoring step 20 instead" in log
-  assert "checkpoint step 20 in" in log and "restoring step 10 instead" in log
+  assert "checkpoint step 30 in" in log and "resuming from step 20 instead" in log
+  assert "checkpoint step 20 in" in log and "resuming from step 10 instead" in log
+  assert "Traceback" not in log and len(log.strip().splitlines()) == 2
   assert sorted(summary["losses"]) == list(range(11, STEPS + 1))
-  moved = sorted(d for d in os.listdir(ckpts) if ".unreadable-" in d)
+  moved = sorted(d for d in os.listdir(ckpts) if ".damaged-" in d)
   assert [d.split(".")[0] for d in moved] == ["20", "30"]  # moved aside, not deleted
   assert soak.losses(str(tmp_path)) == reference  # rows past step 10 were rewritten once
 
