@@ -135,9 +135,12 @@ def test_another_process_count_is_refused_and_nothing_moves(run_copy):
   assert sorted(os.listdir(ckpts)) == before
 
 
-def test_train_falls_back_and_a_finished_rerun_checks_its_last_step(run_copy, data_cache):
+@pytest.mark.parametrize("name", ["one_value_file_truncated", "run_metadata_cut",
+                                  "data_position_deleted"])
+def test_train_falls_back_and_a_finished_rerun_checks_its_last_step(run_copy, data_cache, name):
   out, ckpts = run_copy
-  DAMAGE["one_value_file_truncated"][0](os.path.join(ckpts, "2"))
+  damage, part = DAMAGE[name]
+  damage(os.path.join(ckpts, "2"))
   path = out.parent / "run.yaml"
   _write(str(path), config_cli.to_yaml(_cfg(out, data_cache)))
   # The same command again: train.steps=2 is "already reached", but step 2 does not read back.
@@ -145,7 +148,7 @@ def test_train_falls_back_and_a_finished_rerun_checks_its_last_step(run_copy, da
   assert code == 0, printed
   assert "Traceback" not in printed and "already reached" not in printed
   warnings = [line for line in printed.splitlines() if line.startswith("warning:")]
-  assert len(warnings) == 1 and f"checkpoint step 2 in {ckpts} is damaged: arrays: " in \
+  assert len(warnings) == 1 and f"checkpoint step 2 in {ckpts} is damaged: {part}: " in \
       warnings[0] and warnings[0].endswith("resuming from step 1 instead")
   assert f"resuming {out} from step 1" in printed and "done: step 2" in printed
   assert integrity.check_step(ckpts, 2, processes=1) is None  # trained and saved again
@@ -154,18 +157,25 @@ def test_train_falls_back_and_a_finished_rerun_checks_its_last_step(run_copy, da
 
 @pytest.mark.parametrize("command", ["eval", "generate", "convert"])
 def test_commands_name_the_damaged_step_and_the_newest_intact(run_copy, command, tmp_path):
+  """They read the parameters only: a lost data position is no concern of theirs (the first
+  call), a lost array index is."""
   out, ckpts = run_copy
-  DAMAGE["array_index_deleted"][0](os.path.join(ckpts, "2"))
+  DAMAGE["data_position_deleted"][0](os.path.join(ckpts, "2"))
   fn, argv = {"eval": (eval_cli.main, ["--model", str(out)]),
               "generate": (generate_cli.main, ["--model", str(out), "--prompt", "def ",
                                                "--max-new-tokens", "2"]),
               "convert": (convert_main, ["jscale-to-hf", "--ckpt", str(out), "--out",
                                          str(tmp_path / "hf")])}[command]
   code, printed = _call(fn, argv)
+  assert code == 0, printed
+  shutil.rmtree(tmp_path / "hf", ignore_errors=True)
+  DAMAGE["array_index_deleted"][0](os.path.join(ckpts, "2"))
+  code, printed = _call(fn, argv)
   assert code == exit_codes.BAD_INPUT and "Traceback" not in printed, printed
   errors = [line for line in printed.splitlines() if f"checkpoint step 2 of run {out}" in line]
   assert len(errors) == 1 and "is damaged: array index: " in errors[0]
   assert errors[0].endswith("the newest step that reads back is 1: pass --step 1")
+  shutil.rmtree(tmp_path / "hf", ignore_errors=True)
   code, printed = _call(fn, argv + ["--step", "1"])
   assert code == 0, printed
 
