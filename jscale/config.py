@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 
 class ConfigError(ValueError):
@@ -21,6 +21,9 @@ class ConfigError(ValueError):
 class RopeScalingConfig:
   """RoPE frequency scaling: Llama-3's (HF `rope_type: llama3`) or YaRN as DeepSeek-V3 ships it
   (`rope_type: yarn`, `jscale.model.rope`; MLA only, which applies its attention scales)."""
+  # An optional section is off (null) until its switch key is written (jscale.config_load).
+  SWITCH: ClassVar[str] = "rope_type"
+  FEATURE: ClassVar[str] = "RoPE scaling"
   rope_type: Literal["llama3", "yarn"] = "llama3"
   factor: float = 8.0
   low_freq_factor: float = 1.0  # llama3
@@ -36,6 +39,8 @@ class RopeScalingConfig:
 class MlaConfig:
   """Multi-head latent attention (DeepSeek-V2/V3, `jscale.model.mla`) in place of GQA: keys and
   values come from one compressed latent per token, plus a RoPE key shared by all heads."""
+  SWITCH: ClassVar[str] = "kv_lora_rank"
+  FEATURE: ClassVar[str] = "multi-head latent attention"
   q_lora_rank: int = 0  # low-rank query (with its norm); 0: queries projected directly
   kv_lora_rank: int = 512  # the key / value latent (what the generation cache holds)
   qk_nope_head_dim: int = 128  # per-head query / key dims without position
@@ -47,6 +52,8 @@ class MlaConfig:
 class MtpConfig:
   """Multi-token prediction (DeepSeek-V3, `jscale.model.mtp`): `depth` sequential modules after
   the trunk, module d predicting token t+1+d; training only."""
+  SWITCH: ClassVar[str] = "depth"
+  FEATURE: ClassVar[str] = "multi-token prediction"
   depth: int = 1  # HF num_nextn_predict_layers
   loss_weight: float = 0.3  # lambda: the objective adds lambda x the mean of the depths' losses
 
@@ -54,6 +61,8 @@ class MtpConfig:
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
   """Mixture-of-experts MLPs (jscale.model.moe): every layer's MLP is a routed set of experts."""
+  SWITCH: ClassVar[str] = "n_experts"
+  FEATURE: ClassVar[str] = "mixture-of-experts MLPs"
   n_experts: int = 8
   top_k: int = 2  # experts per token; gates are the renormalised top-k softmax (Mixtral)
   d_ff: int | None = None  # each expert's hidden size; None: model.d_ff

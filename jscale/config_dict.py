@@ -28,6 +28,17 @@ def from_dict(raw: dict[str, Any]) -> Config:
   return _build(Config, raw, "")
 
 
+def optional_sections(cls) -> dict[str, type]:
+  """The fields of dataclass `cls` that are a section or None (`model.moe`): name -> its
+  dataclass."""
+  out = {}
+  for name, tp in typing.get_type_hints(cls).items():
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if type(None) in typing.get_args(tp) and len(args) == 1 and dataclasses.is_dataclass(args[0]):
+      out[name] = args[0]
+  return out
+
+
 def _build(cls, raw: Any, prefix: str):
   if not isinstance(raw, dict):
     raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")

@@ -15,10 +15,10 @@ from typing import Any
 
 import yaml
 
-from jscale import config_cli, validate
+from jscale import config_cli, presets, validate
 from jscale.ckpt import init_from
-from jscale.config import Config, ConfigError
-from jscale.config_dict import from_dict
+from jscale.config import Config, ConfigError, ModelConfig
+from jscale.config_dict import from_dict, optional_sections
 
 
 def load_config(path: str | os.PathLike | None = None,
@@ -35,9 +35,26 @@ def load_config(path: str | os.PathLike | None = None,
     _apply_override(raw, item)
   if isinstance(raw.get("checkpoint"), dict) and raw["checkpoint"].get("init_from"):
     raw = init_from.merge_model(raw)
+  _check_sections(raw.get("model") or {})
   cfg = from_dict(raw)
   validate.check_config(cfg)
   return cfg
+
+
+def _check_sections(model: dict[str, Any]) -> None:
+  """A key of an optional model section that is off (`model.moe: null`, the default) does not
+  switch the whole feature on: it is refused unless the same file or command turns the section
+  on, with its switch key (`model.moe.n_experts`) or a preset that has it."""
+  preset = presets.PRESETS.get(model.get("preset") or "", {})
+  for name, cls in optional_sections(ModelConfig).items():
+    section = model.get(name)
+    if not isinstance(section, dict) or not section or cls.SWITCH in section or preset.get(name):
+      continue
+    given = ", ".join(f"model.{name}.{k}={v}" for k, v in section.items())
+    having = sorted(p for p, keys in presets.PRESETS.items() if keys.get(name))
+    with_preset = f" (or a preset that has it: model.preset={' | '.join(having)})" if having else ""
+    raise ConfigError(f"{given}: model.{name} is off in this config; set model.{name}."
+                      f"{cls.SWITCH} to turn {cls.FEATURE} on{with_preset}, or drop the key")
 
 
 def _read_yaml(path) -> dict[str, Any]:

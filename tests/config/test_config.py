@@ -26,7 +26,7 @@ def test_every_config_file_loads(path):
 def test_overrides_and_presets():
   cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"),
                     ["train.steps=100", "model.n_layers=4", "train.lr=3e-4",
-                     "model.rope_scaling.factor=8"])
+                     "model.rope_scaling.rope_type=llama3", "model.rope_scaling.factor=8"])
   assert (cfg.train.steps, cfg.model.n_layers, cfg.train.lr) == (100, 4, 3e-4)
   assert cfg.model.rope_scaling.factor == 8.0
   big = load_config(None, ["model.preset=llama3_8b"])

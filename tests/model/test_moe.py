@@ -245,7 +245,7 @@ def test_preset_moe_keys_merge_with_overrides():
 @pytest.mark.parametrize("overrides,match", [
     (("mesh.expert=2", "mesh.data=1"), r"mesh.expert=2 needs an MoE model"),
     ((*MOE, "mesh.expert=3", "mesh.data=1", "train.batch_size=6"), r"not divisible by mesh.expert=3"),
-    (("model.moe.dispatch=sparse", "mesh.data=1"),
+    ((*MOE, "model.moe.dispatch=sparse", "mesh.data=1"),
      r"model.moe.dispatch='sparse': choose one of dropless, capacity"),
     (("model.moe.n_experts=2", "model.moe.top_k=3", "mesh.data=1"), r"1 <= top_k <= n_experts"),
     ((*MOE, "model.moe.every=3", "mesh.data=1"), r"must be >= 1 and divide model.n_layers=2"),
