@@ -22,7 +22,7 @@ import jax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jscale import config_cli, distributed, exit_codes, runtime, validate, xla_flags
+from jscale import config_cli, distributed, exit_codes, platforms, runtime, validate, xla_flags
 from jscale import metrics as metrics_lib
 from jscale.analysis import plots
 from jscale.ckpt import checkpoint as ckpt_lib
@@ -115,6 +115,8 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
     ckptr = ckpt_lib.Checkpointer(cfg, meta)
     state, start = _initial_state(rt, ckptr, train_iter, plan)
     if distributed.is_main():
+      for line in validate.no_op_warnings(cfg, rt.mesh):
+        print(line, file=sys.stderr, flush=True)
       splits = load_splits(cfg.data)
       kernels = startup.kernel_lines(rt.kernels, cfg.model.moe is not None)
       print(startup.summary(cfg, rt.mesh, start, ckptr.directory,
@@ -179,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
   try:
     cfg = load_config(args.config, args.overrides)
+    platforms.settle()  # the CPU alone where a CUDA plugin has no GPU; before any JAX backend
     xla_flags.apply(cfg)  # GPU compute/communication overlap; before any JAX backend starts
     distributed.initialize(cfg.distributed)  # before anything starts a JAX backend
     with contextlib.ExitStack() as stack:

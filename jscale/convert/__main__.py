@@ -13,7 +13,7 @@ import shutil
 import sys
 import tempfile
 
-from jscale import exit_codes
+from jscale import exit_codes, platforms
 from jscale.ckpt import model_source, params_io
 from jscale.config import ConfigError
 from jscale.convert import load_hf, save_hf
@@ -134,6 +134,7 @@ def _tokenizer_of(src) -> str | None:
 def main(argv: list[str] | None = None) -> int:
   """CLI entry point; returns the exit status (2 for user errors, printed without traceback)."""
   args = _parser().parse_args(argv)
+  platforms.settle()  # before anything starts a JAX backend
   try:
     {"hf-to-jscale": _hf_to_jscale, "jscale-to-hf": _jscale_to_hf}[args.command](args)
   except (ConfigError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:

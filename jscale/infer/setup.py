@@ -11,7 +11,7 @@ import sys
 import jax
 from flax import nnx
 
-from jscale import config_cli, exit_codes
+from jscale import config_cli, exit_codes, platforms
 from jscale import mesh as mesh_lib
 from jscale.config import ConfigError, DataConfig, MeshConfig, ModelConfig
 from jscale.data import load_tokenizer
@@ -98,6 +98,7 @@ def run_cli(parser, run, argv: list[str] | None) -> int:
     parser.error(f"{overrides[0]}: {parser.prog} takes no config keys (--help lists its options)")
   if overrides:
     args.overrides += overrides
+  platforms.settle()  # before anything starts a JAX backend
   try:
     run(args)
   except (ConfigError, FileNotFoundError, ValueError) as e:

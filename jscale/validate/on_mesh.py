@@ -8,7 +8,7 @@ from jax.sharding import Mesh
 from jscale.config import Config, ConfigError
 from jscale.parallel.context.order import token_order
 from jscale.parallel.pipeline import schedules
-from jscale.validate import experts, kernels
+from jscale.validate import experts, kernels, no_ops
 
 
 def check_mesh(cfg: Config, mesh: Mesh) -> None:
@@ -57,6 +57,13 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
     experts.check_experts(cfg, sizes)
   if cfg.model.moe is not None and cfg.model.moe.gemm == "pallas":
     kernels.check_moe_gemm(cfg, sizes, mesh.devices.flat[0])
+  no_ops.check(cfg, sizes)  # refuses a key that asks for what would not happen
+
+
+def no_op_warnings(cfg: Config, mesh: Mesh) -> list[str]:
+  """A warning line per key that has no effect on `mesh` (`no_ops`; the refused ones raised in
+  `check_mesh`)."""
+  return no_ops.check(cfg, dict(mesh.shape))
 
 
 def _check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
