@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import yaml
 
 from jscale import config as config_lib
+from jscale import config_conditional, presets
 from jscale.config import Config, ConfigError
 
 USAGE_NOTE = ("Config keys: in the YAML file as `section:` then `key: value`; on the command line "
@@ -116,11 +117,15 @@ def sections(cls=Config, prefix: str = "") -> list[tuple[str, str, list[Key]]]:
       continue
     default = getattr(defaults, f.name)
     if sub is not None:  # an optional section inside one (model.moe): its keys follow
+      switch = (f"off unless a preset has it or {name}.{sub.SWITCH} is written (another of its "
+                "keys alone is refused)" if hasattr(sub, "SWITCH") else "")
       keys.append(Key(name, "section | null", _show(None if default is None else "{...}"),
-                      "; ".join(x for x in (notes.get(f.name, ""), _doc(sub)) if x)))
+                      "; ".join(x.rstrip(".") for x in (notes.get(f.name, ""), _doc(sub),
+                                                        switch) if x)))
       nested += sections(sub, f"{name}.")
       continue
-    keys.append(Key(name, _kind(tp), _show(default), notes.get(f.name, "")))
+    kind = " | ".join([*presets.PRESETS, "null"]) if name == "model.preset" else _kind(tp)
+    keys.append(Key(name, kind, _show(default), notes.get(f.name, "")))
   own = [(prefix.rstrip("."), _doc(cls), keys)] if keys else []
   return own + nested
 
@@ -165,7 +170,19 @@ def markdown() -> str:
       cells = [f"`{k.name}`", f"`{k.default}`", k.kind.replace("|", "\\|"),
                k.doc.replace("|", "\\|")]
       out.append("| " + " | ".join(cells) + " |")
-  return "\n".join(out) + "\n"
+  return "\n".join(out + _conditional_markdown()) + "\n"
+
+
+def _conditional_markdown() -> list[str]:
+  """The keys that take effect only under others (`config_conditional.RULES`), as a table."""
+  out = ["", "## Keys that take effect only under others", "",
+         "A key still at its default is never reported. Where one you set has no effect, the "
+         "run is refused before anything compiles, or warned about once at startup.", "",
+         config_conditional.POLICY, "",
+         "| key | with no effect where | what gives it one | then |", "|---|---|---|---|"]
+  for r in config_conditional.RULES:
+    out.append(f"| `{r.key}` | {r.why} | {r.fix} | {'refused' if r.refuse else 'warned'} |")
+  return out
 
 
 def to_yaml(cfg) -> str:

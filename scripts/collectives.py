@@ -10,6 +10,8 @@ reduce-scatter appears as all-reduce + dynamic-slice, and bf16 collectives run i
 import argparse
 import os
 
+import doc_blocks
+
 # Small model (fp32, batch 16 x 32 tokens, 2 layers of d_model 64): what the tests compile.
 SHAPE = ["model.preset=tiny", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
          "model.n_kv_heads=4", "model.d_ff=128", "model.dtype=float32", "train.batch_size=16",
@@ -53,6 +55,8 @@ def main():
   print(tables.write_table(rows, [("layout", lambda r: r["layout"]),
                                   ("fp32 params (kB)", lambda r: f"{r['param_kb']:.0f}"),
                                   *[(k, cell(k)) for k in kinds]], args.out))
+
+  print("\n".join(f"rewrote {d}" for d in doc_blocks.sync()))
 
 
 if __name__ == "__main__":

@@ -17,9 +17,14 @@ cores, not communication: read them on GPUs.
 """
 
 import argparse
+import csv
 import os
 import statistics
 import time
+
+import doc_blocks
+
+H100X8_CSV = os.path.join(doc_blocks.ROOT, "results", "compare_collectives_h100x8.csv")
 
 SHAPE = ["model.preset=tiny", "model.d_model=128", "model.n_layers=4", "model.n_heads=8",
          "model.n_kv_heads=8", "model.d_ff=512", "model.dtype=float32", "train.batch_size=16",
@@ -110,6 +115,22 @@ def _chart(rows, path):
   fig.savefig(path, dpi=110)
 
 
+def summary(path: str = H100X8_CSV) -> str:
+  """The README's table (volume over the playbook's, predicted step, memory; xla and manual)
+  from the stored `--target h100x8` CSV."""
+  with open(path, encoding="utf-8") as f:
+    rows = {(r["strategy"], r["mode"]): r for r in csv.DictReader(f)}
+  out = ["| strategy | volume / playbook, xla | manual | predicted step ms, xla | manual | "
+         "memory / device MB, xla / manual |", "|---|---|---|---|---|---|"]
+  for name in dict.fromkeys(s for s, _ in rows):
+    x, m = rows[name, "xla"], rows[name, "manual"]
+    vol = lambda r: f"{int(r['volume_bytes']) / float(r['playbook_bytes']):.2f}"
+    mem = lambda r: f"{int(r['memory_bytes']) / 1e6:.1f}"
+    out.append(f"| {name} | {vol(x)} | {vol(m)} | {float(x['predicted_ms']):.2f} | "
+               f"{float(m['predicted_ms']):.2f} | {mem(x)} / {mem(m)} |")
+  return "\n".join(out)
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default="results/compare_collectives.md")
@@ -191,6 +212,7 @@ def main():
       ("memory / device (MB)", lambda r: f"{r['memory_bytes'] / 1e6:.1f}"),
   ], args.out))
   _chart(rows, os.path.splitext(args.out)[0] + ".png")
+  print("\n".join(f"rewrote {d}" for d in doc_blocks.sync()))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ width and writes a markdown table (+ CSV beside it).
 
 import argparse
 
+import doc_blocks
+
 from jscale.analysis import introspect, tables
 from jscale.config_load import load_config
 
@@ -34,6 +36,8 @@ def main():
       ("compile (s)", lambda r: f"{r['compile_s']:.2f}"),
       ("total (s)", lambda r: f"{r['total_s']:.2f}"),
       ("vs first", lambda r: f"{r['total_s'] / base:.2f}x")], args.out))
+  print("\n".join(f"rewrote {d}" for d in doc_blocks.sync()))
+
 
 if __name__ == "__main__":
   main()

@@ -1,11 +1,12 @@
 """The README's quick-start figures, measured instead of typed: trains `configs/tiny.yaml` as the
 README's first command does, counts the tests its second runs, writes `results/quickstart.json`
-and rewrites the README's sentence between the `quickstart` markers from it.
+and rewrites the README's sentence between the `quickstart` markers from it (`doc_blocks`).
 
     python scripts/quickstart_figures.py            # train (~5 min on 2 cores), count, write
     python scripts/quickstart_figures.py --run runs/tiny   # read a finished run instead
 
-tests/house/test_docs.py checks that the README says exactly what `results/quickstart.json` holds.
+tests/house/test_docs.py checks that the README says exactly what `results/quickstart.json` holds
+(`doc_blocks.stale`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import sys
 import tempfile
 import time
 
+import doc_blocks
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = os.path.join(ROOT, "results", "quickstart.json")
-README = os.path.join(ROOT, "README.md")
-BEGIN, END = "<!-- quickstart:begin -->", "<!-- quickstart:end -->"
 
 
 def render(fig: dict) -> str:
@@ -34,6 +35,12 @@ def render(fig: dict) -> str:
           f"{fig['last_loss']:.2f}, and the validation loss is "
           f"{fig['val_loss']:.4f} over {fig['val_batches']} batches ({fig['val_tokens']:,} "
           f"tokens). The suite has {fig['tests']} tests (commit {fig['commit']}).")
+
+
+def block() -> str:
+  """The README's quick-start block: `render` of the stored results/quickstart.json."""
+  with open(RESULT, encoding="utf-8") as f:
+    return render(json.load(f))
 
 
 def read_run(run_dir: str) -> dict:
@@ -52,15 +59,6 @@ def count_tests() -> int:
   out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "tests"],
                        cwd=ROOT, capture_output=True, text=True, check=True).stdout
   return int(re.search(r"(\d+) tests? collected", out).group(1))
-
-
-def write_readme(fig: dict) -> None:
-  """Replaces the text between the README's quickstart markers with `render(fig)`."""
-  with open(README, encoding="utf-8") as f:
-    text = f.read()
-  start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-  with open(README, "w", encoding="utf-8") as f:
-    f.write(text[:start] + "\n" + render(fig) + "\n" + text[end:])
 
 
 def main() -> None:
@@ -88,7 +86,7 @@ def main() -> None:
   fig.update(wall_s=round(wall, 1), cpus=os.cpu_count(), tests=count_tests(), commit=commit)
   with open(RESULT, "w", encoding="utf-8") as f:
     json.dump(fig, f, indent=1)
-  write_readme(fig)
+  doc_blocks.sync(["README.md"])
   print(render(fig))
 
 

@@ -8,6 +8,8 @@ regime where selective recomputation pays (playbook: drop the attention scores, 
 
 import argparse
 
+import doc_blocks
+
 from jscale.analysis import introspect, tables
 from jscale.config_load import load_config
 
@@ -30,6 +32,8 @@ def main():
       ("remat", lambda r: r["remat"]), ("temp (MB)", lambda r: f"{r['temp'] / 1e6:.1f}"),
       ("arguments (MB)", lambda r: f"{r['argument'] / 1e6:.1f}"),
       ("vs none", lambda r: f"{r['temp'] / rows[0]['temp']:.2f}x")], args.out))
+  print("\n".join(f"rewrote {d}" for d in doc_blocks.sync()))
+
 
 if __name__ == "__main__":
   main()

@@ -7,7 +7,24 @@ shape is `jscale.analysis.introspect.ZERO_SHAPE`.
 """
 
 import argparse
+import csv
 import os
+
+import doc_blocks
+
+CSV = os.path.join(doc_blocks.ROOT, "results", "zero_memory.csv")
+
+
+def summary(path: str = CSV) -> str:
+  """The README's table (formula, compiled, ratio per ZeRO stage) from the stored CSV."""
+  with open(path, encoding="utf-8") as f:
+    rows = list(csv.DictReader(f))
+  line = lambda name, cells: "| " + " | ".join([name, *cells]) + " |"
+  mb = lambda key: [f"{float(r[key]) / 1e6:.1f}" for r in rows]
+  return "\n".join([line("ZeRO stage", [r["stage"] for r in rows]),
+                    "|" + "---|" * (len(rows) + 1),
+                    line("formula (MB)", mb("f_total")), line("compiled (MB)", mb("measured")),
+                    line("ratio", [f"{float(r['ratio']):.3f}" for r in rows])])
 
 
 def main():
@@ -27,6 +44,7 @@ def main():
       ("formula (MB)", mb("f_total")), ("arguments (MB)", mb("argument")),
       ("temp (MB)", mb("temp")), ("measured (MB)", mb("measured")),
       ("measured / formula", lambda r: f"{r['ratio']:.3f}")], args.out))
+  print("\n".join(f"rewrote {d}" for d in doc_blocks.sync()))
 
 
 if __name__ == "__main__":

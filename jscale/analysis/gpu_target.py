@@ -32,8 +32,8 @@ from jscale import hardware, jax_compat
 
 # name (`jscale.hardware.GPUS`) -> its spec file in gpu_specs/
 TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb"}
-INSTALL = ("pip install 'jax[cuda13-local]=={v}' nvidia-cudnn-cu13  (the CUDA plugin and cuDNN; "
-           "no GPU needed)")
+INSTALL = ("pip install -e \".[gpu-compile]\" in the jscale checkout (JAX's CUDA plugin and "
+           "cuDNN, about 2 GB of wheels; no GPU needed)")
 
 
 def parse(target: str) -> tuple[str, int]:
@@ -75,9 +75,9 @@ def _topology(gpu: str, n: int) -> tuple[jax.Device, ...]:
                                         topology=topology_name(n, hardware.GPUS[gpu].gpus_per_node),
                                         target_config=spec(gpu))
   except (NotImplementedError, RuntimeError) as e:  # no plugin / a plugin that cannot load
-    raise RuntimeError(f"cannot compile for {target}: JAX's CUDA plugin is missing or failed "
-                       f"({str(e).splitlines()[0]}); install it with "
-                       f"{INSTALL.format(v=jax.__version__)}") from e
+    raise RuntimeError(f"cannot compile for {target}: the real XLA:GPU compiler comes with "
+                       f"JAX's CUDA plugin, which is missing or failed to load "
+                       f"({str(e).splitlines()[0][:160]}); {INSTALL}") from e
   return tuple(topo.devices)
 
 

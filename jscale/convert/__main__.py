@@ -118,6 +118,18 @@ def _jscale_to_hf(args) -> None:
          "; no tokenizer.json (the byte tokenizer has none: token id = byte value)")
   print(f"wrote {args.out} from {src.label()}{tok}; load it with "
         f"transformers.{arch}.from_pretrained")
+  if cfg.mtp is not None:
+    print(mtp_note(cfg))
+
+
+def mtp_note(cfg) -> str:
+  """What a DeepSeek export with MTP tells its user about transformers' load report."""
+  first = cfg.n_layers
+  return (f"  its multi-token-prediction module is written as model.layers.{first}"
+          f"{'' if cfg.mtp.depth == 1 else f'..{first + cfg.mtp.depth - 1}'}.*, as DeepSeek "
+          "publishes it: transformers builds no MTP module, so its load report lists those "
+          "tensors as UNEXPECTED; that is expected (HF's model is the trunk without them; "
+          "jscale reads them back)")
 
 
 def _tokenizer_of(src) -> str | None:

@@ -49,8 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_platforms", "cpu")
   try:
     cfg = load_config(args.config, args.overrides)
-    gpu_target.parse(args.target)
-  except (ConfigError, ValueError) as e:
+    if args.hlo is None:  # the compiler is needed: say so now if it cannot load
+      gpu_target.devices(args.target)
+    else:
+      gpu_target.parse(args.target)
+  except (ConfigError, ValueError, RuntimeError) as e:
     print(f"error: {e}", file=sys.stderr)
     return exit_codes.BAD_INPUT
   hlo_text = open(args.hlo, encoding="utf-8").read() if args.hlo else None

@@ -18,6 +18,7 @@ from hf_case import (SEQ, VOCAB, assert_bitwise, assert_greedy_equals_transforme
 
 from jscale.config import MtpConfig
 from jscale.convert import load_hf, save_hf
+from jscale.convert.__main__ import mtp_note
 from jscale.model import llama, router
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
@@ -83,6 +84,9 @@ def test_jscale_deepseek_exports_to_transformers_with_its_mtp(deepseek, tmp_path
   assert "model.layers.2.mlp.gate.e_score_correction_bias" in names
   hf = transformers.DeepseekV3ForCausalLM.from_pretrained(out, attn_implementation="eager")
   assert not any(k.startswith("model.layers.3.") for k in hf.state_dict())
+  # ... which `jscale.convert jscale-to-hf` says is expected, naming the layer.
+  assert "model.layers.3.*" in mtp_note(mtp_cfg) and "UNEXPECTED; that is expected" in \
+      mtp_note(mtp_cfg)
   np.testing.assert_allclose(hf_logits(hf.eval()), ref, atol=1e-4, rtol=0)
   cfg2, back = load_hf(out)
   assert cfg2 == mtp_cfg

@@ -113,15 +113,30 @@ def test_cited_paths_exist(doc):
   assert not problems, "\n".join(f"{doc}: `{t}`: {why}" for t, why in problems)
 
 
-def test_readme_quickstart_figures_are_the_measured_ones():
-  """The README's quick-start sentence is `scripts/quickstart_figures.py`'s rendering of
-  results/quickstart.json (a measured tiny run and test count), not typed figures."""
+def test_script_figures_are_the_scripts_own():
+  """Every figure block in README.md and docs/ (`<!-- NAME:begin -->`) is what its script wrote
+  or renders from its stored results (`scripts/doc_blocks.py`), not typed figures; the README
+  holds the quick start's and the two summary tables'."""
   sys.path.insert(0, os.path.join(ROOT, "scripts"))
+  import doc_blocks  # pylint: disable=import-outside-toplevel  (scripts/ is not a package)
   import quickstart_figures as qf  # pylint: disable=import-outside-toplevel
+  assert doc_blocks.stale() == [], "rerun python scripts/doc_blocks.py (or the scripts named)"
+  assert set(doc_blocks.RENDERED) <= set(doc_blocks.blocks("README.md"))
+  assert {"results/zero_memory.md", "results/compare_collectives.md"} <= set(
+      doc_blocks.blocks("docs/results.md"))
   with open(qf.RESULT, encoding="utf-8") as f:
     fig = json.load(f)
-  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-    text = f.read()
-  said = text[text.index(qf.BEGIN) + len(qf.BEGIN):text.index(qf.END)].strip()
-  assert said == qf.render(fig), "rerun python scripts/quickstart_figures.py"
   assert fig["last_loss"] < fig["first_loss"] and fig["last_loss"] < qf.math.log(256) - 3
+
+def test_usage_names_every_config_file():
+  with open(os.path.join(ROOT, "docs", "usage.md"), encoding="utf-8") as f:
+    usage = f.read()
+  files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+  assert [f for f in files if f"`{f}`" not in usage] == []
+
+
+def test_the_index_links_every_doc():
+  with open(os.path.join(ROOT, "docs", "README.md"), encoding="utf-8") as f:
+    index = f.read()
+  docs = [d for d in DOCS if d.startswith("docs/") and d != "docs/README.md"]
+  assert [d for d in docs if f"]({os.path.basename(d)})" not in index] == []

@@ -218,6 +218,7 @@ def test_no_import_against_the_layering(pattern, allowed):
 LAYERS = (
     ("jscale.config", "jscale.hardware", "jscale.exit_codes", "jscale.xla_flags",
      "jscale.jax_compat"),  # leaves
+    ("jscale.config_conditional",),
     ("jscale.config_cli", "jscale.presets", "jscale.config_dict",
      "jscale.metrics", "jscale.mesh", "jscale.optim", "jscale.data"),
     ("pallas_kernels", "jscale.model"),

@@ -105,7 +105,7 @@ def test_a_checkpoint_resumes_across_placements(tmp_path, data_cache, capsys):
 @pytest.mark.parametrize("extra,match", [
     (("pipeline.schedule=zbv",), r"set pipeline.virtual_stages=2 \(not 1\)"),
     (("pipeline.schedule=dualpipev", "pipeline.virtual_stages=2", "pipeline.microbatches=2"),
-     r"dualpipev needs pipeline.microbatches \(2\) >= 2 x mesh.stage \(4\)"),
+     r"dualpipev needs pipeline.microbatches >= 2 x mesh.stage = 4 \(it is 2\)"),
     (("pipeline.schedule=zbv", "pipeline.virtual_stages=2", "model.n_layers=6"),
      r"model.n_layers=6 is not divisible by mesh.stage x pipeline.virtual_stages \(4\)"),
     # Every schedule: xla mode's stage region keeps data / fsdp shards' routing apart.

@@ -139,7 +139,8 @@ def test_validator_rejects_broken_v_tables():
 def test_v_config_errors_name_the_key():
   with pytest.raises(ValueError, match="set pipeline.virtual_stages=2"):
     schedules.make_table("zbv", 4, 8, 1)
-  with pytest.raises(ValueError, match=r"dualpipev needs pipeline.microbatches \(6\) >= 2 x"):
+  with pytest.raises(ValueError,
+                     match=r"dualpipev needs pipeline.microbatches >= 2 x .*\(it is 6\)"):
     schedules.make_table("dualpipev", 4, 6, 2)
   with pytest.raises(ValueError, match="zbv needs pipeline.microbatches"):
     schedules.make_table("zbv", 4, 3, 2)

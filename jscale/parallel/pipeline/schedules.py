@@ -86,11 +86,11 @@ def why_not(name: str, p: int, m: int, v: int) -> str | None:
     return (f"pipeline.virtual_stages={v} is only for pipeline.schedule=interleaved (or 2 for "
             "zbv and dualpipev); set it to 1")
   if name in ("1f1b", "zero_bubble", "zbv") and m < p:
-    return (f"pipeline.schedule={name} needs pipeline.microbatches ({m}) >= mesh.stage "
-            f"({p}) to fill the pipeline; raise microbatches or use afab")
+    return (f"pipeline.schedule={name} needs pipeline.microbatches >= mesh.stage = {p} to fill "
+            f"the pipeline (it is {m}); raise microbatches or use afab")
   if name == "dualpipev" and m < 2 * p:
-    return (f"pipeline.schedule=dualpipev needs pipeline.microbatches ({m}) >= 2 x mesh.stage "
-            f"({2 * p}): its steady state pairs a forward with an older micro-batch's "
+    return (f"pipeline.schedule=dualpipev needs pipeline.microbatches >= 2 x mesh.stage = "
+            f"{2 * p} (it is {m}): its steady state pairs a forward with an older micro-batch's "
             "backward; raise microbatches or use zbv")
   return None
 

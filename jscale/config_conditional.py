@@ -1,0 +1,99 @@
+"""The keys that take effect only under others: a table (`RULES`), part of the config's
+schema. `jscale.validate.no_ops` checks a config against it (refused, or warned about once at
+startup, as `POLICY` says); `jscale.config_cli` lists it in docs/config.md.
+
+`live(cfg, sizes)` is judged on the mesh's resolved axis sizes and on the config with its
+`auto` choices resolved for the devices (`runtime.build`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from jscale.config import Config, Fp8Config
+
+Sizes = dict[str, int]
+
+# What happens where a key has no effect follows its meaning.
+POLICY = (
+    "**Refused** where the key asks for something that would then not happen: a pipeline "
+    "schedule, its virtual stages or micro-batches on one stage, node-limited expert dispatch "
+    "without expert devices, an FP8 setting with FP8 off, a data path the source does not "
+    "read. **Warned** where it tunes a mode that is off and the run is still the one asked "
+    "for: a capacity factor under dropless dispatch, the grouped-matmul kernel under capacity "
+    "dispatch, checkpoints kept when none is saved, eval batches when nothing is evaluated, "
+    "ZeRO or the context layout on an axis of one device, the interpreter with no Pallas "
+    "kernel chosen.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """`key` has an effect only where `live(cfg, sizes)`; else `why` says why not, `fix` what
+  would give it one."""
+  key: str
+  live: Callable[[Config, Sizes], bool]
+  why: str
+  fix: str
+  refuse: bool
+
+
+def _moe(cfg: Config) -> Any:
+  return cfg.model.moe
+
+
+def _pallas(cfg: Config) -> bool:
+  m = cfg.model
+  return "pallas" in (m.attention_impl, m.norm_impl, m.moe and m.moe.gemm)
+
+
+def _evaluates(cfg: Config) -> bool:
+  return cfg.train.eval_every > 0 and cfg.data.val_fraction > 0
+
+
+_ONE_STAGE = "mesh.stage is 1 here, and one stage runs no pipeline"
+_NO_SAVES = "checkpoint.every=0 saves no checkpoint"
+RULES: tuple[Rule, ...] = (
+    Rule("pipeline.schedule", lambda c, s: s["stage"] > 1, _ONE_STAGE, "set mesh.stage >= 2",
+         True),
+    Rule("pipeline.virtual_stages", lambda c, s: s["stage"] > 1, _ONE_STAGE,
+         "set mesh.stage >= 2", True),
+    Rule("pipeline.microbatches", lambda c, s: s["stage"] > 1, _ONE_STAGE,
+         "set mesh.stage >= 2 (or, for gradient accumulation, train.microbatches)", True),
+    Rule("model.moe.exchange", lambda c, s: s["expert"] > 1,
+         "mesh.expert is 1 here, so no token is exchanged", "set mesh.expert > 1", True),
+    *(Rule(f"fp8.{f.name}", lambda c, s: c.fp8.enabled, "FP8 is off", "set fp8.enabled=true",
+           True) for f in dataclasses.fields(Fp8Config) if f.name != "enabled"),
+    Rule("data.path", lambda c, s: c.data.source != "stdlib",
+         "data.source=stdlib reads the Python standard library", "set data.source=bin or text",
+         True),
+    Rule("data.bin_dtype", lambda c, s: c.data.source == "bin",
+         "only data.source=bin reads stored token ids", "set data.source=bin", False),
+    Rule("model.moe.capacity_factor", lambda c, s: _moe(c).dispatch == "capacity",
+         "dropless dispatch drops no token", "set model.moe.dispatch=capacity", False),
+    Rule("model.moe.gemm", lambda c, s: _moe(c).dispatch == "dropless",
+         "capacity dispatch runs the experts as one batched matmul, not a grouped one",
+         "set model.moe.dispatch=dropless", False),
+    Rule("parallel.zero_stage", lambda c, s: s["fsdp"] > 1,
+         "ZeRO shards over mesh.fsdp, which is 1 here",
+         "put the data-parallel devices on mesh.fsdp", False),
+    Rule("parallel.sequence_parallel", lambda c, s: s["tensor"] > 1,
+         "it splits activations over mesh.tensor, which is 1 here", "set mesh.tensor > 1", False),
+    Rule("parallel.context_layout", lambda c, s: s["sequence"] > 1,
+         "mesh.sequence is 1 here: no context parallelism", "set mesh.sequence > 1", False),
+    Rule("parallel.bucket_mb", lambda c, s: c.parallel.collectives == "manual",
+         "XLA chooses how gradients are reduced", "set parallel.collectives=manual", False),
+    Rule("model.kernel_interpret", lambda c, s: _pallas(c), "no Pallas kernel is chosen",
+         "set model.attention_impl, model.norm_impl or model.moe.gemm to pallas", False),
+    Rule("train.eval_batches", lambda c, s: _evaluates(c), "nothing is evaluated",
+         "set train.eval_every > 0 and data.val_fraction > 0", False),
+    Rule("train.eval_every", lambda c, s: c.data.val_fraction > 0,
+         "data.val_fraction=0 holds no val split out", "set data.val_fraction > 0", False),
+    Rule("checkpoint.keep", lambda c, s: c.checkpoint.every > 0, _NO_SAVES,
+         "set checkpoint.every > 0", False),
+    Rule("checkpoint.async_save", lambda c, s: c.checkpoint.every > 0, _NO_SAVES,
+         "set checkpoint.every > 0", False),
+    Rule("train.profile_steps", lambda c, s: c.train.profile_steps[0] < c.train.steps,
+         "its first step is past train.steps, so nothing is traced",
+         "give steps up to train.steps", False),
+)
