@@ -18,13 +18,12 @@ Sizes = dict[str, int]
 # What happens where a key has no effect follows its meaning.
 POLICY = (
     "**Refused** where the key asks for something that would then not happen: a pipeline "
-    "schedule, its virtual stages or micro-batches on one stage, node-limited expert dispatch "
-    "without expert devices, an FP8 setting with FP8 off, a data path the source does not "
-    "read. **Warned** where it tunes a mode that is off and the run is still the one asked "
-    "for: a capacity factor under dropless dispatch, the grouped-matmul kernel under capacity "
-    "dispatch, checkpoints kept when none is saved, eval batches when nothing is evaluated, "
-    "ZeRO or the context layout on an axis of one device, the interpreter with no Pallas "
-    "kernel chosen.")
+    "schedule, its virtual stages or micro-batches on one stage, an FP8 setting with FP8 off, "
+    "a data path the source does not read. **Warned** where it tunes a mode that is off and "
+    "the run is still the one asked for: a capacity factor under dropless dispatch, the "
+    "grouped-matmul kernel under capacity dispatch, checkpoints kept when none is saved, eval "
+    "batches when nothing is evaluated, ZeRO, node-limited expert dispatch or the context "
+    "layout on an axis of one device, the interpreter with no Pallas kernel chosen.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +59,10 @@ RULES: tuple[Rule, ...] = (
          "set mesh.stage >= 2", True),
     Rule("pipeline.microbatches", lambda c, s: s["stage"] > 1, _ONE_STAGE,
          "set mesh.stage >= 2 (or, for gradient accumulation, train.microbatches)", True),
+    # Warned, not refused: a model key, which eval, generate and the planner inherit from a run
+    # that trained with expert devices.
     Rule("model.moe.exchange", lambda c, s: s["expert"] > 1,
-         "mesh.expert is 1 here, so no token is exchanged", "set mesh.expert > 1", True),
+         "mesh.expert is 1 here, so no token is exchanged", "set mesh.expert > 1", False),
     *(Rule(f"fp8.{f.name}", lambda c, s: c.fp8.enabled, "FP8 is off", "set fp8.enabled=true",
            True) for f in dataclasses.fields(Fp8Config) if f.name != "enabled"),
     Rule("data.path", lambda c, s: c.data.source != "stdlib",

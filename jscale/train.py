@@ -71,11 +71,17 @@ def _restacked(rt: runtime.Runtime, state: Any, plan: run_dir.Plan) -> Any:
   return jax.jit(restack, out_shardings=rt.state_shardings)(state)
 
 
+def _warn_once(msg: str) -> None:
+  """A warning every process meets, said by process 0."""
+  if distributed.is_main():
+    print(msg, file=sys.stderr, flush=True)
+
+
 def _start(cfg: Config) -> run_dir.Plan:
   """Decides new run / resume / refusal before anything compiles, and says which. A resume
   starts from the newest checkpoint that reads back (damaged newer ones are moved aside)."""
   if cfg.checkpoint.resume:
-    ckpt_lib.newest_intact(ckpt_lib.checkpoint_dir(cfg), cfg.checkpoint.verify)
+    ckpt_lib.newest_intact(ckpt_lib.checkpoint_dir(cfg), cfg.checkpoint.verify, _warn_once)
   plan = run_dir.plan(cfg)
   if distributed.is_main():
     print(plan.line(), flush=True)
@@ -131,7 +137,7 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
                        console, signals)
       if out.stopped is None:
         signals.phase = "reading the last checkpoint back"
-        unsaved = ckptr.check_last(out.state, train_iter)
+        unsaved = ckptr.check_last(out.state, train_iter, _warn_once)
         if unsaved:
           out.stopped, out.message = "unsaved", unsaved
     finally:

@@ -115,7 +115,8 @@ def test_model_config_comes_from_the_checkpoint(files, tmp_path, data_cache, kin
   assert init_from.overrides(cfg) == ["model.dtype=float32 (checkpoint: bfloat16)"]
   # A model key the user writes wins, and is listed; kernel choices are not listed.
   cfg = _cfg(tmp_path, data_cache, files[kind], "model.rope_theta=10000",
-             "model.attention_impl=xla", "model.rope_scaling.factor=4")
+             "model.attention_impl=xla", "model.rope_scaling.rope_type=llama3",
+             "model.rope_scaling.factor=4")
   assert cfg.model.rope_theta == 10000.0 and cfg.model.rope_scaling.factor == 4.0
   assert init_from.overrides(cfg) == [
       "model.rope_theta=10000.0 (checkpoint: 500000.0)",

@@ -217,7 +217,7 @@ def test_no_import_against_the_layering(pattern, allowed):
 # listed (a package's `__main__`, its command line, sits with the CLIs).
 LAYERS = (
     ("jscale.config", "jscale.hardware", "jscale.exit_codes", "jscale.xla_flags",
-     "jscale.jax_compat"),  # leaves
+     "jscale.jax_compat", "jscale.platforms"),  # leaves
     ("jscale.config_conditional",),
     ("jscale.config_cli", "jscale.presets", "jscale.config_dict",
      "jscale.metrics", "jscale.mesh", "jscale.optim", "jscale.data"),
