@@ -29,12 +29,12 @@ RESULT = os.path.join(ROOT, "results", "quickstart.json")
 
 def render(fig: dict) -> str:
   """The README's sentence for the figures `fig` (results/quickstart.json)."""
-  return (f"On a {fig['cpus']}-core CPU (shared with other jobs) it took {fig['wall_s'] / 60:.1f} "
+  return (f"On a {fig['cpus']}-core CPU it took {fig['wall_s'] / 60:.1f} "
           f"minutes for {fig['steps']} steps: from ln 256 = {math.log(256):.2f} at random init, "
           f"the first logged loss was {fig['first_loss']:.2f} and the last "
           f"{fig['last_loss']:.2f}, and the validation loss is "
           f"{fig['val_loss']:.4f} over {fig['val_batches']} batches ({fig['val_tokens']:,} "
-          f"tokens). The suite has {fig['tests']} tests (commit {fig['commit']}).")
+          f"tokens). The suite has {fig['tests']:,} tests (commit {fig['commit']}).")
 
 
 def block() -> str:

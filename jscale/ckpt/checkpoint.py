@@ -95,7 +95,11 @@ def newest_intact(directory: str, read_arrays: bool, warn: Warn | None = None) -
 def move_aside(directory: str, step: int) -> str:
   """Renames step's directory to `<step>.damaged-<time>` (process 0, once every process is
   done with it); returns the new path."""
-  target = os.path.join(directory, f"{step}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+  base = os.path.join(directory, f"{step}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+  target, n = base, 1
+  while os.path.exists(target):  # a copy of the step moved aside in this second
+    n += 1
+    target = f"{base}-{n}"
   multihost_utils.sync_global_devices(f"jscale_damaged_{step}")
   if jax.process_index() == 0:
     os.replace(os.path.join(directory, str(step)), target)

@@ -214,3 +214,13 @@ def test_a_truncated_safetensors_file_is_named(tmp_path):
   _truncate(str(tmp_path / hf_weights.SINGLE))
   with pytest.raises(ConfigError, match=r"model.safetensors is damaged \(safetensors: "):
     hf_weights.SafetensorsReader(str(tmp_path))
+
+
+def test_two_copies_moved_aside_in_one_second_keep_apart(tmp_path):
+  targets = []
+  for copy in range(2):
+    os.makedirs(tmp_path / "5" / "state")
+    (tmp_path / "5" / "state" / "x").write_text(str(copy))
+    targets.append(ckpt_lib.move_aside(str(tmp_path), 5))
+  assert len(set(targets)) == 2 and all(os.path.isdir(t) for t in targets)
+  assert ckpt_lib.complete_steps(str(tmp_path)) == []  # moved-aside copies are not steps
