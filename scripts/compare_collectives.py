@@ -180,7 +180,7 @@ def main():
              "step_ms": 1e3 * step_s if step_s else None,
              "volume_bytes": volume.hlo_volume(colls)["total"],
              "playbook_bytes": cost.playbook_volume(rt)["total"],
-             "memory_bytes": mem["argument"] + mem["temp"] + mem["output"] - mem["alias"]}
+             "memory_bytes": introspect.device_bytes(mem)}
       for kind in KINDS:
         ours = [c for c in colls if c.kind == kind and c.group_size != 1]
         row[f"{kind}_runs"] = sum(c.executions for c in ours)

@@ -9,6 +9,7 @@ There, one device-tool call per part, `carry: [".whl"]`:
   python3 scripts/gpu_session.py run moe     # issue 20: grouped matmul kernels, MoE training rows
   python3 scripts/gpu_session.py run fp8     # issue 18: FP8 gemms and llama3_1b rows
   python3 scripts/gpu_session.py run deepseek  # issue 41: DeepSeek-V3 16B-like MFU
+  python3 scripts/gpu_session.py run memory  # issue 49: a layout the remat pass warned about
   python3 scripts/gpu_session.py plan        # every part's commands, runnable by hand
 A part installs the wheels into /tmp/site (no network there), runs its commands in order, each
 with what is left of --budget-s (default 540 s, under the tool's 600), logs to $OUT/<part>.log
@@ -115,6 +116,14 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
         ("bench_fp8: the 8B shape bf16 / fp8 delayed end to end",
          [PY, "scripts/bench_fp8.py", "--only", "8b", "--steps", "15"], {},
          ["results/bench_fp8.md", "results/bench_fp8.csv"]),
+    ],
+    # Issue 49: does a step XLA's remat pass warned about run (its buffers fit: batch 4), and
+    # does one whose buffers do not fit (batch 8) run out of memory, as `jscale.predict` says?
+    "memory": [
+        ("memory_check: llama3_1b without recomputation, batch 4 (MAY NOT FIT) and 8 (DOES NOT)",
+         [PY, "scripts/memory_check.py", "--config", "configs/llama3_1b.yaml", "--layouts",
+          "train.batch_size=4 train.remat=none;train.batch_size=8 train.remat=none"], {},
+         ["results/memory_check.md"]),
     ],
     "deepseek": [  # issue 41: MFU of a DeepSeek-V3 16B-like shape on one GPU
         ("bench_train: DeepSeek-V3 16B-like, 3 layers + MTP", [PY, "scripts/bench_train.py",

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jscale import runtime, xla_flags
-from jscale.analysis import gpu_target
+from jscale.analysis import compiler_log, gpu_target
 from jscale.config import Config
 from jscale.config_load import load_config
 from jscale.metrics import param_counts
@@ -31,16 +31,23 @@ def compile_train_step(cfg: Config, devices: Sequence[jax.Device] | None = None,
                        gpu_options: dict[str, bool | int] | None = None
                        ) -> tuple[jax.stages.Compiled, dict[str, float]]:
   """Lowers and compiles one train step of `cfg`'s layout on `devices` (default: all), on
-  abstract inputs (nothing is allocated or run); returns it with timings (s). `gpu_options`:
-  XLA options added to the launcher's for a GPU compile."""
+  abstract inputs (nothing is allocated or run); returns it with what the compile took (s:
+  `lower_s`, `compile_s`) and, where XLA's remat pass warned that it could not get the step
+  under the device memory, its figures (`remat_limit_bytes`, `remat_reached_bytes`:
+  `compiler_log`). `gpu_options`: XLA options added to the launcher's for a GPU compile."""
   rt = runtime.build(cfg, devices)
   step = rt.train_step()
   t0 = time.perf_counter()
   lowered = step.lower(rt.abstract_state(), abstract_batch(cfg))
   t1 = time.perf_counter()
-  compiled = compile_as_launched(lowered, rt, gpu_options)
+  with compiler_log.remat_shortfalls() as short:
+    compiled = compile_as_launched(lowered, rt, gpu_options)
   t2 = time.perf_counter()
-  return compiled, {"lower_s": t1 - t0, "compile_s": t2 - t1}
+  info: dict[str, float] = {"lower_s": t1 - t0, "compile_s": t2 - t1}
+  if short:
+    info.update(remat_limit_bytes=short[-1].limit_bytes,
+                remat_reached_bytes=short[-1].reached_bytes)
+  return compiled, info
 
 
 def compile_as_launched(lowered: jax.stages.Lowered, rt: runtime.Runtime,
@@ -53,8 +60,7 @@ def compile_as_launched(lowered: jax.stages.Lowered, rt: runtime.Runtime,
   device = rt.mesh.devices.flat[0]
   if device.platform != "gpu":
     return lowered.compile()
-  total = gpu_target.memory_bytes(device)
-  with gpu_target.launched_memory(total and int(total * float(xla_flags.MEM_FRACTION))):
+  with gpu_target.launched_memory(launched_limit(device)):
     return lowered.compile(compiler_options={**xla_flags.compiler_options(rt.cfg),
                                              **(gpu_options or {})})
 
@@ -79,6 +85,20 @@ def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
   m = compiled.memory_analysis()
   return {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
           "temp": m.temp_size_in_bytes, "alias": m.alias_size_in_bytes}
+
+
+def device_bytes(mem: dict[str, int]) -> int:
+  """What one device holds for the step (`memory`'s figures): its arguments, temporaries and
+  outputs, less the outputs that reuse donated arguments."""
+  return mem["argument"] + mem["temp"] + mem["output"] - mem["alias"]
+
+
+def launched_limit(device: jax.Device) -> int | None:
+  """The bytes XLA may plan for on a GPU of `gpu_target` as `python -m jscale.train` launches
+  it (its allocator's share, `xla_flags.MEM_FRACTION`); None for other devices. A step that
+  needs more did not fit: XLA's remat pass warned that it could not get under this."""
+  total = gpu_target.memory_bytes(device)
+  return int(total * float(xla_flags.MEM_FRACTION)) if total else None
 
 
 def zero_formula_bytes(n_params: int, zero_stage: int, n_shards: int, param_bytes: int = 4,
@@ -114,7 +134,7 @@ def zero_memory_rows(fsdp: int, overrides: Sequence[str] = ()) -> list[dict[str,
     compiled, _ = compile_train_step(cfg, jax.devices()[:fsdp])
     mem = memory(compiled)
     formula = zero_formula_bytes(param_counts(cfg.model)["total"], stage, fsdp)
-    measured = mem["argument"] + mem["temp"] + mem["output"] - mem["alias"]
+    measured = device_bytes(mem)
     rows.append({"stage": stage, **{f"f_{k}": v for k, v in formula.items()}, **mem,
                  "measured": measured, "ratio": measured / formula["total"]})
   return rows

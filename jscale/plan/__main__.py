@@ -134,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     from jscale.plan import verify
     checked = [verify.compare(args.model, args.overrides, row, args.seq, gpu, devices,
                               collectives=args.collectives) for row in shown[:args.verify]]
-    if args.rank == "compiled":
-      checked.sort(key=lambda r: r["step_compiled"])
-      print(f"--verify's {len(checked)} layouts, fastest compiled program first:")
+    if args.rank == "compiled":  # a program that may not fit ranks after every one that does
+      checked.sort(key=lambda r: (not r["trusted_compiled"], r["step_compiled"]))
+      print(f"--verify's {len(checked)} layouts, fastest compiled program that fits first "
+            "(those that may not fit last, marked):")
     for r in checked:
       print(verify.describe(r))
   return 0 if fitting else 1

@@ -16,19 +16,20 @@ compiled program's step time and MFU (`jscale.predict`) stand beside the planner
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import jax
 
 from jscale import hardware, predict
-from jscale.analysis import hlo, introspect, volume
+from jscale.analysis import compiler_log, hlo, introspect, volume
 from jscale.config_load import load_config
 from jscale.plan.rank import Row
+from jscale.predict import summary
 
 
 def _config(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
             gpu: hardware.Gpu, collectives: str = "xla"):
-  import os
   lay = row.layout
   run = [o for o in lay.overrides(seq, gpu.gpus_per_node) if ".dcn_" not in o]
   # One simulated host: each axis gets its full size inside it.
@@ -52,7 +53,7 @@ def compare(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
   devices = list(devices or jax.devices())[:row.layout.devices]
   # On GPUs, the gemms as the autotuner picks them (`predict.AUTOTUNED_GEMMS`): the program
   # whose time and memory came closest to the measured ones.
-  compiled, _ = introspect.compile_train_step(cfg, devices, predict.AUTOTUNED_GEMMS)
+  compiled, info = introspect.compile_train_step(cfg, devices, predict.AUTOTUNED_GEMMS)
   mem = introspect.memory(compiled)
   batch = sum(x.size * x.dtype.itemsize for x in introspect.abstract_batch(cfg).values())
   batch //= row.layout.batch_ways  # each device holds its share of the batch
@@ -63,9 +64,15 @@ def compare(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
   predicted_volume = sum(t.bytes for t in row.cost.transfers)
   timing = {"step_estimate": row.cost.step_s, "mfu_estimate": row.cost.mfu}
   if devices[0].platform == "gpu":  # XLA:GPU's program: its time, kernel by kernel
-    p = predict.predict_config(cfg, f"{gpu.name}x{len(devices)}", text)
+    remat = (compiler_log.RematShortfall(int(info["remat_limit_bytes"]),
+                                         int(info["remat_reached_bytes"]))
+             if "remat_limit_bytes" in info else None)
+    p = predict.predict_config(cfg, f"{gpu.name}x{len(devices)}", text,
+                               memory_bytes=introspect.device_bytes(mem), remat=remat)
+    # `trusted`: fits with no remat warning against it; the others rank after (--rank compiled)
     timing.update(step_compiled=p.step_s, mfu_compiled=p.mfu,
-                  exposed_compiled=p.exposed_collectives_s)
+                  exposed_compiled=p.exposed_collectives_s, trusted_compiled=p.trusted,
+                  memory_lines=summary.memory_lines(p))
   return {"layout": row.layout.describe() + f" ({collectives})", **timing,
           "state_estimate": est.params + est.optimizer, "state_compiled": state,
           "rest_estimate": est.grads + est.activations + est.workspace,
@@ -84,6 +91,7 @@ def describe(r: dict) -> str:
   if "step_compiled" in r:  # `jscale.predict` on the compiled program
     step += (f"   compiled {r['step_compiled'] * 1e3:.1f} ms, MFU {r['mfu_compiled']:.1%} "
              f"(exposed collectives {r['exposed_compiled'] * 1e3:.1f} ms)")
+    step += "".join(f"\n  {line}" for line in r["memory_lines"])
   return "\n".join([
       f"verify {r['layout']} (compiled for {r['platform']}):",
       line("model state (params + optimizer)", r["state_estimate"], r["state_compiled"]),

@@ -10,7 +10,7 @@ against every measured GPU row: results/predict_vs_measured.md.
 from __future__ import annotations
 
 from jscale import metrics
-from jscale.analysis import gpu_target, introspect
+from jscale.analysis import compiler_log, gpu_target, introspect
 from jscale.config import Config
 from jscale.predict import launches, rates, summary, timing
 
@@ -33,22 +33,41 @@ def model_flops_per_device(cfg: Config, n_devices: int) -> float:
 AUTOTUNED_GEMMS = {"xla_gpu_enable_triton_gemm": False}
 
 
-def compile_step(cfg: Config, target: str) -> str:
-  """The optimised HLO text of `cfg`'s train step compiled for `target` ("h100x8") as
-  `python -m jscale.train` launches it, with the gemms the GPU's autotuner would mostly pick."""
-  compiled, _ = introspect.compile_train_step(cfg, gpu_target.devices(target), AUTOTUNED_GEMMS)
+def compile_for(cfg: Config, target: str
+                ) -> tuple[str, int, compiler_log.RematShortfall | None]:
+  """(optimised HLO text, per-device bytes, the remat pass's shortfall if it warned) of `cfg`'s
+  train step compiled for `target` ("h100x8") as `python -m jscale.train` launches it, with
+  the gemms the GPU's autotuner would mostly pick."""
+  compiled, info = introspect.compile_train_step(cfg, gpu_target.devices(target),
+                                                 AUTOTUNED_GEMMS)
   text = compiled.as_text()
   if text is None:
     raise RuntimeError(f"XLA gave no HLO text for the step compiled for {target}")
-  return text
+  remat = (compiler_log.RematShortfall(int(info["remat_limit_bytes"]),
+                                       int(info["remat_reached_bytes"]))
+           if "remat_limit_bytes" in info else None)
+  return text, introspect.device_bytes(introspect.memory(compiled)), remat
+
+
+def compile_step(cfg: Config, target: str) -> str:
+  """The optimised HLO text of `compile_for`."""
+  return compile_for(cfg, target)[0]
 
 
 def predict_config(cfg: Config, target: str, hlo_text: str | None = None, top: int = 20,
-                   fit: rates.Fit = rates.FIT) -> summary.Summary:
-  """`cfg`'s train step compiled for `target` ("h100x8", `compile_step`) — or `hlo_text`, that
-  step compiled already — predicted and summarised."""
+                   fit: rates.Fit = rates.FIT, memory_bytes: int | None = None,
+                   remat: compiler_log.RematShortfall | None = None) -> summary.Summary:
+  """`cfg`'s train step compiled for `target` ("h100x8", `compile_for`) — or `hlo_text`, that
+  step compiled already, holding `memory_bytes` per device and drawing the remat warning
+  `remat` if known — predicted and summarised, with whether it fits the target's memory."""
   gpu, n = gpu_target.parse(target)
-  hlo_text = hlo_text if hlo_text is not None else compile_step(cfg, target)
-  return summary.summarize(predict(hlo_text, gpu, fit), rates.chip(gpu, fit),
-                          model_flops_per_device(cfg, n),
-                          cfg.train.batch_size * cfg.train.seq_len, top)
+  if hlo_text is None:
+    hlo_text, memory_bytes, remat = compile_for(cfg, target)
+  r = summary.summarize(predict(hlo_text, gpu, fit), rates.chip(gpu, fit),
+                        model_flops_per_device(cfg, n),
+                        cfg.train.batch_size * cfg.train.seq_len, top)
+  r.memory_bytes = memory_bytes
+  r.memory_limit = introspect.launched_limit(gpu_target.devices(f"{gpu}x1")[0])
+  if remat is not None:
+    r.remat_limit_bytes, r.remat_reached_bytes = remat.limit_bytes, remat.reached_bytes
+  return r

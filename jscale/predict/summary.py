@@ -39,6 +39,26 @@ class Summary:
   top: list[dict]
   gap_to_target: list[tuple[str, float]]  # (what, seconds it costs)
   notes: list[str]
+  # Per device: what the compiled step holds, and what XLA may plan for as the trainer
+  # launches it (None: not known, e.g. for --hlo). Above the limit the step does not fit.
+  memory_bytes: int | None = None
+  memory_limit: int | None = None
+  # Where XLA's remat pass warned it could not get the step under its limit: its estimate
+  # (`jscale.analysis.compiler_log`), which a fitting buffer assignment may contradict.
+  remat_limit_bytes: int | None = None
+  remat_reached_bytes: int | None = None
+
+  @property
+  def fits(self) -> bool | None:
+    """Whether the compiled step fits the device (None: unknown)."""
+    if self.memory_bytes is None or self.memory_limit is None:
+      return None
+    return self.memory_bytes <= self.memory_limit
+
+  @property
+  def trusted(self) -> bool:
+    """Whether the step is known to fit with nothing against it: no remat warning either."""
+    return bool(self.fits) and self.remat_reached_bytes is None
 
 
 def summarize(s: Schedule, chip: Chip, model_flops: float, tokens: int, top: int = 20
@@ -105,7 +125,8 @@ def format_summary(r: Summary, header: str) -> str:
   target_s = r.model_flops / (TARGET_MFU * r.peak_flops)
   lines = [header,
            f"predicted step {ms(r.step_s):.1f} ms, {r.tokens_per_s:,.0f} tokens/s, MFU "
-           f"{r.mfu:.1%} (exposed collectives {ms(r.exposed_collectives_s):.1f} ms)", "",
+           f"{r.mfu:.1%} (exposed collectives {ms(r.exposed_collectives_s):.1f} ms)",
+           *memory_lines(r), "",
            f"{'category':<22}{'ms':>10}{'% of step':>11}"]
   for c, t in r.by_category.items():
     lines.append(f"{c:<22}{ms(t):>10.2f}{t / r.step_s:>11.1%}")
@@ -120,6 +141,28 @@ def format_summary(r: Summary, header: str) -> str:
   lines += [f"  {ms(t):>8.1f} ms  {w}" for w, t in r.gap_to_target]
   lines += [f"note: {n}" for n in r.notes]
   return "\n".join(lines)
+
+
+def memory_lines(r: Summary) -> list[str]:
+  """What the compiled step holds per device against what XLA may use, and the remat pass's
+  warning if it drew one; a step that does not fit says so above all else."""
+  gib = lambda b: f"{b / 2**30:.1f} GiB"
+  out = []
+  if r.memory_bytes is not None and r.fits is None:
+    out.append(f"memory {gib(r.memory_bytes)} per device (no device limit known)")
+  elif r.fits is False:
+    out.append(f"DOES NOT FIT: the compiled step needs {gib(r.memory_bytes)} per device, over "
+               f"the {gib(r.memory_limit)} XLA may use: expect out-of-memory, not the speed "
+               "above")
+  elif r.fits:
+    out.append(f"memory {gib(r.memory_bytes)} per device of the {gib(r.memory_limit)} XLA may "
+               f"use: {'fits' if r.trusted else 'fits as assigned'}")
+  if r.remat_reached_bytes is not None:
+    out.append(f"{'' if r.fits is False else 'MAY NOT FIT: '}XLA's remat pass could not get "
+               f"its estimate of the step ({gib(r.remat_reached_bytes)}) under "
+               f"{gib(r.remat_limit_bytes)}; only a run settles it (python3 "
+               "scripts/gpu_session.py run memory on a lent GPU)")
+  return out
 
 
 def _to_target(seconds: float) -> str:

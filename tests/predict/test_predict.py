@@ -185,8 +185,9 @@ def llama3_1b():
     """(prediction, optimised HLO text) of llama3_1b.yaml with `overrides`."""
     cfg = load_config(CONFIG, ["checkpoint.every=0", *overrides])
     if overrides not in texts:
-      texts[overrides] = predict.compile_step(cfg, "h100x1")
-    return predict.predict_config(cfg, "h100x1", texts[overrides]), texts[overrides]
+      texts[overrides] = predict.compile_for(cfg, "h100x1")
+    text, memory, remat = texts[overrides]
+    return predict.predict_config(cfg, "h100x1", text, memory_bytes=memory, remat=remat), text
   return run
 
 
@@ -198,6 +199,23 @@ def test_llama3_1b_as_configured_predicts_at_least_45_percent_mfu(llama3_1b):
   # instructions of this step.
   assert ".remat" not in text
   assert r.by_category["gemm"] > 0.5 * r.step_s and r.exposed_collectives_s == 0.0
+  assert r.trusted and 10 * 2**30 < r.memory_bytes < r.memory_limit < 80 * 2**30
+
+
+@pytest.mark.parametrize("batch, fits", [(4, True), (8, False)])
+def test_a_step_that_may_not_fit_says_so_above_its_speed(llama3_1b, batch, fits):
+  """llama3_1b without recomputation: at batch 8 the compiled step holds more than XLA may use;
+  at batch 4 its buffers fit, but XLA's remat pass warned that its own estimate did not (read
+  from the compiler's log). Both are said under the speed, and neither is trusted."""
+  r, _ = llama3_1b(f"train.batch_size={batch}", "train.remat=none")
+  assert r.fits is fits and not r.trusted
+  assert r.remat_reached_bytes > r.remat_limit_bytes > 60 * 2**30
+  lines = summary.format_summary(r, f"llama3_1b b{batch}").splitlines()
+  if fits:
+    assert lines[2].endswith("fits as assigned") and lines[3].startswith("MAY NOT FIT: XLA's ")
+  else:
+    assert lines[2].startswith("DOES NOT FIT: the compiled step needs ")
+    assert lines[3].startswith("XLA's remat pass could not get its estimate")
 
 
 @pytest.mark.parametrize("slower", [("model.dtype=float32",), ("train.remat=full",)],
@@ -245,6 +263,7 @@ def test_plan_ranks_verified_layouts_by_their_compiled_step(capsys):
   assert plan_main(["--model", "configs/tiny.yaml", "--gpus", "8", "--seq", "256",
                     "--global-batch-tokens", "16k", "--top", "2", "--verify", "2", "--target",
                     "h100x8", "--rank", "compiled"]) == 0
-  out = capsys.readouterr().out.split("--verify's 2 layouts, fastest compiled program first:")[1]
+  out = capsys.readouterr().out.split(
+      "--verify's 2 layouts, fastest compiled program that fits first")[1]
   steps = [float(x) for x in re.findall(r"compiled ([\d.]+) ms, MFU", out)]
   assert len(steps) == 2 and steps == sorted(steps), out
