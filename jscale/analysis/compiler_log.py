@@ -16,7 +16,7 @@ import dataclasses
 import os
 import re
 import sys
-import tempfile
+import threading
 from typing import Iterator
 
 _REMAT = re.compile(r"Can't reduce memory use below \S+ \((\d+) bytes\) by rematerialization; "
@@ -37,22 +37,42 @@ def shortfalls(log: str) -> list[RematShortfall]:
 
 @contextlib.contextmanager
 def remat_shortfalls() -> Iterator[list[RematShortfall]]:
-  """Collects the remat pass's warnings of the compiles run meanwhile, in the list it yields;
-  every other line the compiler writes to file descriptor 2 is passed on to stderr."""
+  """Collects the remat pass's warnings of the compiles run meanwhile, in the list it yields.
+  File descriptor 2 goes through a pipe that a thread reads line by line as it fills, passing
+  every other line on at once: what a compiler that aborts writes first (its check failure)
+  still reaches the terminal."""
   found: list[RematShortfall] = []
   sys.stderr.flush()
   saved = os.dup(2)
-  with tempfile.TemporaryFile() as log:
-    os.dup2(log.fileno(), 2)
-    try:
-      yield found
-    finally:
-      os.dup2(saved, 2)
-      os.close(saved)
-      log.seek(0)
-      text = log.read().decode(errors="replace")
-      found.extend(shortfalls(text))
-      rest = "".join(line for line in text.splitlines(keepends=True) if not _REMAT.search(line))
-      if rest:
-        sys.stderr.write(rest)
-        sys.stderr.flush()
+  read_end, write_end = os.pipe()
+  os.dup2(write_end, 2)
+  os.close(write_end)
+  reader = threading.Thread(target=_forward, args=(read_end, saved, found), daemon=True)
+  reader.start()
+  try:
+    yield found
+  finally:
+    sys.stderr.flush()
+    os.dup2(saved, 2)  # the pipe's last write end closes: the reader sees its end
+    reader.join()
+    os.close(read_end)
+    os.close(saved)
+
+
+def _forward(read_end: int, out: int, found: list[RematShortfall]) -> None:
+  """Copies lines from `read_end` to `out` until the pipe closes, keeping remat warnings."""
+  pending = b""
+  while chunk := os.read(read_end, 1 << 16):
+    *lines, pending = (pending + chunk).split(b"\n")
+    for line in lines:
+      _one(line + b"\n", out, found)
+  if pending:
+    _one(pending, out, found)
+
+
+def _one(line: bytes, out: int, found: list[RematShortfall]) -> None:
+  said = shortfalls(line.decode(errors="replace"))
+  if said:
+    found.extend(said)
+  else:
+    os.write(out, line)

@@ -14,6 +14,7 @@ from typing import Iterator
 from jscale.config import Config, ModelConfig
 from jscale.mesh import AXES
 from jscale.parallel.pipeline import schedules
+from jscale.validate.on_mesh import xla_pipeline_why_not
 
 REMATS = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -138,8 +139,9 @@ def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
       for zero in ((1, 2, 3) if fsdp > 1 else (0,)):
         if stage > 1 and zero > 2:
           continue
-        # validate refuses these xla-mode pipelines: SP with data axes, MoE with data / fsdp
-        refused = sp and ways > 1 and tensor > 1 or moe and data * fsdp > 1
+        # the pipelines validate refuses in xla mode (the default): no such layout is offered
+        sizes = dict(data=data, stage=stage, fsdp=fsdp, expert=expert, tensor=tensor)
+        refused = stage > 1 and xla_pipeline_why_not(sizes, zero, sp, moe) is not None
         for pipe in _pipelines(model, stage, refused):
           for mbs in MICRO_BATCHES:
             if per_device % mbs:

@@ -92,26 +92,44 @@ def _check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
   if sizes["sequence"] > 1:
     raise ConfigError(f"mesh.sequence={sizes['sequence']} with mesh.stage={p}: context "
                       "parallelism inside pipeline stages is not supported; set one of them to 1")
-  if (cfg.parallel.collectives == "xla" and cfg.parallel.sequence_parallel and dp > 1
-      and sizes["tensor"] > 1):
-    raise ConfigError(
-        f"parallel.sequence_parallel=true with mesh.stage={p}, mesh.tensor={sizes['tensor']} and "
-        "data-parallel axes in xla mode: GSPMD reshuffles the sequence-parallel activations "
-        "between data and tensor ranks with collective-permutes inside the pipeline's per-stage "
-        "branches, which only one stage's devices run (a deadlock); use "
-        "parallel.collectives=manual, or sequence_parallel=false")
-  if (cfg.parallel.collectives == "xla" and cfg.model.moe is not None
-      and sizes["data"] * sizes["fsdp"] > 1):
-    # Measured: the router's gradient 27% off (ZeRO-1), a deadlock (ZeRO-2), for every schedule.
-    raise ConfigError(
-        f"an MoE model with mesh.stage={p} and mesh.data x mesh.fsdp = "
-        f"{sizes['data'] * sizes['fsdp']} in xla mode: the stage region keeps those batch "
-        "shards apart, so each routes with its own load-balance statistics (not the step's), "
-        "and under ZeRO-2 GSPMD reorders rows with a collective-permute inside the first "
-        "stage's branch (a deadlock); use parallel.collectives=manual, or split the batch over "
-        "mesh.expert only")
+  if cfg.parallel.collectives == "xla":
+    why = xla_pipeline_why_not(sizes, cfg.parallel.zero_stage, cfg.parallel.sequence_parallel,
+                               cfg.model.moe is not None)
+    if why is not None:
+      raise ConfigError(why)
   if cfg.parallel.zero_stage > 2:
     raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage} with mesh.stage={p}: ZeRO-3 "
                       "would all-gather every chunk's weights again at each of its forward and "
                       "backward ticks; use parallel.zero_stage=2 (gradients and optimizer state "
                       "sharded over fsdp)")
+
+
+def xla_pipeline_why_not(sizes: dict[str, int], zero_stage: int, sequence_parallel: bool,
+                         moe: bool) -> str | None:
+  """Why xla mode cannot run a pipeline over mesh.stage = sizes["stage"] > 1 with these axes
+  (None: it can). The planner offers no such layout (`jscale.plan.layout.candidates`)."""
+  p, tp = sizes["stage"], sizes["tensor"]
+  dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+  if sequence_parallel and dp > 1 and tp > 1:
+    return (f"parallel.sequence_parallel=true with mesh.stage={p}, mesh.tensor={tp} and "
+            "data-parallel axes in xla mode: GSPMD reshuffles the sequence-parallel activations "
+            "between data and tensor ranks with collective-permutes inside the pipeline's "
+            "per-stage branches, which only one stage's devices run (a deadlock); use "
+            "parallel.collectives=manual, or sequence_parallel=false")
+  if moe and sizes["data"] * sizes["fsdp"] > 1:
+    # Measured: the router's gradient 27% off (ZeRO-1), a deadlock (ZeRO-2), for every schedule.
+    return (f"an MoE model with mesh.stage={p} and mesh.data x mesh.fsdp = "
+            f"{sizes['data'] * sizes['fsdp']} in xla mode: the stage region keeps those batch "
+            "shards apart, so each routes with its own load-balance statistics (not the "
+            "step's), and under ZeRO-2 GSPMD reorders rows with a collective-permute inside the "
+            "first stage's branch (a deadlock); use parallel.collectives=manual, or split the "
+            "batch over mesh.expert only")
+  if zero_stage == 2 and sizes["fsdp"] > 1 and tp > 1:
+    # XLA 0.10's SPMD partitioner: spmd_partitioner_util.cc "Check failed:
+    # partition_group_list.num_replica_groups() * ... == device_groups.num_devices_per_group()"
+    # (SIGABRT), for every schedule, on CPU and GPU alike.
+    return (f"parallel.zero_stage=2 with mesh.stage={p}, mesh.fsdp={sizes['fsdp']} and "
+            f"mesh.tensor={tp} in xla mode: XLA's SPMD partitioner aborts the compile (a check "
+            "failure in spmd_partitioner_util.cc) on the ZeRO-2 gradient shards inside the "
+            "stage region; use parallel.collectives=manual, or parallel.zero_stage=1")
+  return None
