@@ -14,7 +14,7 @@ from typing import Iterator
 from jscale.config import Config, ModelConfig
 from jscale.mesh import AXES
 from jscale.parallel.pipeline import schedules
-from jscale.validate.on_mesh import xla_pipeline_why_not
+from jscale.validate.on_mesh import xla_layout_why_not
 
 REMATS = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -139,10 +139,11 @@ def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
       for zero in ((1, 2, 3) if fsdp > 1 else (0,)):
         if stage > 1 and zero > 2:
           continue
-        # the pipelines validate refuses in xla mode (the default): no such layout is offered
+        # what validate refuses in xla mode (the default) is not offered
         sizes = dict(data=data, stage=stage, fsdp=fsdp, expert=expert, tensor=tensor)
-        refused = stage > 1 and xla_pipeline_why_not(sizes, zero, sp, moe) is not None
-        for pipe in _pipelines(model, stage, refused):
+        if xla_layout_why_not(sizes, zero, sp, moe) is not None:
+          continue
+        for pipe in _pipelines(model, stage):
           for mbs in MICRO_BATCHES:
             if per_device % mbs:
               continue
@@ -154,11 +155,9 @@ def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
                            pipe[0], pipe[1], remat, mbs, accum)
 
 
-def _pipelines(model: ModelConfig, stage: int, refused: bool) -> list[tuple[str, int]]:
+def _pipelines(model: ModelConfig, stage: int) -> list[tuple[str, int]]:
   if stage == 1:
     return [("1f1b", 1)]
-  if refused:
-    return []
   out = [(name, 1) for name in ("afab", "1f1b", "zero_bubble") if model.n_layers % stage == 0]
   out += [("interleaved", v) for v in (2, 4) if model.n_layers % (stage * v) == 0]
   out += [(name, 2) for name in ("zbv", "dualpipev") if model.n_layers % (stage * 2) == 0]

@@ -53,6 +53,11 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
     kernels.check_flash_attention(cfg, sizes)
   if sizes["stage"] > 1:
     _check_pipeline(cfg, sizes)
+  if cfg.parallel.collectives == "xla":
+    why = xla_layout_why_not(sizes, cfg.parallel.zero_stage, cfg.parallel.sequence_parallel,
+                             cfg.model.moe is not None)
+    if why is not None:
+      raise ConfigError(why)
   if cfg.model.moe is not None or sizes["expert"] > 1:
     experts.check_experts(cfg, sizes)
   if cfg.model.moe is not None and cfg.model.moe.gemm == "pallas":
@@ -92,11 +97,6 @@ def _check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
   if sizes["sequence"] > 1:
     raise ConfigError(f"mesh.sequence={sizes['sequence']} with mesh.stage={p}: context "
                       "parallelism inside pipeline stages is not supported; set one of them to 1")
-  if cfg.parallel.collectives == "xla":
-    why = xla_pipeline_why_not(sizes, cfg.parallel.zero_stage, cfg.parallel.sequence_parallel,
-                               cfg.model.moe is not None)
-    if why is not None:
-      raise ConfigError(why)
   if cfg.parallel.zero_stage > 2:
     raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage} with mesh.stage={p}: ZeRO-3 "
                       "would all-gather every chunk's weights again at each of its forward and "
@@ -104,10 +104,26 @@ def _check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
                       "sharded over fsdp)")
 
 
-def xla_pipeline_why_not(sizes: dict[str, int], zero_stage: int, sequence_parallel: bool,
-                         moe: bool) -> str | None:
-  """Why xla mode cannot run a pipeline over mesh.stage = sizes["stage"] > 1 with these axes
-  (None: it can). The planner offers no such layout (`jscale.plan.layout.candidates`)."""
+def xla_layout_why_not(sizes: dict[str, int], zero_stage: int, sequence_parallel: bool,
+                       moe: bool) -> str | None:
+  """Why xla mode cannot run this layout of mesh axis `sizes` (None: it can); manual mode
+  can. The planner offers no such layout (`jscale.plan.layout.candidates`)."""
+  p, tp, fsdp = sizes["stage"], sizes["tensor"], sizes["fsdp"]
+  if zero_stage == 2 and fsdp > 1 and tp > 1 and (sizes["data"] > 1 or p > 1):
+    # XLA 0.10's SPMD partitioner: spmd_partitioner_util.cc "Check failed:
+    # partition_group_list.num_replica_groups() * ... == device_groups.num_devices_per_group()"
+    # (SIGABRT), on CPU and GPU alike (scripts/sweep_layout_compiles.py).
+    other = f"mesh.stage={p}" if p > 1 else f"mesh.data={sizes['data']}"
+    return (f"parallel.zero_stage=2 with mesh.fsdp={fsdp}, mesh.tensor={tp} and {other} in "
+            "xla mode: XLA's SPMD partitioner aborts the compile (a check failure in "
+            "spmd_partitioner_util.cc) on the ZeRO-2 gradient shards; use "
+            "parallel.collectives=manual, or parallel.zero_stage=1 or 3")
+  return _xla_pipeline_why_not(sizes, sequence_parallel, moe) if p > 1 else None
+
+
+def _xla_pipeline_why_not(sizes: dict[str, int], sequence_parallel: bool, moe: bool
+                          ) -> str | None:
+  """Why xla mode cannot run a pipeline over mesh.stage = sizes["stage"] > 1 (None: it can)."""
   p, tp = sizes["stage"], sizes["tensor"]
   dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
   if sequence_parallel and dp > 1 and tp > 1:
@@ -124,12 +140,4 @@ def xla_pipeline_why_not(sizes: dict[str, int], zero_stage: int, sequence_parall
             "step's), and under ZeRO-2 GSPMD reorders rows with a collective-permute inside the "
             "first stage's branch (a deadlock); use parallel.collectives=manual, or split the "
             "batch over mesh.expert only")
-  if zero_stage == 2 and sizes["fsdp"] > 1 and tp > 1:
-    # XLA 0.10's SPMD partitioner: spmd_partitioner_util.cc "Check failed:
-    # partition_group_list.num_replica_groups() * ... == device_groups.num_devices_per_group()"
-    # (SIGABRT), for every schedule, on CPU and GPU alike.
-    return (f"parallel.zero_stage=2 with mesh.stage={p}, mesh.fsdp={sizes['fsdp']} and "
-            f"mesh.tensor={tp} in xla mode: XLA's SPMD partitioner aborts the compile (a check "
-            "failure in spmd_partitioner_util.cc) on the ZeRO-2 gradient shards inside the "
-            "stage region; use parallel.collectives=manual, or parallel.zero_stage=1")
   return None

@@ -94,10 +94,12 @@ def test_every_candidate_passes_jscale_validation(preset):
     seen.add(key)
     cfg = load_config(None, [f"model.preset={preset}", *SMALL, *lay.overrides(SEQ, 8)])
     validate.check_mesh(cfg, make_mesh(cfg.mesh))
-  if not model.moe:  # ... and it refuses the layout that aborted the compile, before it
-    bad = ["mesh.data=1", "mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.zero_stage=2",
-           "pipeline.microbatches=4"]
-    cfg = load_config(None, [f"model.preset={preset}", *SMALL, *bad])
+  if model.moe:
+    return
+  # ... and it refuses the layouts that aborted the compile, before it
+  zero2 = ["mesh.fsdp=2", "mesh.tensor=2", "parallel.zero_stage=2"]
+  for bad in (["mesh.data=1", "mesh.stage=2", "pipeline.microbatches=4"], ["mesh.data=2"]):
+    cfg = load_config(None, [f"model.preset={preset}", *SMALL, *zero2, *bad])
     with pytest.raises(ConfigError, match="XLA's SPMD partitioner aborts the compile"):
       validate.check_mesh(cfg, make_mesh(cfg.mesh))
 
