@@ -55,13 +55,35 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
   ici_shape = [sizes[a][0] for a in AXES]
   dcn_shape = [sizes[a][1] for a in AXES]
   if math.prod(dcn_shape) > 1:
-    grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices,
-                                                allow_split_physical_axes=True)
-  elif devices[0].platform in ("gpu", "tpu"):
-    grid = mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
-  else:  # CPU: no topology; keep device-id order (tensor varies fastest).
-    grid = np.asarray(devices, dtype=object).reshape(ici_shape)
+    grid = _hybrid_grid(ici_shape, dcn_shape, devices)
+  else:
+    grid = _ici_grid(ici_shape, devices)
   return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def _ici_grid(shape: list[int], devices: Sequence[jax.Device]) -> np.ndarray:
+  """`devices` of one node (or slice) laid out as `shape`."""
+  if devices[0].platform in ("gpu", "tpu"):
+    return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+  return np.asarray(devices, dtype=object).reshape(shape)  # CPU: device-id order
+
+
+def _hybrid_grid(ici_shape: list[int], dcn_shape: list[int],
+                 devices: Sequence[jax.Device]) -> np.ndarray:
+  """One granule per node, each laid out as `ici_shape`, the granules tiled as `dcn_shape`. A
+  TPU's granule is its slice (JAX's rule). A GPU's is a node: consecutive devices in process
+  order, as clusters number them (one process per node or per GPU) and as `gpu_target`'s
+  topologies describe them; JAX's GPU rule (a process per granule) fits only the first."""
+  if devices[0].platform == "tpu":
+    return mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices,
+                                                allow_split_physical_axes=True)
+  n = math.prod(dcn_shape)
+  ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+  per = len(ordered) // n
+  blocks = np.empty(n, dtype=object)
+  for i in range(n):
+    blocks[i] = _ici_grid(ici_shape, ordered[i * per:(i + 1) * per])
+  return np.block(blocks.reshape(dcn_shape).tolist())
 
 
 def _devices(n: int) -> str:

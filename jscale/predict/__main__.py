@@ -57,12 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return exit_codes.BAD_INPUT
   hlo_text = open(args.hlo, encoding="utf-8").read() if args.hlo else None
-  r = predict_config(cfg, args.target, hlo_text, args.top)
+  try:  # the layout against the target's devices (mesh sizes, kernels) is checked here
+    r = predict_config(cfg, args.target, hlo_text, args.top)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return exit_codes.BAD_INPUT
   if args.json:
     print(json.dumps(dataclasses.asdict(r), indent=1))
   else:
-    print(summary.format_summary(r, f"{args.config or 'tiny'} {' '.join(args.overrides)} on "
-                                   f"{args.target}"))
+    print(summary.format_summary(r, f"{args.config or 'the default config (tiny)'} "
+                                   f"{' '.join(args.overrides)} on {args.target}"))
   return 0
 
 

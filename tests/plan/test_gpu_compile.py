@@ -56,6 +56,24 @@ def test_topology_of_h100s_without_a_gpu():
     gpu_target.topology_name(12, 8)
 
 
+def test_a_layout_across_nodes_compiles_with_a_node_per_dcn_index():
+  """The planner's multi-node overrides (`mesh.dcn_*`) on 16 H100s in 2 nodes: each dcn index
+  is one node (the topology's devices carry one slice, so JAX's hybrid rule refused them), the
+  tensor groups stay inside a node and the data groups cross the two."""
+  devs = gpu_target.devices("h100x16")
+  mesh = mesh_lib.make_mesh(MeshConfig(data=1, dcn_data=2, tensor=8), devs)
+  nodes = [{d.process_index for d in mesh.devices[i].flat} for i in range(2)]
+  assert nodes == [{0}, {1}]
+  cfg = load_config("configs/tiny.yaml", [*TINY_BF16, "mesh.data=1", "mesh.dcn_data=2",
+                                          "mesh.tensor=8", "model.n_kv_heads=8"])
+  compiled, _ = introspect.compile_train_step(cfg, devs)
+  spans = collections.defaultdict(set)  # group size -> how many nodes its groups span
+  for c in hlo.collectives(compiled.as_text()):
+    for group in (c.groups or ()) if c.kind != "collective-permute" else ():
+      spans[len(group)].add(len({d // 8 for d in group}))
+  assert spans[8] == {1} and spans[2] == {2}, dict(spans)
+
+
 def _compiled_text(*overrides: str, devices: int = 1) -> str:
   cfg = load_config("configs/tiny.yaml", [*TINY_BF16, *overrides])
   compiled, _ = introspect.compile_train_step(cfg, gpu_target.devices(f"h100x{devices}"))

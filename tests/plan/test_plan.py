@@ -246,3 +246,16 @@ def test_mla_layer_activations_are_what_jax_saves(remat):
   saved = sum(a.size * a.dtype.itemsize for a, why in saved_residuals(loss, params, tokens)
               if "run_layers" in why) / cfg.n_layers
   assert saved == memory.layer_activation_bytes(cfg, Layout(), 128, remat) > 0
+
+
+def test_a_dcn_axis_takes_consecutive_devices_as_nodes():
+  """`mesh.dcn_*` on 8 simulated devices as 2 nodes of 4: each dcn index is 4 consecutive
+  devices (a node), laid out inside as the ici axes say."""
+  import jax
+  import numpy as np
+  from jscale.config import MeshConfig
+  from jscale.mesh import make_mesh
+  mesh = make_mesh(MeshConfig(data=1, dcn_data=2, fsdp=2, tensor=2), jax.devices()[:8])
+  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  assert dict(mesh.shape)["data"] == 2
+  assert sorted(ids[0].flat) == [0, 1, 2, 3] and sorted(ids[1].flat) == [4, 5, 6, 7]
