@@ -19,10 +19,12 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from jscale import exit_codes, hardware
 from jscale.config import ConfigError
 
+COMPILED_TOP = 10  # layouts `--rank compiled` compiles unless --verify says otherwise
 # GPUs whose single-device step efficiency jscale measured: the planner's compute term.
 PLANNABLE = tuple(name for name, g in hardware.GPUS.items() if g.step_efficiency)
 _SUFFIX = {"k": 2**10, "m": 2**20, "g": 2**30}  # 4M tokens = 1024 x 4096 (playbook)
@@ -58,7 +60,10 @@ def _parser() -> argparse.ArgumentParser:
                  "memory and collectives beside the estimate")
   p.add_argument("--rank", choices=("estimate", "compiled"), default="estimate",
                  help="order --verify's layouts by the planner's estimate, or by the step time "
-                 "`jscale.predict` gives their compiled programs (needs --target)")
+                 "`jscale.predict` gives their compiled programs (needs --target; --verify "
+                 f"defaults to {COMPILED_TOP} then)")
+  p.add_argument("--compile-budget-s", type=float, default=900.0, metavar="S",
+                 help="--verify compiles no further layout once this many seconds have gone")
   p.add_argument("--collectives", choices=("xla", "manual"), default="xla",
                  help="parallel.collectives of the --verify compiles")
   p.add_argument("--target", default=None, metavar="GPUxN",
@@ -96,6 +101,8 @@ def _target_devices(args):
 def main(argv: list[str] | None = None) -> int:
   """CLI entry point; exit 2 with one line for bad input."""
   args = _parser().parse_args(argv)
+  if args.rank == "compiled" and not args.verify:
+    args.verify = COMPILED_TOP
   # Imported here: --verify sets the simulated device count before JAX starts. Nothing runs on
   # a device: CPU is the platform even where GPUs are present (--target compiles for GPUs
   # from their descriptions), which also keeps a CUDA plugin without a GPU quiet.
@@ -111,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"of {', '.join(PLANNABLE)} only (jscale/hardware.py)")
     model = _model(args.model, args.overrides)
     gpu = hardware.GPUS[args.gpu]
-    if args.rank == "compiled" and not (args.verify and args.target):
-      raise ValueError("--rank compiled orders --verify's compiled programs by their predicted "
-                       "step time on GPUs: give --verify N and --target (e.g. h100x8)")
+    if args.rank == "compiled" and not args.target:
+      raise ValueError("--rank compiled orders the compiled programs by their predicted step "
+                       "time on GPUs: give --target (e.g. h100x8)")
     devices = _target_devices(args) if args.verify else None
     rows = rank(model, args.gpus, args.seq, args.global_batch_tokens, gpu,
                 include_unfit=True, max_tensor=args.max_tensor)
@@ -132,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {plot.plot(shown, shown[0].limit, args.plot)}", file=sys.stderr)
   if args.verify:
     from jscale.plan import verify
-    checked = [verify.compare(args.model, args.overrides, row, args.seq, gpu, devices,
-                              collectives=args.collectives) for row in shown[:args.verify]]
+    checked = _compile((fitting or rows)[:args.verify], args, gpu, devices)
     if args.rank == "compiled":  # a program that may not fit ranks after every one that does
       checked.sort(key=lambda r: (not r["trusted_compiled"], r["step_compiled"]))
       print(f"--verify's {len(checked)} layouts, fastest compiled program that fits first "
@@ -141,6 +147,24 @@ def main(argv: list[str] | None = None) -> int:
     for r in checked:
       print(verify.describe(r))
   return 0 if fitting else 1
+
+
+def _compile(rows, args, gpu, devices) -> list[dict]:
+  """`verify.compare` of each row in order, a progress line each on stderr, until
+  --compile-budget-s has gone (the rest are said to be left out)."""
+  from jscale.plan import verify
+  start, out = time.monotonic(), []
+  for i, row in enumerate(rows):
+    if i and time.monotonic() - start > args.compile_budget_s:  # the first always compiles
+      print(f"compile budget of {args.compile_budget_s:.0f} s spent: layouts {i + 1}-"
+            f"{len(rows)} not compiled (raise --compile-budget-s)", file=sys.stderr, flush=True)
+      break
+    t0 = time.monotonic()
+    out.append(verify.compare(args.model, args.overrides, row, args.seq, gpu, devices,
+                              collectives=args.collectives))
+    print(f"compiled {i + 1}/{len(rows)}: {row.layout.describe()} in "
+          f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+  return out
 
 
 if __name__ == "__main__":

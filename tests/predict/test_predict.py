@@ -263,7 +263,14 @@ def test_plan_ranks_verified_layouts_by_their_compiled_step(capsys):
   assert plan_main(["--model", "configs/tiny.yaml", "--gpus", "8", "--seq", "256",
                     "--global-batch-tokens", "16k", "--top", "2", "--verify", "2", "--target",
                     "h100x8", "--rank", "compiled"]) == 0
-  out = capsys.readouterr().out.split(
-      "--verify's 2 layouts, fastest compiled program that fits first")[1]
+  printed = capsys.readouterr()
+  out = printed.out.split("--verify's 2 layouts, fastest compiled program that fits first")[1]
   steps = [float(x) for x in re.findall(r"compiled ([\d.]+) ms, MFU", out)]
   assert len(steps) == 2 and steps == sorted(steps), out
+  assert re.search(r"^compiled 2/2: .* in \d+ s$", printed.err, re.M), printed.err
+  # A spent budget compiles the first layout and says what it left out.
+  assert plan_main(["--model", "configs/tiny.yaml", "--gpus", "8", "--seq", "256",
+                    "--global-batch-tokens", "16k", "--top", "2", "--verify", "2", "--target",
+                    "h100x8", "--rank", "compiled", "--compile-budget-s", "0"]) == 0
+  err = capsys.readouterr().err
+  assert "compiled 1/2" in err and "layouts 2-2 not compiled (raise --compile-budget-s)" in err

@@ -1,0 +1,122 @@
+"""The peers' published H100 figures beside jscale's **predicted** ones, on the peers' own
+configurations: for each, the planner's pick (`jscale.plan`'s first layout that fits) compiled
+for that many H100s with the real XLA:GPU compiler on this machine and timed by
+`jscale.predict`. MFU is one formula for both sides: jscale's model FLOPs per token
+(`metrics.flops_per_token`, causal attention counted as half, as MaxText does) over the dense
+BF16 peak, the peer's from its tok/s.
+
+    python scripts/peers_h100.py [--only 8b,70b] [--out results/peers_h100.md]
+
+Writes the table with the commit that predicted it; the predictions are predictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # nothing runs: the GPUs are descriptions
+
+# pylint: disable=wrong-import-position
+from jscale import hardware, metrics, predict  # noqa: E402
+from jscale.config_load import load_config  # noqa: E402
+from jscale.plan.rank import rank  # noqa: E402
+
+LLAMA2_7B = ["model.preset=llama3_8b", "model.vocab_size=32000", "model.n_kv_heads=32",
+             "model.d_ff=11008", "model.rope_theta=10000", "model.rope_scaling=null"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+  """A published configuration: its model, GPUs, sequence, tokens per step, and its figure
+  (tok/s per GPU, or where only that was published, MFU or model TFLOP/s by its count)."""
+  key: str
+  what: str
+  model: tuple[str, ...]
+  gpus: int
+  seq: int
+  step_tokens: int
+  source: str
+  tok_s: float | None = None
+  mfu: float | None = None
+  tflop_s: float | None = None
+
+
+PEERS = (
+    Peer("8b", "torchtitan Llama 3 8B × 8, seq 8192, FSDP 8, BF16 (on 500 W H100s)",
+         ("model.preset=llama3_8b",), 8, 8192, 16 * 8192,
+         "torchtitan benchmarks/llama3_h100_202412_torchtitan.md", tok_s=6667),
+    Peer("7b", "MaxText Llama 2 7B × 8, seq 4096, FSDP, BF16", tuple(LLAMA2_7B), 8, 4096,
+         32 * 4096, "MaxText configs/gpu/a3/llama_2_7b/README.md (492 TFLOP/s per GPU)",
+         tflop_s=492e12),
+    Peer("1b", "the playbook's 1B × 8 at 1M tokens, seq 4096", ("model.preset=llama3_1b",), 8,
+         4096, 2**20, "Ultra-Scale Playbook, best MFU on 1 node (44.3%)", mfu=0.443),
+    Peer("pb8b", "the playbook's 8B × 8 at 1M tokens, seq 4096", ("model.preset=llama3_8b",), 8,
+         4096, 2**20, "Ultra-Scale Playbook, best MFU on 1 node (45.2%)", mfu=0.452),
+    Peer("70b", "MaxText Llama 3 70B × 128, seq 8192, FSDP 128, BF16",
+         ("model.preset=llama3_70b",), 128, 8192, 256 * 8192,
+         "NVIDIA DGXC 'Maxtext Llama3 70B 25.02' (NGC)", tok_s=1052),
+)
+H100 = hardware.GPUS["h100"]
+
+
+def peer_tok_s(p: Peer, flops_per_token: float) -> float:
+  """The peer's tok/s per GPU, derived from its MFU or TFLOP/s where that is what it gave."""
+  if p.tok_s is not None:
+    return p.tok_s
+  flops = p.tflop_s if p.tflop_s is not None else p.mfu * H100.peak_flops["bf16"]
+  return flops / flops_per_token
+
+
+def row(p: Peer) -> dict:
+  """The peer's figures and jscale's predicted ones for the planner's pick."""
+  model = load_config(None, [*p.model, "model.dtype=bfloat16"]).model
+  fpt = metrics.flops_per_token(model, p.seq)
+  pick = rank(model, p.gpus, p.seq, p.step_tokens, H100)[0]
+  cfg = load_config(None, [*p.model, "model.dtype=bfloat16", "checkpoint.every=0",
+                           *pick.layout.overrides(p.seq, H100.gpus_per_node)])
+  r = predict.predict_config(cfg, f"h100x{p.gpus}")
+  peer = peer_tok_s(p, fpt)
+  ours = r.tokens_per_s / p.gpus
+  peak = H100.peak_flops["bf16"]
+  return {"peer": p.what, "source": p.source, "peer_tok_s": peer, "peer_mfu": peer * fpt / peak,
+          "pick": pick.layout.describe(), "planner_mfu": pick.cost.mfu,
+          "predicted_tok_s": ours, "predicted_mfu": r.mfu, "ratio": ours / peer,
+          "memory": "fits" if r.trusted else ("may not fit" if r.fits else "does not fit")}
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--only", default="", help="comma-separated keys: " +
+                  ",".join(p.key for p in PEERS))
+  ap.add_argument("--out", default="results/peers_h100.md")
+  args = ap.parse_args()
+  keys = set(filter(None, args.only.split(",")))
+  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                          capture_output=True, check=False).stdout.strip()
+  lines = [f"Peers' published H100 figures beside jscale's **predicted** figures for the "
+           f"planner's pick (`python scripts/peers_h100.py`, predicted at {commit}: XLA:GPU "
+           "compiled on a CPU machine, timed by `jscale.predict`; not measured).", "",
+           "| configuration | peer tok/s/GPU | peer MFU | planner's pick | planner MFU | "
+           "**predicted** tok/s/GPU | **predicted** MFU | predicted / peer | memory | source |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for p in PEERS:
+    if keys and p.key not in keys:
+      continue
+    r = row(p)
+    lines.append(f"| {r['peer']} | {r['peer_tok_s']:,.0f} | {r['peer_mfu']:.1%} | {r['pick']} | "
+                 f"{r['planner_mfu']:.1%} | {r['predicted_tok_s']:,.0f} | "
+                 f"{r['predicted_mfu']:.1%} | {r['ratio']:.2f}x | {r['memory']} | "
+                 f"{r['source']} |")
+    print(lines[-1], flush=True)
+  with open(os.path.join(ROOT, args.out), "w", encoding="utf-8") as f:
+    f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+  main()
