@@ -163,9 +163,10 @@ def test_cli_json_plot_and_errors(capsys, tmp_path):
   assert "neither a config file nor a preset" in capsys.readouterr().err
   assert main(["--model", "llama3_8b", "--gpus", "8", "--seq", "4096",
                "--global-batch-tokens", "1000"]) == 2
+  assert "not a multiple of the sequence length" in capsys.readouterr().err
   assert main(["--model", "llama3_8b", "--gpus", "8", "--seq", "4096",
                "--global-batch-tokens", "1M", "--rank", "compiled"]) == 2
-  assert "give --verify N and --target" in capsys.readouterr().err
+  assert "give --target (e.g. h100x8)" in capsys.readouterr().err
 
 
 def test_cli_runs_as_a_module():
