@@ -98,13 +98,6 @@ def check_store(store_dir: str, where: str, *, only: str | None = None, read_arr
   return _read_values(store, wanted[share[0]::share[1]], len(wanted), where, store_dir)
 
 
-def position_processes(step_dir: str) -> int | None:
-  """How many processes wrote the data position of the step at `step_dir` (None: none there)."""
-  counts = {int(m.group(2)) for m in map(_POSITION.match, _listdir(os.path.join(step_dir, "data")))
-            if m}
-  return max(counts) if counts else None
-
-
 def _check_meta(step_dir: str, where: str) -> Finding | None:
   path = os.path.join(step_dir, "meta", "metadata")
   if not os.path.isdir(os.path.dirname(path)):
