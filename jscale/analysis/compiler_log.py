@@ -30,6 +30,13 @@ class RematShortfall:
   reached_bytes: int
 
 
+def of_compile(info: dict[str, float]) -> RematShortfall | None:
+  """The shortfall `introspect.compile_train_step`'s info records (None: no warning)."""
+  if "remat_limit_bytes" not in info:
+    return None
+  return RematShortfall(int(info["remat_limit_bytes"]), int(info["remat_reached_bytes"]))
+
+
 def shortfalls(log: str) -> list[RematShortfall]:
   """The remat warnings in compiler output `log`."""
   return [RematShortfall(int(m.group(1)), int(m.group(2))) for m in _REMAT.finditer(log)]

@@ -64,9 +64,7 @@ def compare(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
   predicted_volume = sum(t.bytes for t in row.cost.transfers)
   timing = {"step_estimate": row.cost.step_s, "mfu_estimate": row.cost.mfu}
   if devices[0].platform == "gpu":  # XLA:GPU's program: its time, kernel by kernel
-    remat = (compiler_log.RematShortfall(int(info["remat_limit_bytes"]),
-                                         int(info["remat_reached_bytes"]))
-             if "remat_limit_bytes" in info else None)
+    remat = compiler_log.of_compile(info)
     p = predict.predict_config(cfg, f"{gpu.name}x{len(devices)}", text,
                                memory_bytes=introspect.device_bytes(mem), remat=remat)
     # `trusted`: fits with no remat warning against it; the others rank after (--rank compiled)

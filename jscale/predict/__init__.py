@@ -43,9 +43,7 @@ def compile_for(cfg: Config, target: str
   text = compiled.as_text()
   if text is None:
     raise RuntimeError(f"XLA gave no HLO text for the step compiled for {target}")
-  remat = (compiler_log.RematShortfall(int(info["remat_limit_bytes"]),
-                                       int(info["remat_reached_bytes"]))
-           if "remat_limit_bytes" in info else None)
+  remat = compiler_log.of_compile(info)
   return text, introspect.device_bytes(introspect.memory(compiled)), remat
 
 
