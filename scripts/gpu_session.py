@@ -9,7 +9,9 @@ There, one device-tool call per part, `carry: [".whl"]`:
   python3 scripts/gpu_session.py run moe     # issue 20: grouped matmul kernels, MoE training rows
   python3 scripts/gpu_session.py run fp8     # issue 18: FP8 gemms and llama3_1b rows
   python3 scripts/gpu_session.py run deepseek  # issue 41: DeepSeek-V3 16B-like MFU
-  python3 scripts/gpu_session.py run memory  # issue 49: a layout the remat pass warned about
+  python3 scripts/gpu_session.py run memory  # issue 49: a layout the remat pass warned about (H100)
+  python3 scripts/gpu_session.py run memory_h200  # the same on an H200 (measured 2026-11-28)
+  python3 scripts/gpu_session.py run curves  # issue 18: FP8's 200-step loss curves
   python3 scripts/gpu_session.py plan        # every part's commands, runnable by hand
 A part installs the wheels into /tmp/site (no network there), runs its commands in order, each
 with what is left of --budget-s (default 540 s, under the tool's 600), logs to $OUT/<part>.log
@@ -117,13 +119,29 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
          [PY, "scripts/bench_fp8.py", "--only", "8b", "--steps", "15"], {},
          ["results/bench_fp8.md", "results/bench_fp8.csv"]),
     ],
-    # Issue 49: does a step XLA's remat pass warned about run (its buffers fit: batch 4), and
-    # does one whose buffers do not fit (batch 8) run out of memory, as `jscale.predict` says?
+    # Issue 49: does a step XLA's remat pass warned about run (its buffers fit), and does one
+    # whose buffers do not fit run out of memory, as `jscale.predict` says? On an H200
+    # (memory_h200, 2026-11-28): the warned batch 8 ran, batch 16 ran out of memory. `memory`
+    # is the H100's pair (batch 4 warned, batch 8 over), not yet run.
     "memory": [
-        ("memory_check: llama3_1b without recomputation, batch 4 (MAY NOT FIT) and 8 (DOES NOT)",
+        ("memory_check: llama3_1b without recomputation, batch 4 (warned) and 8 (DOES NOT FIT)",
          [PY, "scripts/memory_check.py", "--config", "configs/llama3_1b.yaml", "--layouts",
           "train.batch_size=4 train.remat=none;train.batch_size=8 train.remat=none"], {},
          ["results/memory_check.md"]),
+    ],
+    "memory_h200": [
+        ("memory_check: llama3_1b without recomputation, batch 8 (warned) and 16 (DOES NOT FIT)",
+         [PY, "scripts/memory_check.py", "--config", "configs/llama3_1b.yaml", "--layouts",
+          "train.batch_size=8 train.remat=none;train.batch_size=16 train.remat=none", "--out",
+          "results/memory_check_h200.md"], {}, ["results/memory_check_h200.md"]),
+    ],
+    # Issue 18: 200 steps of llama3_1b, bf16 against FP8 delayed (run on an H200 2026-11-28:
+    # +1.67% final loss), and FP8 current scaling's curve beside them.
+    "curves": [
+        ("bench_fp8 --curves: llama3_1b 200 steps, bf16 vs fp8 delayed",
+         [PY, "scripts/bench_fp8.py", "--curves", "--out", "results/bench_fp8_curves.md"], {},
+         ["results/bench_fp8_curves.md", "results/bench_fp8_curves.csv",
+          "results/bench_fp8_curves_loss.png"]),
     ],
     "deepseek": [  # issue 41: MFU of a DeepSeek-V3 16B-like shape on one GPU
         ("bench_train: DeepSeek-V3 16B-like, 3 layers + MTP", [PY, "scripts/bench_train.py",

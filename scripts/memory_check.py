@@ -1,6 +1,6 @@
 """On a lent GPU: does a layout run, or run out of memory? Settles what the predictor can only
-flag (`jscale.predict`'s "MAY NOT FIT": XLA's remat pass warned that its estimate of the step
-did not get under the device memory, while the step's buffers, as assigned, fit).
+note (XLA's remat pass warned that its estimate of the step did not get under the device
+memory, while the step's buffers, as assigned, fit: on an H200 such a step ran).
 
     python3 scripts/memory_check.py --config configs/llama3_1b.yaml \\
         --layouts "train.batch_size=4 train.remat=none;train.batch_size=8 train.remat=none"

@@ -87,7 +87,7 @@ def row(p: Peer) -> dict:
   return {"peer": p.what, "source": p.source, "peer_tok_s": peer, "peer_mfu": peer * fpt / peak,
           "pick": pick.layout.describe(), "planner_mfu": pick.cost.mfu,
           "predicted_tok_s": ours, "predicted_mfu": r.mfu, "ratio": ours / peer,
-          "memory": "fits" if r.trusted else ("may not fit" if r.fits else "does not fit")}
+          "memory": "fits" if r.fits else "does not fit"}
 
 
 def main() -> None:

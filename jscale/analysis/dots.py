@@ -90,12 +90,12 @@ def compiled_dots(compiled: Any) -> list[Dot]:
   comps, _, _ = hlo.parse(text)
   out = []
   for insts in comps.values():
-    types = {name: hlo.leaves(shape) for name, shape, _, _ in insts}
+    types = {name: hlo.leaves(shape) for name, shape in hlo.shapes(insts).items()}
     for _, shape, opcode, attrs in insts:
       cublas = opcode == "custom-call" and '"__cublas$' in attrs
       if opcode != "dot" and not cublas:
         continue
-      ops = re.findall(r"%([\w.\-]+)", attrs.split(")")[0])[:2]
+      ops = hlo.operands(attrs)[:2]
       if len(ops) < 2 or any(o not in types for o in ops):
         continue
       (lt, ls), (rt, rs) = types[ops[0]][0], types[ops[1]][0]

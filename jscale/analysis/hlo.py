@@ -152,6 +152,33 @@ def instruction(line: str) -> list | None:
     return None  # not an instruction: e.g. `  source_target_pairs={...}` continuing the last one
 
 
+# An operand: `%name`, or `%name#i` for element i of a tuple-shaped instruction (XLA as shipped
+# with jaxlib 0.11 writes these in place of get-tuple-element instructions).
+_OPERAND = re.compile(r"%([\w.\-]+(?:#\d+)?)")
+
+
+def operands(attrs: str) -> list[str]:
+  """Operand names of an instruction, from the text after `opcode(` up to its closing
+  parenthesis; a tuple element stays `name#i` (`shapes` resolves it)."""
+  depth, end = 1, 0
+  for end, ch in enumerate(attrs):
+    depth += {"(": 1, ")": -1}.get(ch, 0)
+    if depth == 0:
+      break
+  return _OPERAND.findall(attrs[:end])
+
+
+def shapes(insts: list[list]) -> dict[str, Any]:
+  """{name: result shape} of one computation's instructions, and `name#i` for each element of
+  a tuple-shaped one, so that every operand name `operands` returns looks up its own shape."""
+  out: dict[str, Any] = {}
+  for name, shape, _, _ in insts:
+    out[name] = shape
+    if isinstance(shape, list):
+      out.update((f"{name}#{i}", s) for i, s in enumerate(shape))
+  return out
+
+
 def parse(text: str) -> tuple[dict[str, list[list]], str | None, int]:
   """{computation: [[name, shape, opcode, attrs]]}, the entry name, and the device count."""
   comps, entry, cur = {}, None, None
@@ -205,7 +232,7 @@ def collectives(hlo_text: str) -> list[Collective]:
   comps, entry, n_devices = parse(hlo_text)
   runs = executions(comps, entry)
   done_shape = {m.group(1): shape for insts in comps.values() for _, shape, opcode, attrs in insts
-                if opcode.endswith("-done") and (m := re.search(r"%?([\w.\-]+)\)", attrs))}
+                if opcode.endswith("-done") and (m := re.search(r"%?([\w.\-]+)(?:#\d+)?\)", attrs))}
   out = []
   for comp, insts in comps.items():
     for name, shape, opcode, attrs in insts:

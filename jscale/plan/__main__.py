@@ -140,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
   if args.verify:
     from jscale.plan import verify
     checked = _compile((fitting or rows)[:args.verify], args, gpu, devices)
-    if args.rank == "compiled":  # a program that may not fit ranks after every one that does
-      checked.sort(key=lambda r: (not r["trusted_compiled"], r["step_compiled"]))
+    if args.rank == "compiled":  # a program that does not fit ranks after every one that does
+      checked.sort(key=lambda r: (not r["fits_compiled"], r["step_compiled"]))
       print(f"--verify's {len(checked)} layouts, fastest compiled program that fits first "
-            "(those that may not fit last, marked):")
+            "(those that do not fit last, marked):")
     for r in checked:
       print(verify.describe(r))
   return 0 if fitting else 1

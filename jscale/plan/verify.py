@@ -67,9 +67,9 @@ def compare(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
     remat = compiler_log.of_compile(info)
     p = predict.predict_config(cfg, f"{gpu.name}x{len(devices)}", text,
                                memory_bytes=introspect.device_bytes(mem), remat=remat)
-    # `trusted`: fits with no remat warning against it; the others rank after (--rank compiled)
+    # a program whose buffers do not fit ranks after every one that does (--rank compiled)
     timing.update(step_compiled=p.step_s, mfu_compiled=p.mfu,
-                  exposed_compiled=p.exposed_collectives_s, trusted_compiled=p.trusted,
+                  exposed_compiled=p.exposed_collectives_s, fits_compiled=bool(p.fits),
                   memory_lines=summary.memory_lines(p))
   return {"layout": row.layout.describe() + f" ({collectives})", **timing,
           "state_estimate": est.params + est.optimizer, "state_compiled": state,

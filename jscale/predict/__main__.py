@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import os
 import sys
@@ -31,13 +32,18 @@ from jscale.config_load import load_config
 from jscale.predict import predict_config, summary
 
 
+def _read_hlo(path: str) -> str:
+  with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+    return f.read()
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m jscale.predict", description=__doc__.split("\n")[0])
   p.add_argument("--config", default=None, help="a config YAML (default: the embedded tiny)")
   p.add_argument("--target", default="h100x1", metavar="GPUxN",
                  help="the GPUs to compile and predict for (h100x1, h100x8, h200x1, ...)")
-  p.add_argument("--hlo", default=None, help="predict this optimised HLO text instead of "
-                 "compiling (the config still gives the model FLOPs and tokens)")
+  p.add_argument("--hlo", default=None, help="predict this optimised HLO text (.txt or .txt.gz) "
+                 "instead of compiling (the config still gives the model FLOPs and tokens)")
   p.add_argument("--top", type=int, default=20, help="kernels to list")
   p.add_argument("--json", action="store_true", help="the figures as JSON")
   p.add_argument("overrides", nargs="*", help="dotted config overrides: train.batch_size=8 ...")
@@ -53,10 +59,13 @@ def main(argv: list[str] | None = None) -> int:
       gpu_target.devices(args.target)
     else:
       gpu_target.parse(args.target)
+      if not os.path.isfile(args.hlo):
+        raise ValueError(f"--hlo {args.hlo}: no such file (an XLA dump's "
+                         "*after_optimizations.txt, e.g. from XLA_FLAGS=--xla_dump_to=DIR)")
   except (ConfigError, ValueError, RuntimeError) as e:
     print(f"error: {e}", file=sys.stderr)
     return exit_codes.BAD_INPUT
-  hlo_text = open(args.hlo, encoding="utf-8").read() if args.hlo else None
+  hlo_text = _read_hlo(args.hlo) if args.hlo else None
   try:  # the layout against the target's devices (mesh sizes, kernels) is checked here
     r = predict_config(cfg, args.target, hlo_text, args.top)
   except ConfigError as e:

@@ -80,16 +80,6 @@ def _attr(attrs: str, key: str) -> str:
   return m.group(1) if m else ""
 
 
-def _operands(attrs: str) -> list[str]:
-  """Operand names of an instruction (the text up to its closing parenthesis)."""
-  depth, end = 1, 0
-  for end, ch in enumerate(attrs):
-    depth += {"(": 1, ")": -1}.get(ch, 0)
-    if depth == 0:
-      break
-  return re.findall(r"%([\w.\-]+)", attrs[:end])
-
-
 def _size(shape) -> int:
   return sum(hlo.nbytes(d, s) for d, s in hlo.leaves(shape))
 
@@ -105,7 +95,7 @@ class Program:
   def __init__(self, text: str):
     self.comps, self.entry, self.n_devices = hlo.parse(text)
     self.colls = {(c.computation, c.name): c for c in hlo.collectives(text)}
-    self._shapes = {c: {n: s for n, s, _, _ in insts} for c, insts in self.comps.items()}
+    self._shapes = {c: hlo.shapes(insts) for c, insts in self.comps.items()}
 
   def items(self, comp: str | None = None) -> list[Item]:
     """The launches and control flow of `comp` (default: the entry) in schedule order."""
@@ -135,8 +125,8 @@ class Program:
   def _launch(self, comp, name, shape, op, attrs, callees, op_name) -> Launch | None:
     base = op.removesuffix("-start").removesuffix("-done")
     if op.endswith("-done"):
-      ops = _operands(attrs)
-      return Launch(name, op, "done", base, op_name, done_of=ops[0] if ops else "")
+      ops = hlo.operands(attrs)
+      return Launch(name, op, "done", base, op_name, done_of=ops[0].split("#")[0] if ops else "")
     if op.endswith("-start") and base in hlo.KINDS or op == "async-start":
       coll = self.colls.get((comp, name)) or next(
           (self.colls[(c, n)] for c in callees for n, *_ in self.comps[c]
@@ -164,7 +154,7 @@ class Program:
 
   def _bytes(self, comp: str, shape, attrs: str) -> float:
     shapes = self._shapes[comp]
-    return _size(shape) + sum(_size(shapes[o]) for o in _operands(attrs) if o in shapes)
+    return _size(shape) + sum(_size(shapes[o]) for o in hlo.operands(attrs) if o in shapes)
 
   def _fusion_bytes(self, comp: str, shape, attrs: str, fused: str) -> float:
     """Operands and result of a fusion, with slices and in-place updates counted as moved."""
@@ -173,20 +163,20 @@ class Program:
               if o == "parameter"}
     users: dict[str, list[tuple[str, object, int]]] = {}
     for n, s, o, a in insts:
-      for pos, src in enumerate(_operands(a)):
+      for pos, src in enumerate(hlo.operands(a)):
         users.setdefault(src, []).append((o, s, pos))
     root = insts[-1]  # a fused computation's ROOT is printed last
-    views = {n: _operands(a)[0] for n, _, o, a in insts if o == "bitcast"}
+    views = {n: hlo.operands(a)[0] for n, _, o, a in insts if o == "bitcast"}
     in_place = {}
     for n, s, o, a in insts:
       if o == "dynamic-update-slice":
-        ops = _operands(a)
+        ops = hlo.operands(a)
         buffer = ops[0]
         while buffer in views:  # the buffer may be a bitcast view of the parameter
           buffer = views[buffer]
         in_place[buffer] = _size(self._shapes[fused].get(ops[1], s))
     outer = self._shapes[comp]
-    operands = _operands(attrs)
+    operands = hlo.operands(attrs)
     total = 0.0
     for pname, index in params.items():
       full = _size(outer[operands[index]]) if index < len(operands) and \
@@ -226,7 +216,7 @@ class Program:
     if found is None:
       return
     (_, _, _, dot_attrs), dot_comp = found
-    ops = _operands(dot_attrs)
+    ops = hlo.operands(dot_attrs)
     shapes = self._shapes[dot_comp]
     (lt, ls), (rt, rs) = hlo.leaves(shapes[ops[0]])[0], hlo.leaves(shapes[ops[1]])[0]
     dims = lambda key: [int(x) for x in re.findall(r"\d+", re.search(
@@ -241,7 +231,7 @@ class Program:
     target = _attr(attrs, "custom_call_target")
     launch.label = target
     shapes = self._shapes[comp]
-    operands = [hlo.leaves(shapes[o])[0] for o in _operands(attrs) if o in shapes]
+    operands = [hlo.leaves(shapes[o])[0] for o in hlo.operands(attrs) if o in shapes]
     if target.startswith("__cublas"):
       self._cublas(launch, attrs, operands)
     elif target.startswith("__cudnn$fmha"):
