@@ -15,16 +15,27 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
 from jscale import hardware
 from jscale.config import ModelConfig
-from jscale.metrics import flops_per_token
+from jscale.metrics import flops_per_token, param_counts
 from jscale.plan.layout import Layout, layout_of
 from jscale.plan.memory import channels, local_param_split, schedule_table, tokens_per_microbatch
 
 GRAD_BYTES = 4  # gradients are reduced in fp32
+# What the compiled programs run beyond the FLOPs at the measured efficiency, fitted (relative
+# least squares) on scripts/estimate_vs_compiled.py's sweep of XLA:GPU steps for H100s, as
+# `jscale.predict` times them (results/estimate_vs_compiled.md; refit when that sweep changes):
+NO_REMAT_EXTRA = 0.35  # remat=none: the layer scan's stacked residuals, as a share of compute
+MICROBATCH_WEIGHT_PASSES = 10  # per extra micro-batch: passes over bf16 weights (casts, sums)
+RING_HOP_S = 1.4e-3  # context parallelism: per micro-batch, layer and doubling of the ring
+# Pipelines: jscale's executor runs the schedule's ticks in lockstep (each ends in a ppermute), a
+# tick at the pace of the slowest op any stage runs in it, and the head's work rides on the
+# ticks of every stage's last chunk; this many times the schedule's unit-op ticks.
+PIPELINE_PACE = 1.66
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +88,10 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
   if f > 1:
     if lay.zero_stage == 3:  # layers gathered in the forward and again in the backward, the
       # embedding and head once (their backward follows at once), per micro-batch
+      # Exposed: XLA:GPU's compiled steps show each layer's gather waiting on its start
+      # (`scripts/estimate_vs_compiled.py`: exposed time ~ the gathers' own time).
       out.append(Transfer("fsdp", "ZeRO-3 weight all-gathers, forward and backward", "all-gather",
-                          (2 * layer_psi + other_psi) * c * lay.accum, nodes("fsdp"), "step"))
+                          (2 * layer_psi + other_psi) * c * lay.accum, nodes("fsdp"), ""))
       out.append(Transfer("fsdp", "ZeRO-3 gradient reduce-scatter (the gather's transpose)",
                           "reduce-scatter", psi * c * lay.accum, nodes("fsdp"), "backward"))
     else:
@@ -133,6 +146,34 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
   return out
 
 
+def pipeline_pace(model: ModelConfig, lay: Layout, seq: int) -> float:
+  """Executed time of a pipelined step over its compute without a pipeline: the schedule's
+  ticks (unit F / B / W cells) over the m·v·3 cells of work, each tick at `PIPELINE_PACE`, the
+  head's share of the FLOPs (h) on the ticks of every chunk: (1 - h) + h·p·v."""
+  p, m, v = lay.stage, lay.accum, lay.virtual_stages
+  head = 6 * model.d_model * model.vocab_size / flops_per_token(model, seq)
+  ticks = schedule_table(lay.schedule, p, m, v).ticks
+  return PIPELINE_PACE * ticks / (3 * m * v) * ((1 - head) + head * p * v)
+
+
+def overheads(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu,
+              compute: float) -> float:
+  """Seconds the compiled step spends beyond its FLOPs, outside a pipeline's pace: saved
+  residuals without remat, per-micro-batch passes over the weights, context parallelism's
+  doubled attention (every block of the ring in full) and its per-hop kernels."""
+  extra = NO_REMAT_EXTRA * compute if lay.remat == "none" else 0.0
+  psi = sum(local_param_split(model, lay))
+  if gpu.hbm_bytes_s:
+    # the step efficiency was measured at one micro-batch: it includes the first one's passes
+    extra += (lay.accum - 1) * MICROBATCH_WEIGHT_PASSES * 2 * psi / gpu.hbm_bytes_s
+  if lay.sequence > 1:
+    attention = flops_per_token(model, seq) - 6 * param_counts(model)["matmul"]
+    tokens = lay.mbs * lay.accum * lay.batch_ways * seq / lay.devices
+    extra += attention * tokens / (gpu.peak_flops["bf16"] * gpu.step_efficiency)
+    extra += lay.accum * model.n_layers / lay.stage * math.log2(lay.sequence) * RING_HOP_S
+  return extra
+
+
 def estimate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu) -> Cost:
   """Step time and MFU of `lay` on `gpu`s."""
   tokens = lay.mbs * lay.accum * lay.batch_ways * seq  # global tokens per step
@@ -152,7 +193,8 @@ def estimate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu) -> Co
   exposed = sum(t.seconds() for t in ts if not t.overlap)
   for name, window in windows.items():
     exposed += max(0.0, sum(t.seconds() for t in ts if t.overlap == name) - window)
-  step = compute * (1 + bub) + exposed
+  busy = compute + overheads(model, lay, seq, gpu, compute)
+  step = (busy * pipeline_pace(model, lay, seq) if lay.stage > 1 else busy) + exposed
   return Cost(compute, bub, tuple(ts), exposed, step, model_flops,
               model_flops / (step * peak))
 

@@ -70,6 +70,7 @@ def compare(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
     # a program whose buffers do not fit ranks after every one that does (--rank compiled)
     timing.update(step_compiled=p.step_s, mfu_compiled=p.mfu,
                   exposed_compiled=p.exposed_collectives_s, fits_compiled=bool(p.fits),
+                  by_category_compiled=p.by_category,
                   memory_lines=summary.memory_lines(p))
   return {"layout": row.layout.describe() + f" ({collectives})", **timing,
           "state_estimate": est.params + est.optimizer, "state_compiled": state,

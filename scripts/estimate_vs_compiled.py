@@ -1,0 +1,189 @@
+"""The planner's estimate against the compiled program (issue 49): for each case (model, GPUs,
+tokens per step), layouts the planner offers that fit, compiled by the real XLA:GPU compiler for
+the target (no GPU: `jscale.analysis.gpu_target`) and timed by `jscale.predict`; the estimate
+(`jscale.plan.cost`) recomputed beside it. Reports Spearman's rank correlation of the two step
+times per case and over all, and how far the estimate's #1 is from the compiled best.
+
+    python scripts/estimate_vs_compiled.py compile [--cases 1b8,8b8,70b64] [--shard 0/2]
+    python scripts/estimate_vs_compiled.py report   # -> results/estimate_vs_compiled.{md,csv}
+
+`compile` appends one JSON line per layout to results/estimate_vs_compiled.jsonl (skipping
+layouts already there: a cut-off run resumes); `--shard i/n` takes every n-th layout, for n
+processes side by side. `report` needs no compiler: it re-estimates every stored layout with
+the planner as it is now, so a change to `jscale/plan/cost.py` is scored in seconds. Every
+compiled figure is a prediction (`jscale.predict`), not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compiles for GPUs from their descriptions
+
+# pylint: disable=wrong-import-position
+import numpy as np  # noqa: E402
+
+from jscale import hardware  # noqa: E402
+from jscale.analysis import gpu_target  # noqa: E402
+from jscale.analysis.tables import write_table  # noqa: E402
+from jscale.config_load import load_config  # noqa: E402
+from jscale.plan.layout import Layout  # noqa: E402
+from jscale.plan.rank import evaluate, rank  # noqa: E402
+from jscale.plan.verify import compare  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STORE = os.path.join(ROOT, "results", "estimate_vs_compiled.jsonl")
+SEQ = 4096
+# name -> (preset, GPUs, global batch tokens, layouts: the estimate's top T + S spread below)
+CASES = {
+    "1b8": ("llama3_1b", 8, 2**20, 12, 10),
+    "8b8": ("llama3_8b", 8, 2**20, 12, 10),
+    "70b64": ("llama3_70b", 64, 4 * 2**20, 12, 10),
+    "1b64": ("llama3_1b", 64, 4 * 2**20, 8, 6),
+}
+
+
+def model_of(preset: str):
+  return load_config(None, [f"model.preset={preset}"]).model
+
+
+def pick(case: str) -> list[Layout]:
+  """The estimate's top layouts that fit, and a spread of the fitting rest (every rank band)."""
+  preset, gpus, tokens, top, spread = CASES[case]
+  gpu = hardware.GPUS["h100"]
+  rows = [r for r in rank(model_of(preset), gpus, SEQ, tokens, gpu) if r.fits]
+  rest = rows[top:]
+  idx = np.linspace(0, len(rest) - 1, spread).round().astype(int) if rest else []
+  return [r.layout for r in rows[:top]] + [rest[i].layout for i in sorted(set(idx))]
+
+
+def load() -> list[dict]:
+  """Every stored row (one per compiled layout)."""
+  if not os.path.exists(STORE):
+    return []
+  with open(STORE, encoding="utf-8") as f:
+    return [json.loads(x) for x in f if x.strip()]
+
+
+def done_keys() -> set[str]:
+  return {r["key"] for r in load()}
+
+
+def compile_case(case: str, shard: tuple[int, int]) -> None:
+  """Compiles `case`'s layouts for its GPUs (this shard's share) and appends their rows."""
+  preset, gpus, *_ = CASES[case]
+  gpu = hardware.GPUS["h100"]
+  devices = gpu_target.devices(f"h100x{gpus}")
+  have = done_keys()
+  lays = pick(case)
+  for i, lay in enumerate(lays):
+    key = f"{case} {json.dumps(dataclasses.asdict(lay), sort_keys=True)}"
+    if i % shard[1] != shard[0] or key in have:
+      continue
+    start = time.monotonic()
+    row = evaluate(model_of(preset), lay, SEQ, gpu)
+    try:
+      r = compare(preset, [], row, SEQ, gpu, devices)
+      out = {k: r[k] for k in ("step_compiled", "mfu_compiled", "exposed_compiled",
+                               "fits_compiled", "by_category_compiled")}
+    except Exception as e:  # noqa: BLE001  a layout that does not compile is a finding: record it
+      out = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    out.update(key=key, case=case, layout=dataclasses.asdict(lay),
+               compile_s=round(time.monotonic() - start, 1))
+    with open(STORE, "a", encoding="utf-8") as f:
+      f.write(json.dumps(out) + "\n")
+    print(f"[{case} {i + 1}/{len(lays)}] {lay.describe()}: "
+          f"{out.get('step_compiled', out.get('error'))} ({out['compile_s']} s)", flush=True)
+
+
+def spearman(a, b) -> float:
+  ra, rb = (np.argsort(np.argsort(x)).astype(float) for x in (a, b))
+  return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 2 else float("nan")
+
+
+CASE_COLUMNS = [("case", lambda r: r["case"]), ("model", lambda r: r["model"]),
+                ("GPUs", lambda r: str(r["gpus"])), ("tokens / step", lambda r: f"{r['tokens']:,}"),
+                ("layouts", lambda r: str(r["layouts"])),
+                ("Spearman (step)", lambda r: f"{r['spearman']:.3f}"),
+                ("estimate's #1 over the compiled best", lambda r: f"{r['first_over_best']:+.1%}"),
+                ("its #1", lambda r: r["first"]), ("compiled best", lambda r: r["best"])]
+ROW_COLUMNS = [("case", lambda r: r["case"]), ("layout", lambda r: r["layout"]),
+               ("MFU estimate", lambda r: f"{r['mfu_estimate']:.1%}"),
+               ("MFU compiled (predicted)", lambda r: f"{r['mfu_compiled']:.1%}"),
+               ("step estimate (ms)", lambda r: f"{1e3 * r['step_estimate']:.0f}"),
+               ("step compiled (ms)", lambda r: f"{1e3 * r['step_compiled']:.0f}"),
+               ("exposed collectives compiled (ms)", lambda r: f"{1e3 * r['exposed']:.0f}")]
+
+
+def score(rows: list[dict]) -> tuple[list[dict], list[dict], float]:
+  """(per case, per layout, pooled Spearman of MFU) with the planner's estimate as it is now."""
+  gpu = hardware.GPUS["h100"]
+  cases, table, pooled = [], [], ([], [])
+  for case, (preset, gpus, tokens, *_) in CASES.items():
+    mine = [r for r in rows if r["case"] == case and "step_compiled" in r and r["fits_compiled"]]
+    if len(mine) < 3:
+      continue
+    model = model_of(preset)
+    lays = [Layout(**r["layout"]) for r in mine]
+    est = [evaluate(model, lay, SEQ, gpu).cost for lay in lays]
+    comp = [r["step_compiled"] for r in mine]
+    first, best = int(np.argmin([c.step_s for c in est])), int(np.argmin(comp))
+    cases.append({"case": case, "model": preset, "gpus": gpus, "tokens": tokens,
+                  "layouts": len(mine), "spearman": spearman([c.step_s for c in est], comp),
+                  "first_over_best": comp[first] / comp[best] - 1,
+                  "first": lays[first].describe(), "best": lays[best].describe()})
+    pooled[0].extend(c.mfu for c in est)
+    pooled[1].extend(r["mfu_compiled"] for r in mine)
+    table += [{"case": case, "layout": lay.describe(), "mfu_estimate": c.mfu,
+               "mfu_compiled": r["mfu_compiled"], "step_estimate": c.step_s,
+               "step_compiled": r["step_compiled"], "exposed": r["exposed_compiled"]}
+              for lay, c, r in sorted(zip(lays, est, mine), key=lambda x: x[2]["step_compiled"])]
+  return cases, table, spearman(*pooled) if pooled[0] else float("nan")
+
+
+def report(out: str) -> str:
+  """Re-estimates every stored layout and scores the estimate against the compiled step."""
+  rows = load()
+  cases, table, rho = score(rows)
+  failed = [r for r in rows if "error" in r]
+  no_fit = [r for r in rows if "step_compiled" in r and not r["fits_compiled"]]
+  stem = os.path.splitext(out)[0]
+  text = ("# The planner's estimate against the compiled program (predicted)\n\n"
+          "`python scripts/estimate_vs_compiled.py report`: layouts the planner offers that fit, "
+          "compiled for H100s by XLA:GPU on a CPU machine and timed by `jscale.predict` "
+          "(predictions, not measurements), beside `jscale.plan`'s estimate. Spearman over all "
+          f"{len(table)} fitting layouts' MFU: **{rho:.3f}**; {len(no_fit)} compiled over the "
+          f"device's memory (left out), {len(failed)} failed to compile.\n\n")
+  text += write_table(cases, CASE_COLUMNS, stem + "_cases.md") + "\n"
+  text += write_table(table, ROW_COLUMNS, stem + "_rows.md")
+  with open(out, "w", encoding="utf-8") as f:
+    f.write(text)
+  return text
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("verb", choices=("compile", "report", "list"))
+  p.add_argument("--cases", default=",".join(CASES))
+  p.add_argument("--shard", default="0/1", help="i/n: every n-th layout from the i-th")
+  p.add_argument("--out", default=os.path.join(ROOT, "results", "estimate_vs_compiled.md"))
+  args = p.parse_args()
+  if args.verb == "report":
+    print(report(args.out))
+    return
+  for case in args.cases.split(","):
+    if args.verb == "list":
+      for lay in pick(case):
+        print(case, lay.describe())
+      continue
+    i, n = (int(x) for x in args.shard.split("/"))
+    compile_case(case, (i, n))
+
+
+if __name__ == "__main__":
+  sys.exit(main())
