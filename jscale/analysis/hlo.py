@@ -198,6 +198,54 @@ def parse(text: str) -> tuple[dict[str, list[list]], str | None, int]:
   return comps, entry, n_devices
 
 
+def _scalar(comps: dict, comp: str, name: str, depth: int = 8) -> int | None:
+  """The integer a scalar instruction holds where it is a constant, through copies, bitcasts
+  and single-operand fusions (None otherwise)."""
+  insts = {n: (o, a) for n, _, o, a in comps.get(comp, [])}
+  while depth and name in insts:
+    op, attrs = insts[name]
+    if op == "constant":
+      m = re.match(r"\s*(-?\d+)\)", attrs)
+      return int(m.group(1)) if m else None
+    if op not in ("copy", "bitcast", "convert") or not operands(attrs):
+      return None
+    name, depth = operands(attrs)[0].split("#")[0], depth - 1
+  return None
+
+
+def trip_count(comps: dict, comp: str, attrs: str) -> int | None:
+  """A while loop's trip count: XLA's `known_trip_count`, else read from its condition (the
+  counter, element 0 of the carry, compared LT / LE / GT / GE with a constant, perhaps inside a
+  fusion) and the counter's initial value in the init tuple (a constant). None if unreadable:
+  XLA:GPU leaves the count off some loops (a micro-batch scan whose first step it peeled)."""
+  n = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', attrs)
+  if n:
+    return int(n.group(1))
+  cond = re.search(r"\bcondition=%?([\w.\-]+)", attrs)
+  init = operands(attrs)
+  if not cond or cond.group(1) not in comps or not init:
+    return None
+  body = comps[cond.group(1)]
+  root = body[-1]
+  if root[2] == "fusion":
+    body = comps.get((re.search(r"calls=%?([\w.\-]+)", root[3]) or [None, ""])[1], [])
+    root = body[-1] if body else root
+  direction = re.search(r"direction=(\w+)", root[3])
+  if root[2] != "compare" or not direction:
+    return None
+  limit = next((v for o in operands(root[3])
+                if (v := _scalar({"c": body}, "c", o)) is not None), None)
+  start = None
+  tup = {n: a for n, _, o, a in comps.get(comp, []) if o == "tuple"}.get(init[0].split("#")[0])
+  if tup is not None and operands(tup):
+    start = _scalar(comps, comp, operands(tup)[0].split("#")[0])
+  if limit is None or start is None:
+    return None
+  trips = {"LT": limit - start, "LE": limit - start + 1, "GT": start - limit,
+           "GE": start - limit + 1}.get(direction.group(1))
+  return trips if trips is not None and trips >= 0 else None
+
+
 def executions(comps: dict[str, list], entry: str | None) -> dict[str, tuple[int, bool, bool]]:
   """{computation: (executions per program run, all trip counts known, inside a while body)}."""
   callers: dict[str, list[tuple]] = {c: [] for c in comps}
@@ -205,13 +253,13 @@ def executions(comps: dict[str, list], entry: str | None) -> dict[str, tuple[int
     for _, _, opcode, attrs in insts:
       if opcode in ("async-done", "async-update"):
         continue  # the same wrapped computation as its async-start: count it once
-      n = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', attrs)
+      n = trip_count(comps, comp, attrs) if opcode == "while" else None
       for key, val in re.findall(rf"\b({_CALL_KEYS})=(\{{[^}}]*\}}|%?[\w.\-]+)", attrs):
         loop = opcode == "while" and key in ("body", "condition")
-        trips = int(n.group(1)) + (key == "condition") if loop and n else 1
+        trips = n + (key == "condition") if loop and n is not None else 1
         for callee in re.findall(r"%?([\w.\-]+)", val):
           if callee in callers:
-            callers[callee].append((comp, trips, not loop or bool(n), loop))
+            callers[callee].append((comp, trips, not loop or n is not None, loop))
   memo: dict[str, tuple[int, bool, bool]] = {}
 
   def visit(c: str) -> tuple[int, bool, bool]:

@@ -107,9 +107,8 @@ class Program:
       callees = _callees(attrs, self.comps)
       op_name = _attr(attrs, "op_name")
       if op == "while":
-        trips = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', attrs)
         body = re.search(r"\bbody=%?([\w.\-]+)", attrs).group(1)
-        out.append(Loop(name, int(trips.group(1)) if trips else None, self.items(body),
+        out.append(Loop(name, hlo.trip_count(self.comps, comp, attrs), self.items(body),
                         op_name))
       elif op == "conditional":
         out.append(Branches(name, [self.items(c) for c in callees], op_name))

@@ -305,3 +305,51 @@ def test_plan_ranks_verified_layouts_by_their_compiled_step(capsys):
                     "h100x8", "--rank", "compiled", "--compile-budget-s", "0"]) == 0
   err = capsys.readouterr().err
   assert "compiled 1/2" in err and "layouts 2-2 not compiled (raise --compile-budget-s)" in err
+
+
+# XLA:GPU leaves `known_trip_count` off some loops: this one (cut from llama3_1b's micro-batch
+# scan under tensor + sequence parallelism, first step peeled) counts from 1 while < 31.
+UNANNOTATED_LOOP = """
+HloModule m, is_scheduled=true
+
+%fused_compare (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %limit = s32[] constant(31)
+  ROOT %lt = pred[] compare(%p, %limit), direction=LT
+}
+
+%cond (c: (s32[], f32[1024])) -> pred[] {
+  %c = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  ROOT %f = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+}
+
+%fused_step (a: f32[1024]) -> f32[1024] {
+  %a = f32[1024]{0} parameter(0)
+  ROOT %t = f32[1024]{0} tanh(%a)
+}
+
+%body (b: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %b = (s32[], f32[1024]{0}) parameter(0)
+  %one = s32[] constant(1)
+  %next = s32[] add(%b#0, %one)
+  %v = f32[1024]{0} fusion(%b#1), kind=kLoop, calls=%fused_step
+  ROOT %r = (s32[], f32[1024]{0}) tuple(%next, %v)
+}
+
+ENTRY %main (x: f32[1024]) -> (s32[], f32[1024]) {
+  %x = f32[1024]{0} parameter(0)
+  %start = s32[] constant(1)
+  %copied = s32[] copy(%start)
+  %init = (s32[], f32[1024]{0}) tuple(%copied, %x)
+  ROOT %w = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_loop_without_known_trip_count_reads_it_from_its_condition():
+  (loop,) = [i for i in launches.Program(UNANNOTATED_LOOP).items()
+             if isinstance(i, launches.Loop)]
+  assert loop.trips == 30
+  comps, entry, _ = hlo.parse(UNANNOTATED_LOOP)
+  assert hlo.executions(comps, entry)["body"] == (30, True, True)
