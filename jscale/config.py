@@ -196,6 +196,9 @@ class ParallelConfig:
   # causal attention) or contiguous (chunk i).
   context_layout: Literal["zigzag", "contiguous"] = "zigzag"
   bucket_mb: float = 25.0  # manual mode: gradients are reduced in buffers of at most this size
+  # manual mode with SP: SP's all-gather / reduce-scatter decomposed into ring steps overlapped
+  # with the attention and MLP projections (jscale.parallel.tensor)
+  collective_matmul: bool = False
   # Overrides of the logical-axis -> mesh-axes table (jscale.sharding.RULES), e.g.
   # {mlp: tensor, embed: null}; a value is a mesh axis, a list of axes, or null (replicated).
   rules: dict | None = None

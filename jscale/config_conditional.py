@@ -82,6 +82,12 @@ RULES: tuple[Rule, ...] = (
          "it splits activations over mesh.tensor, which is 1 here", "set mesh.tensor > 1", False),
     Rule("parallel.context_layout", lambda c, s: s["sequence"] > 1,
          "mesh.sequence is 1 here: no context parallelism", "set mesh.sequence > 1", False),
+    Rule("parallel.collective_matmul", lambda c, s: c.parallel.collectives == "manual"
+         and s["tensor"] > 1 and c.parallel.sequence_parallel,
+         "it overlaps sequence parallelism's hand-written gather / scatter with the TP matmuls "
+         "(xla mode: XLA:GPU's windowed einsum does not apply to SP's constraints)",
+         "set parallel.collectives=manual, mesh.tensor > 1 and parallel.sequence_parallel=true",
+         True),
     Rule("parallel.bucket_mb", lambda c, s: c.parallel.collectives == "manual",
          "XLA chooses how gradients are reduced", "set parallel.collectives=manual", False),
     Rule("model.kernel_interpret", lambda c, s: _pallas(c), "no Pallas kernel is chosen",

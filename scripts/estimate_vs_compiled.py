@@ -4,7 +4,8 @@ the target (no GPU: `jscale.analysis.gpu_target`) and timed by `jscale.predict`;
 (`jscale.plan.cost`) recomputed beside it. Reports Spearman's rank correlation of the two step
 times per case and over all, and how far the estimate's #1 is from the compiled best.
 
-    python scripts/estimate_vs_compiled.py compile [--cases 1b8,8b8,70b64] [--shard 0/2]
+    python scripts/estimate_vs_compiled.py compile [--cases 1b8,8b8,70b64] [--shard 0/2] \
+        [--also results/estimate_vs_compiled.jsonl]   # + the layouts of a stored sweep
     python scripts/estimate_vs_compiled.py report   # -> results/estimate_vs_compiled.{md,csv}
 
 `compile` appends one JSON line per layout to results/estimate_vs_compiled.jsonl (skipping
@@ -39,7 +40,8 @@ from jscale.plan.verify import compare  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORE = os.path.join(ROOT, "results", "estimate_vs_compiled.jsonl")
 SEQ = 4096
-# name -> (preset, GPUs, global batch tokens, layouts: the estimate's top T + S spread below)
+# name -> (preset, GPUs, global batch tokens, layouts: the estimate's top T + S drawn at random
+# from the fitting rest, seeded: a sample that does not depend on the estimate being scored)
 CASES = {
     "1b8": ("llama3_1b", 8, 2**20, 12, 10),
     "8b8": ("llama3_8b", 8, 2**20, 12, 10),
@@ -53,13 +55,13 @@ def model_of(preset: str):
 
 
 def pick(case: str) -> list[Layout]:
-  """The estimate's top layouts that fit, and a spread of the fitting rest (every rank band)."""
-  preset, gpus, tokens, top, spread = CASES[case]
+  """The estimate's top layouts that fit, and a seeded random sample of the fitting rest."""
+  preset, gpus, tokens, top, sample = CASES[case]
   gpu = hardware.GPUS["h100"]
   rows = [r for r in rank(model_of(preset), gpus, SEQ, tokens, gpu) if r.fits]
-  rest = rows[top:]
-  idx = np.linspace(0, len(rest) - 1, spread).round().astype(int) if rest else []
-  return [r.layout for r in rows[:top]] + [rest[i].layout for i in sorted(set(idx))]
+  rest = sorted((r.layout for r in rows[top:]), key=lambda lay: lay.describe())
+  drawn = np.random.default_rng(0).choice(len(rest), min(sample, len(rest)), replace=False)
+  return [r.layout for r in rows[:top]] + [rest[i] for i in sorted(drawn)]
 
 
 def load() -> list[dict]:
@@ -74,17 +76,19 @@ def done_keys() -> set[str]:
   return {r["key"] for r in load()}
 
 
-def compile_case(case: str, shard: tuple[int, int]) -> None:
-  """Compiles `case`'s layouts for its GPUs (this shard's share) and appends their rows."""
+def compile_case(case: str, shard: tuple[int, int], extra: list[dict]) -> None:
+  """Compiles `case`'s layouts (and the `extra` rows' layouts of it) for its GPUs, this
+  shard's share, and appends their rows."""
   preset, gpus, *_ = CASES[case]
   gpu = hardware.GPUS["h100"]
   devices = gpu_target.devices(f"h100x{gpus}")
   have = done_keys()
-  lays = pick(case)
+  lays = pick(case) + [Layout(**r["layout"]) for r in extra if r["case"] == case]
   for i, lay in enumerate(lays):
     key = f"{case} {json.dumps(dataclasses.asdict(lay), sort_keys=True)}"
     if i % shard[1] != shard[0] or key in have:
       continue
+    have.add(key)
     start = time.monotonic()
     row = evaluate(model_of(preset), lay, SEQ, gpu)
     try:
@@ -171,6 +175,7 @@ def main() -> None:
   p.add_argument("verb", choices=("compile", "report", "list"))
   p.add_argument("--cases", default=",".join(CASES))
   p.add_argument("--shard", default="0/1", help="i/n: every n-th layout from the i-th")
+  p.add_argument("--also", default=None, help="a .jsonl of an earlier sweep: its layouts too")
   p.add_argument("--out", default=os.path.join(ROOT, "results", "estimate_vs_compiled.md"))
   args = p.parse_args()
   if args.verb == "report":
@@ -182,7 +187,11 @@ def main() -> None:
         print(case, lay.describe())
       continue
     i, n = (int(x) for x in args.shard.split("/"))
-    compile_case(case, (i, n))
+    extra = []
+    if args.also:
+      with open(args.also, encoding="utf-8") as f:
+        extra = [json.loads(x) for x in f if x.strip()]
+    compile_case(case, (i, n), extra)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ from jscale.config import ModelConfig
 from jscale.model import kv_cache, matmul
 from jscale.model.layers import einsum, param
 from jscale.model.rope import apply_rope
-from jscale.model.seam import LOCAL, Seam
+from jscale.model.seam import LOCAL, EntersTensorParallel, Seam
 
 
-class GQA(nnx.Module):
+class GQA(EntersTensorParallel, nnx.Module):
   """H query heads sharing G key/value heads (H a multiple of G; G == H is plain MHA)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs,
@@ -53,9 +53,11 @@ class GQA(nnx.Module):
               comms: Seam = LOCAL) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(q [B, L, H, K], k [B, L, G, K], v [B, L, G, K]): projections, RoPE on q and k."""
     dt, c = self.dtype, comms
-    q = checkpoint_name(einsum("BLD,DHK->BLHK", h_BLD, self.wq, dt, self.wq_dot, c), "q_proj")
-    k = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wk, dt, self.wk_dot, c), "k_proj")
-    v = checkpoint_name(einsum("BLD,DGK->BLGK", h_BLD, self.wv, dt, self.wv_dot, c), "v_proj")
+    q, k, v = comms.tp_column(h_BLD, [
+        lambda h: einsum("BLD,DHK->BLHK", h, self.wq, dt, self.wq_dot, c),
+        lambda h: einsum("BLD,DGK->BLGK", h, self.wk, dt, self.wk_dot, c),
+        lambda h: einsum("BLD,DGK->BLGK", h, self.wv, dt, self.wv_dot, c)])
+    q, k, v = (checkpoint_name(x, n) for x, n in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
     q, k = apply_rope(q, positions_BL, inv_freq), apply_rope(k, positions_BL, inv_freq)
     q = comms.activation(q, ("batch", "seq", "heads", "head_dim"))
     k = comms.activation(k, ("batch", "seq", "kv_heads", "head_dim"))
@@ -63,9 +65,10 @@ class GQA(nnx.Module):
     return q, k, v
 
   def output(self, ctx_BLHK: jax.Array, comms: Seam = LOCAL) -> jax.Array:
-    """The output projection (row-parallel: a partial sum under tensor parallelism; the block
-    names it "attn_out" once reduced)."""
-    return einsum("BLHK,HKD->BLD", ctx_BLHK, self.wo, self.dtype, self.wo_dot, comms)
+    """The output projection (row-parallel) and the tensor-parallel region's exit (the block
+    names the reduced output "attn_out")."""
+    return comms.tp_row(ctx_BLHK, lambda x: einsum("BLHK,HKD->BLD", x, self.wo, self.dtype,
+                                                   self.wo_dot, comms))
 
   def cached(self, h_BLD: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array,
              cache: kv_cache.KVCache, layer: jax.Array, prefill: bool

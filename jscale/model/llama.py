@@ -33,7 +33,7 @@ from jscale.model.mla import MLA
 from jscale.model.mlp import Mlp
 from jscale.model.moe import MoE
 from jscale.model.mtp import MtpModule, shift
-from jscale.model.seam import LOCAL, Seam
+from jscale.model.seam import LOCAL, EntersTensorParallel, Seam
 
 
 class AttentionModule(Protocol):
@@ -68,6 +68,17 @@ class MlpModule(Protocol):
     ...
 
 
+def _enter(module, comms: Seam, h_BLD: jax.Array) -> jax.Array:
+  """The tensor-parallel region's entry, unless `module` enters it itself."""
+  return h_BLD if isinstance(module, EntersTensorParallel) else comms.enter_tensor_parallel(h_BLD)
+
+
+def _leave(module, comms: Seam, out_BLD: jax.Array) -> jax.Array:
+  """The region's exit (the row-parallel sum), unless `module` leaves it itself."""
+  return out_BLD if isinstance(module, EntersTensorParallel) else comms.leave_tensor_parallel(
+      out_BLD)
+
+
 class Block(nnx.Module):
   """Pre-norm transformer block: x + Attn(norm(x)), then x + MLP(norm(x)).
 
@@ -91,15 +102,14 @@ class Block(nnx.Module):
     self.mlp = mlp(cfg, rngs, dot_general=dot_general)
 
   def __call__(self, x_BLD, positions_BL, inv_freq, comms: Seam):
-    h_BLD = comms.enter_tensor_parallel(self.attn_norm(x_BLD, comms))
-    out_BLD = self.attn(h_BLD, positions_BL, inv_freq, comms)
+    h_BLD = _enter(self.attn, comms, self.attn_norm(x_BLD, comms))
+    out_BLD = _leave(self.attn, comms, self.attn(h_BLD, positions_BL, inv_freq, comms))
     # Outputs are named once out of the tensor-parallel region: `selective` keeps the reduced
     # sums (1/t of them under SP), so recomputing the MLP's norm input redoes no all-reduce.
-    out_BLD = checkpoint_name(comms.leave_tensor_parallel(out_BLD), "attn_out")
+    out_BLD = checkpoint_name(out_BLD, "attn_out")
     h_BLD, x_BLD = self.mlp_norm(out_BLD, comms, residual_BLD=x_BLD)  # add + norm in one pass
-    h_BLD = comms.enter_tensor_parallel(h_BLD)
-    out_BLD, stats = self.mlp(h_BLD, comms)
-    return x_BLD + checkpoint_name(comms.leave_tensor_parallel(out_BLD), "mlp_out"), stats
+    out_BLD, stats = self.mlp(_enter(self.mlp, comms, h_BLD), comms)
+    return x_BLD + checkpoint_name(_leave(self.mlp, comms, out_BLD), "mlp_out"), stats
 
   def cached(self, x_BLD, positions_BL, inv_freq, cache: kv_cache.Cache, layer: jax.Array,
              prefill: bool) -> tuple[jax.Array, kv_cache.Cache]:

@@ -29,6 +29,12 @@ Names = Sequence[str | None]
 GATHERED = "zero3_gathered_params"
 
 
+class EntersTensorParallel:
+  """Marks a block module that enters and leaves the tensor-parallel region itself, through
+  `Seam.tp_column` / `Seam.tp_row` (so a layout may fuse the collectives with its matmuls):
+  `Block` hands it the normed input and takes its output as reduced."""
+
+
 class Seam:
   """One device: no communication. Parallel layouts override the operations they need."""
 
@@ -122,6 +128,19 @@ class Seam:
   def leave_tensor_parallel(self, y_BLD: jax.Array) -> jax.Array:
     """Output of a row-parallel linear: Megatron's g (all-reduce fwd, identity bwd)."""
     return y_BLD
+
+  def tp_column(self, h_BLD: jax.Array, linears: Sequence[Callable]) -> list[jax.Array]:
+    """Enters the tensor-parallel region with `h_BLD` and applies the column-parallel
+    `linears` (each [B, L, D] -> [B, L, ...]) to it. A layout may fuse the two: collective
+    matmul overlaps SP's all-gather with the products (`jscale.parallel.tensor`)."""
+    h_BLD = self.enter_tensor_parallel(h_BLD)
+    return [f(h_BLD) for f in linears]
+
+  def tp_row(self, x: jax.Array, linear: Callable) -> jax.Array:
+    """A row-parallel `linear` ([B, L, ...] -> partial sums [B, L, D]) and the region's exit;
+    collective matmul overlaps SP's reduce-scatter with the product."""
+    return self.leave_tensor_parallel(linear(x))
+
 
   def embed(self, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
     """Token embedding lookup (vocab-parallel when the table is sharded over vocab)."""

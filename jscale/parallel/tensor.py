@@ -21,12 +21,28 @@ transposes `psum` to another `psum`, which for g would multiply gradients by the
 Sequence parallelism replaces f by an all-gather along the sequence and g by a reduce-scatter
 along it; those two are already each other's transpose under autodiff, so JAX's own rules give
 the backward (reduce-scatter for the gather, all-gather for the scatter).
+
+Collective matmul (`parallel.collective_matmul`, manual mode with SP; Wang et al., "Overlap
+Communication with Dependent Computation via Decomposition in Large Deep Learning Models",
+ASPLOS 2023): the gather and the scatter are decomposed into tp ring steps, each overlapped
+with the product of the chunk in hand, for the block modules that enter the region themselves
+(`seam.EntersTensorParallel`: `tp_column` / `tp_row`). With t = tp and rank r:
+
+  gather + column linears: step s multiplies the chunk of rank (r - s) mod t while passing it
+      on to rank r + 1, and writes the product at that chunk's rows;
+  row linear + scatter: step s multiplies the rows of chunk (r - s - 1) mod t and adds them to
+      the partial sum received from rank r - 1; after t - 1 passes rank r holds chunk r's sum.
+
+Autodiff of the ring (ppermute's transpose is the reverse ppermute) gives a backward of the
+same shape. XLA:GPU has no such path for xla mode: its windowed-einsum rewrite handles an
+einsum whose operand GSPMD shards, while SP's gather there is a sharding constraint on the
+residual stream (`xla_gpu_threshold_for_windowed_einsum_mib=0` changed nothing in the step).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -87,11 +103,60 @@ class XlaTensor:
     return self.activation(y_BLD, ("batch", "res_seq", "embed"))
 
 
+def ring_gather_linears(h_BLD: jax.Array, linears: Sequence[Callable], axis: str,
+                        n: int) -> list[jax.Array]:
+  """SP's all-gather fused with column-parallel `linears`: [B, L/n, D] -> each [B, L, ...].
+
+  A rolled loop, not n unrolled steps: XLA would merge unrolled products of one weight into a
+  single gemm over the concatenated chunks, which waits for every pass (seen on XLA:GPU)."""
+  me, to_next = jax.lax.axis_index(axis), [(i, (i + 1) % n) for i in range(n)]
+  shapes = [jax.eval_shape(f, h_BLD) for f in linears]
+  outs = [jnp.zeros((s.shape[0], n * s.shape[1], *s.shape[2:]), s.dtype) for s in shapes]
+
+  def place(step, chunk, outs):  # the products of the chunk that came from rank me - step
+    held = (me - step) % n
+    return [jax.lax.dynamic_update_slice_in_dim(o, f(chunk), held * s.shape[1], axis=1)
+            for o, f, s in zip(outs, linears, shapes)]
+
+  def body(step, carry):
+    chunk, outs = carry
+    passed = jax.lax.ppermute(chunk, axis, to_next)  # in flight while this chunk multiplies
+    return passed, place(step, chunk, outs)
+
+  chunk, outs = jax.lax.fori_loop(0, n - 1, body, (h_BLD, outs))
+  return place(n - 1, chunk, outs)
+
+
+def ring_linear_scatter(x_BL_: jax.Array, linear: Callable, axis: str, n: int) -> jax.Array:
+  """A row-parallel `linear` fused with SP's reduce-scatter: [B, L, ...] -> summed [B, L/n, D]."""
+  me, to_next = jax.lax.axis_index(axis), [(i, (i + 1) % n) for i in range(n)]
+  rows = x_BL_.shape[1] // n
+  part = lambda step: linear(jax.lax.dynamic_slice_in_dim(
+      x_BL_, ((me - step - 1) % n) * rows, rows, 1))  # chunk (me - step - 1)'s partial sum
+
+  def body(step, acc):  # this step's product runs while the sum so far arrives
+    return jax.lax.ppermute(acc, axis, to_next) + part(step)
+
+  return jax.lax.fori_loop(1, n, body, part(0))
+
+
 class ManualTensor:
-  """TP / SP by hand (mixed into `ManualComms`: uses `tp`, `sp`)."""
+  """TP / SP by hand (mixed into `ManualComms`: uses `tp`, `sp`, `collective_matmul`)."""
   # Provided by the composition (`jscale.parallel.manual.ManualComms`):
   tp: int
   sp: bool
+  collective_matmul: bool
+
+  def tp_column(self, h_BLD: jax.Array, linears: Sequence[Callable]) -> list[jax.Array]:
+    if self.sp and self.collective_matmul:
+      return ring_gather_linears(h_BLD, linears, "tensor", self.tp)
+    h_BLD = self.enter_tensor_parallel(h_BLD)
+    return [f(h_BLD) for f in linears]
+
+  def tp_row(self, x: jax.Array, linear: Callable) -> jax.Array:
+    if self.sp and self.collective_matmul:
+      return ring_linear_scatter(x, linear, "tensor", self.tp)
+    return self.leave_tensor_parallel(linear(x))
 
 
   def enter_tensor_parallel(self, x_BLD: jax.Array) -> jax.Array:

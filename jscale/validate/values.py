@@ -73,6 +73,10 @@ def _check_model(m: ModelConfig) -> None:
 
 def _check_fp8(cfg: Config) -> None:
   m, f = cfg.model, cfg.fp8
+  if cfg.parallel.collective_matmul:
+    raise ConfigError("fp8.enabled with parallel.collective_matmul: the ring would run each "
+                      "FP8 product once per chunk, each with its own scale; set one of them "
+                      "false")
   if m.mla is not None or m.mtp is not None or m.first_dense:
     raise ConfigError("fp8.enabled with model.mla, model.mtp or model.moe.first_dense: FP8 "
                       "linears cover the Llama / Mixtral blocks only; set fp8.enabled=false")

@@ -101,3 +101,17 @@ def test_compare_script_runs(tmp_path):
   table = out.read_text()
   assert "| zero1 | xla |" in table and "| zero1 | manual |" in table
   assert (tmp_path / "cmp.csv").exists() and (tmp_path / "cmp.png").stat().st_size > 1000
+
+
+def test_collective_matmul_moves_the_blocks_gathers_into_ring_steps():
+  """With `parallel.collective_matmul` the blocks' SP all-gathers and reduce-scatters (two
+  each per layer and pass) become ring collective-permutes: t - 1 chunks of 1/t each, the
+  volume the collectives moved times (t - 1) / t (t = 4, `volume.hlo_volume`'s convention);
+  only the embedding's and the head's stay collectives of their own."""
+  plain = volume.hlo_volume(_compiled(*STRATEGIES["tp_sp"])[1])
+  ring = volume.hlo_volume(_compiled(*STRATEGIES["tp_sp"], "parallel.collective_matmul=true")[1])
+  moved = 0
+  for kind in ("all-gather", "reduce-scatter"):
+    assert ring[kind] < 0.25 * plain[kind], kind
+    moved += plain[kind] - ring[kind]
+  assert ring["collective-permute"] == pytest.approx(moved * 3 / 4, rel=0.01)

@@ -23,16 +23,18 @@ B, L, D, F, V = 4, 8, 16, 32, 256
 
 
 @functools.lru_cache(maxsize=None)
-def _comms(*overrides):
+def _comms(*overrides, collective_matmul=False):
   rt = runtime.build(small_config(None, "model.n_kv_heads=4", "train.batch_size=16", *overrides))
-  return rt, XlaComms(rt.layouts), ManualComms(rt.layouts, rt.cfg.parallel.bucket_mb)
+  return rt, XlaComms(rt.layouts), ManualComms(rt.layouts, rt.cfg.parallel.bucket_mb,
+                                               collective_matmul)
 
 
-def _three_ways(fn, args, in_specs, grad_specs, sp):
+def _three_ways(fn, args, in_specs, grad_specs, sp, collective_matmul=False, loss_atol=0.0):
   """value_and_grad of `fn(comms, *args)` with LOCAL, xla and manual comms. Manual sums the
   loss over `data` (each device saw its rows) and, under SP, over `tensor` (its sequence
   slice), and the gradients of data-replicated arguments over `data`."""
-  rt, xla, manual = _comms("mesh.data=2", "mesh.tensor=4", f"parallel.sequence_parallel={sp}")
+  rt, xla, manual = _comms("mesh.data=2", "mesh.tensor=4", f"parallel.sequence_parallel={sp}",
+                           collective_matmul=collective_matmul)
   argnums = tuple(range(len(grad_specs)))
   ref = jax.value_and_grad(functools.partial(fn, LOCAL), argnums)(*args)
   got_xla = jax.jit(jax.value_and_grad(functools.partial(fn, xla), argnums))(*args)
@@ -45,7 +47,7 @@ def _three_ways(fn, args, in_specs, grad_specs, sp):
   got_manual = jax.jit(jax.shard_map(local, mesh=rt.mesh, in_specs=in_specs,
                                      out_specs=(P(), tuple(grad_specs)), check_vma=False))(*args)
   for got in (got_xla, got_manual):
-    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=loss_atol)
     for g, r in zip(got[1], ref[1]):
       np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * np.abs(r).max())
 
@@ -67,6 +69,28 @@ def test_f_and_g_around_column_and_row_linears(sp):
   args = (_normal(0, B, L, D), _normal(1, D, F), _normal(2, F, D), _normal(3, B, L, D))
   _three_ways(fn, args, (P("data", seq), P(None, "tensor"), P("tensor", None), P("data", seq)),
               [P("data", seq), P(None, "tensor"), P("tensor", None)], sp)
+
+
+@pytest.mark.parametrize("sp, cm", [(False, False), (True, False), (True, True)],
+                         ids=["tp", "tp_sp", "collective_matmul"])
+def test_column_linears_and_row_linear_entering_the_region_themselves(sp, cm):
+  """`tp_column` (two column linears sharing the gathered input) and `tp_row`, as the block's
+  GQA and MLP call them; with collective matmul the collectives are ring steps fused with the
+  products (`ring_gather_linears`, `ring_linear_scatter`)."""
+  def fn(comms, x_BLD, wa_DF, wb_DF, w2_FD, ct_BLD):
+    a_BLF, b_BLF = comms.tp_column(x_BLD, [lambda h: jnp.einsum("BLD,DF->BLF", h, wa_DF),
+                                           lambda h: jnp.einsum("BLD,DF->BLF", h, wb_DF)])
+    y_BLD = comms.tp_row(jnp.tanh(a_BLF) * b_BLF,
+                         lambda h: jnp.einsum("BLF,FD->BLD", h, w2_FD))
+    return jnp.sum(y_BLD * ct_BLD)
+
+  seq = "tensor" if sp else None
+  args = (_normal(0, B, L, D), _normal(1, D, F), _normal(4, D, F), _normal(2, F, D),
+          _normal(3, B, L, D))
+  col = P(None, "tensor")
+  _three_ways(fn, args, (P("data", seq), col, col, P("tensor", None), P("data", seq)),
+              [P("data", seq), col, col, P("tensor", None)], sp, cm,
+              loss_atol=1e-5 * float(jnp.sum(jnp.abs(args[-1]))))  # a sum that cancels
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
