@@ -36,17 +36,19 @@ GPU_OVERLAP_FLAGS = (
 )
 
 
-# Not with ZeRO-3 and gradient accumulation: to prefetch the first layer's all-gather across
-# the micro-batch loop, the pipeliner peels that loop's first iteration, a second copy of the
-# layer scans whose saved activations get their own buffers: every micro-batch's activations
-# twice (XLA:GPU, llama3_1b fsdp=8 ZeRO-3, 4 micro-batches: temporaries 7.3 -> 10.9 GiB;
-# Llama-3 70B's planned layout, 64 micro-batches: 66.6 -> 74.9 GiB per step, over an H100's 71.6).
+# Not with gradient accumulation: to move an all-gather across the micro-batch loop, the
+# pipeliner peels that loop's first iteration, a second copy of the layer scans whose saved
+# activations get their own buffers: every micro-batch's activations twice (XLA:GPU, llama3_1b
+# fsdp=8 ZeRO-3, 4 micro-batches: temporaries 7.3 -> 10.9 GiB; Llama-3 70B's planned layout, 64
+# micro-batches: 66.6 -> 74.9 GiB per step, over an H100's 71.6). ZeRO-1/2 and TP + SP pay too
+# (scripts/overlap_flags.py, predicted for 8 H100s: llama3_1b fsdp8 ZeRO-2 x4 67.3 -> 40.6 GiB;
+# 8B fsdp4 ZeRO-1 tensor2+SP x4 100.0 -> 75.8 GiB and a 28% shorter step without it).
 _PEELS_ACCUMULATION = "--xla_gpu_enable_pipelined_all_gather=true"
 
 
 def overlap_flags(cfg=None) -> tuple[str, ...]:
   """The overlap flags for a run of `cfg` (a Config; None: all of them)."""
-  if (cfg is not None and cfg.parallel.zero_stage == 3 and cfg.train.microbatches > 1):
+  if cfg is not None and cfg.train.microbatches > 1:
     return tuple(f for f in GPU_OVERLAP_FLAGS if f != _PEELS_ACCUMULATION)
   return GPU_OVERLAP_FLAGS
 

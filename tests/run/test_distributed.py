@@ -312,10 +312,12 @@ def test_launcher_xla_flags_exist_in_this_jaxlib():
   mine = xla_flags.with_overlap_flags("--xla_gpu_enable_pipelined_all_gather=false")
   assert "--xla_gpu_enable_pipelined_all_gather=true" not in mine.split()
   assert "--xla_gpu_enable_latency_hiding_scheduler=true" in mine.split()
-  # Not the pipelined all-gather under ZeRO-3 with micro-batches (tests/plan/test_gpu_compile.py).
-  z3 = load_config(None, ["parallel.zero_stage=3", "mesh.fsdp=2", "train.microbatches=2"])
+  # Not the pipelined all-gather with micro-batches (tests/plan/test_gpu_compile.py,
+  # scripts/overlap_flags.py): under any ZeRO stage or TP, it peels the micro-batch loop.
+  for zero in (1, 3):
+    acc = load_config(None, [f"parallel.zero_stage={zero}", "mesh.fsdp=2", "train.microbatches=2"])
+    assert "--xla_gpu_enable_pipelined_all_gather=true" not in xla_flags.with_overlap_flags("", acc)
   assert "--xla_gpu_enable_pipelined_all_gather=true" in xla_flags.overlap_flags()
-  assert "--xla_gpu_enable_pipelined_all_gather=true" not in xla_flags.with_overlap_flags("", z3)
   assert xla_flags.compiler_options()["xla_gpu_all_gather_combine_threshold_bytes"] == 2**27
   # The allocator's share: the planner's budget unless the user gave one.
   code = ("import os; from jscale import xla_flags; xla_flags.apply(); "
