@@ -156,20 +156,21 @@ def pipeline_pace(model: ModelConfig, lay: Layout, seq: int) -> float:
   return PIPELINE_PACE * ticks / (3 * m * v) * ((1 - head) + head * p * v)
 
 
-def overheads(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu,
-              compute: float) -> float:
+def overheads(model: ModelConfig, lay: Layout, seq: int, flops_s: float,
+              hbm_bytes_s: float | None, compute: float) -> float:
   """Seconds the compiled step spends beyond its FLOPs, outside a pipeline's pace: saved
   residuals without remat, per-micro-batch passes over the weights, context parallelism's
-  doubled attention (every block of the ring in full) and its per-hop kernels."""
+  doubled attention (every block of the ring in full) and its per-hop kernels. `flops_s`: the
+  device's rate at its measured step efficiency; `compute`: the step's FLOPs at that rate."""
   extra = NO_REMAT_EXTRA * compute if lay.remat == "none" else 0.0
   psi = sum(local_param_split(model, lay))
-  if gpu.hbm_bytes_s:
+  if hbm_bytes_s:
     # the step efficiency was measured at one micro-batch: it includes the first one's passes
-    extra += (lay.accum - 1) * MICROBATCH_WEIGHT_PASSES * 2 * psi / gpu.hbm_bytes_s
+    extra += (lay.accum - 1) * MICROBATCH_WEIGHT_PASSES * 2 * psi / hbm_bytes_s
   if lay.sequence > 1:
     attention = flops_per_token(model, seq) - 6 * param_counts(model)["matmul"]
     tokens = lay.mbs * lay.accum * lay.batch_ways * seq / lay.devices
-    extra += attention * tokens / (gpu.peak_flops["bf16"] * gpu.step_efficiency)
+    extra += attention * tokens / flops_s
     extra += lay.accum * model.n_layers / lay.stage * math.log2(lay.sequence) * RING_HOP_S
   return extra
 
@@ -193,7 +194,7 @@ def estimate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu) -> Co
   exposed = sum(t.seconds() for t in ts if not t.overlap)
   for name, window in windows.items():
     exposed += max(0.0, sum(t.seconds() for t in ts if t.overlap == name) - window)
-  busy = compute + overheads(model, lay, seq, gpu, compute)
+  busy = compute + overheads(model, lay, seq, peak * efficiency, gpu.hbm_bytes_s, compute)
   step = (busy * pipeline_pace(model, lay, seq) if lay.stage > 1 else busy) + exposed
   return Cost(compute, bub, tuple(ts), exposed, step, model_flops,
               model_flops / (step * peak))
