@@ -150,6 +150,9 @@ def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
             accum = per_device // mbs
             if stage > 1 and not _schedule_ok(pipe, stage, accum):
               continue
+            if stage == 1 and xla_layout_why_not(sizes, zero, sp, moe, model.tie_embeddings,
+                                                 accum) is not None:
+              continue
             for remat in REMATS:
               yield Layout(data, stage, fsdp, expert, sequence, tensor, zero, sp,
                            pipe[0], pipe[1], remat, mbs, accum)

@@ -55,7 +55,8 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
     _check_pipeline(cfg, sizes)
   if cfg.parallel.collectives == "xla":
     why = xla_layout_why_not(sizes, cfg.parallel.zero_stage, cfg.parallel.sequence_parallel,
-                             cfg.model.moe is not None)
+                             cfg.model.moe is not None, cfg.model.tie_embeddings,
+                             cfg.train.microbatches)
     if why is not None:
       raise ConfigError(why)
   if cfg.model.moe is not None or sizes["expert"] > 1:
@@ -105,10 +106,22 @@ def _check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
 
 
 def xla_layout_why_not(sizes: dict[str, int], zero_stage: int, sequence_parallel: bool,
-                       moe: bool) -> str | None:
+                       moe: bool, tied: bool = False, microbatches: int = 1) -> str | None:
   """Why xla mode cannot run this layout of mesh axis `sizes` (None: it can); manual mode
-  can. The planner offers no such layout (`jscale.plan.layout.candidates`)."""
+  can. `tied`: the model ties its embedding and head; `microbatches`: train.microbatches. The
+  planner offers no such layout (`jscale.plan.layout.candidates`)."""
   p, tp, fsdp = sizes["stage"], sizes["tensor"], sizes["fsdp"]
+  if (zero_stage == 3 and tied and microbatches > 1 and fsdp > 1 and tp > 1
+      and sizes["data"] > 1):
+    # The same check failure as ZeRO-2's below, on the tied table's accumulated gradient (XLA:GPU
+    # for 8 and 64 H100s, llama3_1b: scripts/estimate_vs_compiled.py's sweep; untied, or one
+    # micro-batch, or mesh.data=1 compiles).
+    return (f"parallel.zero_stage=3 with model.tie_embeddings, train.microbatches={microbatches},"
+            f" mesh.fsdp={fsdp}, mesh.tensor={tp} and mesh.data={sizes['data']} in xla mode: "
+            "XLA's SPMD partitioner aborts the compile (a check failure in "
+            "spmd_partitioner_util.cc) on the tied embedding's gradient; use "
+            "parallel.collectives=manual, train.microbatches=1, or put the data-parallel devices "
+            "on mesh.fsdp (mesh.data=1)")
   if zero_stage == 2 and fsdp > 1 and tp > 1 and (sizes["data"] > 1 or p > 1):
     # XLA 0.10's SPMD partitioner: spmd_partitioner_util.cc "Check failed:
     # partition_group_list.num_replica_groups() * ... == device_groups.num_devices_per_group()"

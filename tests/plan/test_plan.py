@@ -98,10 +98,17 @@ def test_every_candidate_passes_jscale_validation(preset):
     return
   # ... and it refuses the layouts that aborted the compile, before it
   zero2 = ["mesh.fsdp=2", "mesh.tensor=2", "parallel.zero_stage=2"]
-  for bad in (["mesh.data=1", "mesh.stage=2", "pipeline.microbatches=4"], ["mesh.data=2"]):
-    cfg = load_config(None, [f"model.preset={preset}", *SMALL, *zero2, *bad])
+  # ZeRO-3 too where the embedding is tied and micro-batches accumulate (llama3_1b on H100s)
+  zero3 = ["mesh.fsdp=2", "mesh.tensor=2", "mesh.data=2", "parallel.zero_stage=3",
+           "model.tie_embeddings=true", "train.microbatches=2"]
+  for bad in ([*zero2, "mesh.data=1", "mesh.stage=2", "pipeline.microbatches=4"],
+              [*zero2, "mesh.data=2"], zero3):
+    cfg = load_config(None, [f"model.preset={preset}", *SMALL, *bad])
     with pytest.raises(ConfigError, match="XLA's SPMD partitioner aborts the compile"):
       validate.check_mesh(cfg, make_mesh(cfg.mesh))
+  tied = _model(f"model.preset={preset}", "model.tie_embeddings=true")
+  assert not [lay for lay in candidates(tied, 8, SEQ, 16) if lay.zero_stage == 3 and
+              lay.tensor > 1 and lay.data > 1 and lay.accum > 1]
 
 
 def test_nodes_and_links():
