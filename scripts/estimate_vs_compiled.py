@@ -65,11 +65,12 @@ def pick(case: str) -> list[Layout]:
 
 
 def load() -> list[dict]:
-  """Every stored row (one per compiled layout)."""
+  """Every stored row, one per compiled layout (the last, where shards compiled one twice)."""
   if not os.path.exists(STORE):
     return []
   with open(STORE, encoding="utf-8") as f:
-    return [json.loads(x) for x in f if x.strip()]
+    rows = {(r := json.loads(x))["key"]: r for x in f if x.strip()}
+  return list(rows.values())
 
 
 def done_keys() -> set[str]:

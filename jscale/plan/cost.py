@@ -29,13 +29,13 @@ GRAD_BYTES = 4  # gradients are reduced in fp32
 # What the compiled programs run beyond the FLOPs at the measured efficiency, fitted (relative
 # least squares) on scripts/estimate_vs_compiled.py's sweep of XLA:GPU steps for H100s, as
 # `jscale.predict` times them (results/estimate_vs_compiled.md; refit when that sweep changes):
-NO_REMAT_EXTRA = 0.35  # remat=none: the layer scan's stacked residuals, as a share of compute
-MICROBATCH_WEIGHT_PASSES = 10  # per extra micro-batch: passes over bf16 weights (casts, sums)
-RING_HOP_S = 1.4e-3  # context parallelism: per micro-batch, layer and doubling of the ring
+NO_REMAT_EXTRA = 0.31  # remat=none: the layer scan's stacked residuals, as a share of compute
+MICROBATCH_WEIGHT_PASSES = 7  # per extra micro-batch: passes over bf16 weights (casts, sums)
+RING_HOP_S = 1.5e-3  # context parallelism: per micro-batch, layer and doubling of the ring
 # Pipelines: jscale's executor runs the schedule's ticks in lockstep (each ends in a ppermute), a
 # tick at the pace of the slowest op any stage runs in it, and the head's work rides on the
 # ticks of every stage's last chunk; this many times the schedule's unit-op ticks.
-PIPELINE_PACE = 1.66
+PIPELINE_PACE = 1.88
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +46,10 @@ class Transfer:
   kind: str  # all-reduce | all-gather | reduce-scatter | all-to-all | permute
   bytes: float  # playbook volume per step
   nodes: int  # nodes one group spans (1: NVLink)
-  # What it can hide behind: "step" (ZeRO-3's per-layer gathers run ahead of the forward and
-  # backward), "backward" (per-micro-batch gradient reduce-scatters), "last backward" (the
-  # once-per-step gradient reduction overlaps the last micro-batch's backward), "" (exposed).
+  # What it can hide behind: "step" (the context-parallel ring's hops), "backward"
+  # (per-micro-batch gradient reduce-scatters), "last backward" (the once-per-step gradient
+  # reduction: inside the backward with one micro-batch, after the accumulation loop with
+  # more, where the compiled programs show it whole), "" (exposed).
   overlap: str
 
   @property
@@ -190,7 +191,8 @@ def estimate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu) -> Co
   bub = bubble(lay.schedule, lay.stage, lay.accum, lay.virtual_stages)
   ts = transfers(model, lay, seq, gpu.gpus_per_node)
   backward = compute * 2 / 3
-  windows = {"step": compute, "backward": backward, "last backward": backward / lay.accum}
+  windows = {"step": compute, "backward": backward,
+             "last backward": backward if lay.accum == 1 else 0.0}
   exposed = sum(t.seconds() for t in ts if not t.overlap)
   for name, window in windows.items():
     exposed += max(0.0, sum(t.seconds() for t in ts if t.overlap == name) - window)
