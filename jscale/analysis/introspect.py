@@ -22,7 +22,7 @@ def abstract_batch(cfg: Config) -> dict[str, jax.ShapeDtypeStruct]:
   out = {"tokens": jax.ShapeDtypeStruct((b, l), jnp.int32),
          "labels": jax.ShapeDtypeStruct((b, l), jnp.int32),
          "loss_mask": jax.ShapeDtypeStruct((b, l), jnp.float32)}
-  if cfg.mesh.sequence != 1:
+  if cfg.mesh.sequence * cfg.mesh.dcn_sequence != 1:  # the context split, across nodes too
     out["positions"] = jax.ShapeDtypeStruct((b, l), jnp.int32)
   return out
 

@@ -74,6 +74,15 @@ def test_a_layout_across_nodes_compiles_with_a_node_per_dcn_index():
   assert spans[8] == {1} and spans[2] == {2}, dict(spans)
 
 
+def test_context_split_across_nodes_compiles():
+  """Context parallelism whose ring crosses nodes (`mesh.dcn_sequence`, as the planner offers
+  for Llama 3 70B on 128 H100s): the abstract batch carries positions for it too."""
+  cfg = load_config("configs/tiny.yaml", [*TINY_BF16, "mesh.data=1", "mesh.dcn_sequence=2",
+                                          "mesh.tensor=8", "model.n_kv_heads=8"])
+  assert "positions" in introspect.abstract_batch(cfg)
+  introspect.compile_train_step(cfg, gpu_target.devices("h100x16"))
+
+
 def _compiled_text(*overrides: str, devices: int = 1) -> str:
   cfg = load_config("configs/tiny.yaml", [*TINY_BF16, *overrides])
   compiled, _ = introspect.compile_train_step(cfg, gpu_target.devices(f"h100x{devices}"))
