@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +18,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # nothing runs: the GPUs are desc
 
 # pylint: disable=wrong-import-position
 from jscale import predict  # noqa: E402
-from jscale.analysis.tables import write_table  # noqa: E402
+from jscale.analysis.tables import write_predicted_table  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
 
 TP8 = ("mesh.data=1", "mesh.tensor=8", "parallel.sequence_parallel=true",
@@ -54,14 +53,8 @@ def main() -> None:
                    "elementwise": r.by_category["elementwise/fusion"],
                    "idle": r.by_category["idle"]})
       print(rows[-1], flush=True)
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True, check=False).stdout.strip()
-  table = write_table(rows, COLUMNS, args.out)
-  with open(args.out, "w", encoding="utf-8") as f:
-    f.write(f"TP 8 + SP on 8 H100s, manual mode, **predicted** at {commit} (`python "
-            "scripts/collective_matmul.py`: XLA:GPU compiled on a CPU machine, timed by "
-            "`jscale.predict`; not measured).\n\n" + table)
-  print(open(args.out, encoding="utf-8").read())
+  print(write_predicted_table(rows, COLUMNS, args.out, "TP 8 + SP on 8 H100s, manual mode",
+                              "scripts/collective_matmul.py"))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -39,6 +40,8 @@ from jscale.plan.verify import compare  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORE = os.path.join(ROOT, "results", "estimate_vs_compiled.jsonl")
+HEAD = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                      text=True, check=False).stdout.strip()
 SEQ = 4096
 # name -> (preset, GPUs, global batch tokens, layouts: the estimate's top T + S drawn at random
 # from the fitting rest, seeded: a sample that does not depend on the estimate being scored)
@@ -98,7 +101,7 @@ def compile_case(case: str, shard: tuple[int, int], extra: list[dict]) -> None:
                                "fits_compiled", "by_category_compiled")}
     except Exception as e:  # noqa: BLE001  a layout that does not compile is a finding: record it
       out = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    out.update(key=key, case=case, layout=dataclasses.asdict(lay),
+    out.update(key=key, case=case, layout=dataclasses.asdict(lay), commit=HEAD,
                compile_s=round(time.monotonic() - start, 1))
     with open(STORE, "a", encoding="utf-8") as f:
       f.write(json.dumps(out) + "\n")
@@ -161,7 +164,9 @@ def report(out: str) -> str:
   text = ("# The planner's estimate against the compiled program (predicted)\n\n"
           "`python scripts/estimate_vs_compiled.py report`: layouts the planner offers that fit, "
           "compiled for H100s by XLA:GPU on a CPU machine and timed by `jscale.predict` "
-          "(predictions, not measurements), beside `jscale.plan`'s estimate. Spearman over all "
+          "(predictions, not measurements; compiled at "
+          f"{', '.join(sorted({r.get('commit', '?') for r in rows}))}), beside `jscale.plan`'s "
+          f"estimate at {HEAD}. Spearman over all "
           f"{len(table)} fitting layouts' MFU: **{rho:.3f}**; {len(no_fit)} compiled over the "
           f"device's memory (left out), {len(failed)} failed to compile.\n\n")
   text += write_table(cases, CASE_COLUMNS, stem + "_cases.md") + "\n"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,7 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # nothing runs: the GPUs are desc
 # pylint: disable=wrong-import-position
 from jscale import predict, xla_flags  # noqa: E402
 from jscale.analysis import gpu_target, introspect  # noqa: E402
-from jscale.analysis.tables import write_table  # noqa: E402
+from jscale.analysis.tables import write_predicted_table  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
 
 B8 = ("model.preset=llama3_8b", "train.seq_len=4096", "model.dtype=bfloat16",
@@ -68,14 +67,8 @@ def main() -> None:
       rows.append({"layout": name, "flags": f"{flag}=false", **r,
                    "vs": r["step"] / base["step"] - 1})
       print(rows[-1], flush=True)
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True, check=False).stdout.strip()
-  table = write_table(rows, COLUMNS, args.out)
-  with open(args.out, "w", encoding="utf-8") as f:
-    f.write(f"The launcher's overlap flags, each turned off in turn, **predicted** at {commit} "
-            "(`python scripts/overlap_flags.py`: XLA:GPU for 8 H100s compiled on a CPU machine, "
-            "timed by `jscale.predict`; not measured).\n\n" + table)
-  print(open(args.out, encoding="utf-8").read())
+  print(write_predicted_table(rows, COLUMNS, args.out, "The launcher's overlap flags on 8 "
+                              "H100s, each turned off in turn", "scripts/overlap_flags.py"))
 
 
 if __name__ == "__main__":

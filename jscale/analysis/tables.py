@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import subprocess
 from typing import Callable, Sequence
 
 Column = tuple[str, Callable[[dict], str]]  # (header, row -> cell text)
@@ -22,4 +23,20 @@ def write_table(rows: Sequence[dict], columns: Sequence[Column], out_md: str) ->
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
+  return text
+
+
+def write_predicted_table(rows: Sequence[dict], columns: Sequence[Column], out_md: str,
+                          what: str, script: str) -> str:
+  """`write_table`, headed by a line saying what it shows, that its figures are `jscale.predict`'s
+  (XLA:GPU compiled on a CPU machine: predictions, not measurements), the commit that predicted
+  them and the `script` that writes it again."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                          capture_output=True, check=False).stdout.strip()
+  text = (f"{what}, **predicted** at {commit} (`python {script}`: XLA:GPU compiled on a CPU "
+          "machine, timed by `jscale.predict`; not measured).\n\n"
+          + write_table(rows, columns, out_md))
+  with open(out_md, "w", encoding="utf-8") as f:
+    f.write(text)
   return text
