@@ -39,7 +39,8 @@ from jscale.model.seam import LOCAL, EntersTensorParallel, Seam
 class AttentionModule(Protocol):
   """What `Block` asks of its attention module (`GQA` by default): the normed input [B, L, D]
   inside the tensor-parallel region in, a partial sum [B, L, D] out (a row-parallel linear's);
-  it communicates only through `comms`, the model's seam."""
+  or, for a module that is `seam.EntersTensorParallel` (GQA), the normed input as it stands and
+  the reduced output. It communicates only through `comms`, the model's seam."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *,
                dot_general: matmul.DotGeneral = jax.lax.dot_general) -> None: ...
