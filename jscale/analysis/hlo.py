@@ -198,12 +198,12 @@ def parse(text: str) -> tuple[dict[str, list[list]], str | None, int]:
   return comps, entry, n_devices
 
 
-def _scalar(comps: dict, comp: str, name: str, depth: int = 8) -> int | None:
-  """The integer a scalar instruction holds where it is a constant, through copies, bitcasts
-  and single-operand fusions (None otherwise)."""
-  insts = {n: (o, a) for n, _, o, a in comps.get(comp, [])}
-  while depth and name in insts:
-    op, attrs = insts[name]
+def _scalar(insts: list[list], name: str, depth: int = 8) -> int | None:
+  """The integer instruction `name` of one computation's `insts` holds where it is a constant,
+  through copies, bitcasts and converts (None otherwise)."""
+  by_name = {n: (o, a) for n, _, o, a in insts}
+  while depth and name in by_name:
+    op, attrs = by_name[name]
     if op == "constant":
       m = re.match(r"\s*(-?\d+)\)", attrs)
       return int(m.group(1)) if m else None
@@ -234,11 +234,11 @@ def trip_count(comps: dict, comp: str, attrs: str) -> int | None:
   if root[2] != "compare" or not direction:
     return None
   limit = next((v for o in operands(root[3])
-                if (v := _scalar({"c": body}, "c", o)) is not None), None)
+                if (v := _scalar(body, o)) is not None), None)
   start = None
   tup = {n: a for n, _, o, a in comps.get(comp, []) if o == "tuple"}.get(init[0].split("#")[0])
   if tup is not None and operands(tup):
-    start = _scalar(comps, comp, operands(tup)[0].split("#")[0])
+    start = _scalar(comps.get(comp, []), operands(tup)[0].split("#")[0])
   if limit is None or start is None:
     return None
   trips = {"LT": limit - start, "LE": limit - start + 1, "GT": start - limit,
