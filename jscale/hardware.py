@@ -1,7 +1,7 @@
 """Every GPU fact jscale uses, each with where it comes from: dense peaks by dtype, HBM size and
-the copy bandwidth measured on the card, SM count, GPUs per node, the links' bus bandwidths,
-and the single-device step efficiency jscale measured. MFU (`jscale.metrics`), the planner, the
-predictor and the scripts read them here. A leaf: it imports no jscale module.
+the copy bandwidth measured on the card, SM count, GPUs per node, the links' bus bandwidths.
+MFU (`jscale.metrics`), the planner, the predictor and the scripts read them here. A leaf: it
+imports no jscale module.
 
 Links are given as bus bandwidth (nccl-tests' busbw): a collective of playbook volume V
 (`jscale.analysis.volume`: an all-reduce of K bytes is 2K, an all-gather or reduce-scatter K)
@@ -36,11 +36,9 @@ class Gpu:
   hbm_bytes: float  # device memory as nvidia-smi reports it
   sms: int
   gpus_per_node: int  # the NVLink domain of one node
-  # Measured by jscale on the card (None where no such card was lent): the best copy's bytes/s,
-  # and the model FLOPs / s a tuned single-device step reaches as a fraction of the bf16 peak
-  # (gemm efficiency x the share of time in gemms: the planner's compute term).
+  # Measured by jscale on the card (None where no such card was lent): the best copy's bytes/s
+  # (the predictor's and the planner's price of memory-bound work).
   hbm_bytes_s: float | None = None
-  step_efficiency: float | None = None
   source: str = ""
 
 
@@ -48,19 +46,17 @@ _HOPPER_PEAKS = {"bf16": 989.5e12, "fp8": 1979e12, "tf32": 494.7e12, "f32": 66.9
 # Ordered: specific device kinds before general ones ("H100 PCIe" before "H100").
 GPUS: dict[str, Gpu] = {
     # An H100's chip (same SMs and peaks) with 141 GB of HBM3e: 4.19 TB/s is the best copy
-    # measured on the H200 lent on 2026-11-26 (results/h200_measured/bench_kernels.md), 0.527
-    # its llama3_1b MFU there (configs/llama3_1b.yaml).
-    "h200": Gpu("h200", "H200", _HOPPER_PEAKS, 140.4 * GiB, 132, 8, 4.19e12, 0.527,
-                "datasheet peaks; efficiency and HBM measured by jscale on one H200"),
+    # measured on the H200 lent on 2026-11-26 (results/h200_measured/bench_kernels.md).
+    "h200": Gpu("h200", "H200", _HOPPER_PEAKS, 140.4 * GiB, 132, 8, 4.19e12,
+                "datasheet peaks; HBM bandwidth measured by jscale on one H200"),
     "h100_pcie": Gpu("h100_pcie", "H100 PCIe", {"bf16": 756e12, "fp8": 1513e12,
                                                "tf32": 378e12, "f32": 51.2e12},
                      80 * GiB, 114, 8, source="datasheet"),
-    # 989.5 TFLOP/s: H100 SXM datasheet (also picotron's peak). 0.49: jscale's own measurement
-    # on the lent H100 (issue 16: llama3_1b, seq 4096, bf16 matmuls, cuDNN attention, 49.0%
-    # MFU at batch 8); the bare bf16 gemm there ran at ~790-800 TFLOP/s (0.80 of peak).
-    # 3.0 TB/s HBM measured on the same card; 79.6 GiB of HBM3.
-    "h100": Gpu("h100", "H100", _HOPPER_PEAKS, 79.6 * GiB, 132, 8, 3.0e12, 0.49,
-                "datasheet peak; efficiency and HBM measured by jscale on one H100 (issue 16)"),
+    # 989.5 TFLOP/s: H100 SXM datasheet (also picotron's peak); the bare bf16 gemm on the lent
+    # H100 ran at ~790-800 TFLOP/s (0.80 of peak; issue 16). 3.0 TB/s HBM measured on the same
+    # card; 79.6 GiB of HBM3.
+    "h100": Gpu("h100", "H100", _HOPPER_PEAKS, 79.6 * GiB, 132, 8, 3.0e12,
+                "datasheet peak; HBM bandwidth measured by jscale on one H100 (issue 16)"),
     "a100": Gpu("a100", "A100", {"bf16": 312e12, "fp8": None, "tf32": 156e12, "f32": 19.5e12},
                 80 * GiB, 108, 8, source="datasheet (SXM4 80GB)"),
 }

@@ -6,12 +6,15 @@ times per case and over all, and how far the estimate's #1 is from the compiled 
 
     python scripts/estimate_vs_compiled.py compile [--cases 1b8,8b8,70b64] [--shard 0/2] \
         [--also results/estimate_vs_compiled.jsonl]   # + the layouts of a stored sweep
+    python scripts/estimate_vs_compiled.py fit      # the estimate's fitted constants, refitted
     python scripts/estimate_vs_compiled.py report   # -> results/estimate_vs_compiled.{md,csv}
 
 `compile` appends one JSON line per layout to results/estimate_vs_compiled.jsonl (skipping
 layouts already there: a cut-off run resumes); `--shard i/n` takes every n-th layout, for n
 processes side by side. `report` needs no compiler: it re-estimates every stored layout with
-the planner as it is now, so a change to `jscale/plan/cost.py` is scored in seconds. Every
+the planner as it is now, so a change to `jscale/plan/cost.py` is scored in seconds, and scores
+each case also with the constants fitted on the other cases alone (held out). `fit` prints
+`busy.Fit` and `cost.Exposure` fitted on every stored row, to paste into the code. Every
 compiled figure is a prediction (`jscale.predict`), not a measurement.
 """
 
@@ -29,11 +32,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compiles for GPUs from their de
 
 # pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402
+from scipy.optimize import nnls  # noqa: E402
 
 from jscale import hardware  # noqa: E402
 from jscale.analysis import gpu_target  # noqa: E402
 from jscale.analysis.tables import write_table  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
+from jscale.plan import busy, cost  # noqa: E402
+from jscale.plan.__main__ import COMPILED_TOP  # noqa: E402
 from jscale.plan.layout import Layout  # noqa: E402
 from jscale.plan.rank import evaluate, rank  # noqa: E402
 from jscale.plan.verify import compare  # noqa: E402
@@ -114,11 +120,62 @@ def spearman(a, b) -> float:
   return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 2 else float("nan")
 
 
+def fitting(rows: list[dict]) -> list[tuple[dict, object, Layout]]:
+  """(row, model, layout) of every stored layout that compiled and fits."""
+  models = {case: model_of(preset) for case, (preset, *_) in CASES.items()}
+  return [(r, models[r["case"]], Layout(**r["layout"])) for r in rows
+          if r["case"] in models and "step_compiled" in r and r["fits_compiled"]]
+
+
+def _relative_nnls(features: np.ndarray, fixed: np.ndarray, target: np.ndarray,
+                   scale: np.ndarray) -> np.ndarray:
+  """Non-negative c minimising Σ ((fixed + features·c - target) / scale)²."""
+  return nnls(features / scale[:, None], (target - fixed) / scale)[0]
+
+
+def fit(rows: list[dict]) -> tuple[busy.Fit, cost.Exposure]:
+  """`busy.Fit` and `cost.Exposure` fitted on `rows` (non-negative least squares, relative):
+  the passes on the pipeline-free layouts' busy time (the compiled step less its exposed
+  collectives), the exposed shares on their exposed time (relative to the step), the pace on
+  the pipelined layouts' steps."""
+  gpu = hardware.GPUS["h100"]
+  names = [f.name for f in dataclasses.fields(busy.Fit)]
+  shares = [f.name for f in dataclasses.fields(cost.Exposure) if f.name != "pipeline_pace"]
+  flat, piped = [], []
+  for r, model, lay in fitting(rows):
+    (piped if lay.stage > 1 else flat).append((r, model, lay, busy.terms(model, lay, SEQ, gpu)))
+  step = np.array([r["step_compiled"] for r, *_ in flat])
+  held = np.array([r["step_compiled"] - r["exposed_compiled"] for r, *_ in flat])
+  coef = _relative_nnls(np.array([[p[n] for n in names] for *_, p in flat]),
+                        np.array([sum(p[k] for k in busy.FIXED) for *_, p in flat]), held, held)
+  passes = busy.Fit(*coef)
+  none = cost.Exposure(**dict.fromkeys(shares, 0.0))
+  feats, fixed = [], []
+  for r, model, lay, p in flat:
+    ts = cost.transfers(model, lay, SEQ, gpu.gpus_per_node)
+    feats.append([sum(t.seconds() for t in ts if t.share == n and not t.overlap) for n in shares])
+    fixed.append(cost.exposed(ts, busy.seconds(p, passes), lay.accum, none))
+  exposed = np.array([r["exposed_compiled"] for r, *_ in flat])
+  share = _relative_nnls(np.array(feats), np.array(fixed), exposed, step)
+  exposure = cost.Exposure(*share, pipeline_pace=1.0)
+  a, e, y = (np.array(x) for x in zip(*[
+      (busy.seconds(p, passes) * cost.pipeline_pace(model, lay, SEQ, exposure),
+       cost.exposed(cost.transfers(model, lay, SEQ, gpu.gpus_per_node),
+                    busy.seconds(p, passes), lay.accum, exposure), r["step_compiled"])
+      for r, model, lay, p in piped]))
+  pace = float(np.sum(a / y * (1 - e / y)) / np.sum((a / y) ** 2)) if len(y) else 1.0
+  return passes, dataclasses.replace(exposure, pipeline_pace=pace)
+
+
 CASE_COLUMNS = [("case", lambda r: r["case"]), ("model", lambda r: r["model"]),
                 ("GPUs", lambda r: str(r["gpus"])), ("tokens / step", lambda r: f"{r['tokens']:,}"),
                 ("layouts", lambda r: str(r["layouts"])),
                 ("Spearman (step)", lambda r: f"{r['spearman']:.3f}"),
                 ("estimate's #1 over the compiled best", lambda r: f"{r['first_over_best']:+.1%}"),
+                (f"--rank compiled's pick (of the top {COMPILED_TOP}) over best",
+                 lambda r: f"{r['top10_over_best']:+.1%}"),
+                ("held out: Spearman", lambda r: f"{r['held_spearman']:.3f}"),
+                ("held out: #1 over best", lambda r: f"{r['held_first_over_best']:+.1%}"),
                 ("its #1", lambda r: r["first"]), ("compiled best", lambda r: r["best"])]
 ROW_COLUMNS = [("case", lambda r: r["case"]), ("layout", lambda r: r["layout"]),
                ("MFU estimate", lambda r: f"{r['mfu_estimate']:.1%}"),
@@ -128,29 +185,43 @@ ROW_COLUMNS = [("case", lambda r: r["case"]), ("layout", lambda r: r["layout"]),
                ("exposed collectives compiled (ms)", lambda r: f"{1e3 * r['exposed']:.0f}")]
 
 
-def score(rows: list[dict]) -> tuple[list[dict], list[dict], float]:
-  """(per case, per layout, pooled Spearman of MFU) with the planner's estimate as it is now."""
+def score_case(mine: list[tuple[dict, object, Layout]], passes: busy.Fit,
+               exposure: cost.Exposure) -> tuple[list, float, float, int, int]:
+  """(estimates, Spearman of the steps, the estimate's #1 over the compiled best, #1, best)."""
   gpu = hardware.GPUS["h100"]
+  est = [cost.estimate(model, lay, SEQ, gpu, passes, exposure) for _, model, lay in mine]
+  comp = [r["step_compiled"] for r, *_ in mine]
+  first, best = int(np.argmin([c.step_s for c in est])), int(np.argmin(comp))
+  return (est, spearman([c.step_s for c in est], comp), comp[first] / comp[best] - 1,
+          first, best)
+
+
+def score(rows: list[dict]) -> tuple[list[dict], list[dict], float]:
+  """(per case, per layout, pooled Spearman of MFU) with the planner's estimate as it is now,
+  and per case with the constants fitted on the other cases (held out)."""
   cases, table, pooled = [], [], ([], [])
+  every = fitting(rows)
   for case, (preset, gpus, tokens, *_) in CASES.items():
-    mine = [r for r in rows if r["case"] == case and "step_compiled" in r and r["fits_compiled"]]
+    mine = [x for x in every if x[0]["case"] == case]
     if len(mine) < 3:
       continue
-    model = model_of(preset)
-    lays = [Layout(**r["layout"]) for r in mine]
-    est = [evaluate(model, lay, SEQ, gpu).cost for lay in lays]
-    comp = [r["step_compiled"] for r in mine]
-    first, best = int(np.argmin([c.step_s for c in est])), int(np.argmin(comp))
+    est, rho, over, first, best = score_case(mine, busy.FIT, cost.EXPOSURE)
+    others = [r for r in rows if r["case"] != case]
+    _, held_rho, held_over, *_ = score_case(mine, *fit(others))
+    lays = [lay for *_, lay in mine]
+    comp = [r["step_compiled"] for r, *_ in mine]
+    top = sorted(range(len(mine)), key=lambda i: est[i].step_s)[:COMPILED_TOP]
     cases.append({"case": case, "model": preset, "gpus": gpus, "tokens": tokens,
-                  "layouts": len(mine), "spearman": spearman([c.step_s for c in est], comp),
-                  "first_over_best": comp[first] / comp[best] - 1,
+                  "layouts": len(mine), "spearman": rho, "first_over_best": over,
+                  "top10_over_best": min(comp[i] for i in top) / min(comp) - 1,
+                  "held_spearman": held_rho, "held_first_over_best": held_over,
                   "first": lays[first].describe(), "best": lays[best].describe()})
     pooled[0].extend(c.mfu for c in est)
-    pooled[1].extend(r["mfu_compiled"] for r in mine)
+    pooled[1].extend(r["mfu_compiled"] for r, *_ in mine)
     table += [{"case": case, "layout": lay.describe(), "mfu_estimate": c.mfu,
                "mfu_compiled": r["mfu_compiled"], "step_estimate": c.step_s,
                "step_compiled": r["step_compiled"], "exposed": r["exposed_compiled"]}
-              for lay, c, r in sorted(zip(lays, est, mine), key=lambda x: x[2]["step_compiled"])]
+              for (r, _, lay), c in sorted(zip(mine, est), key=lambda x: x[0][0]["step_compiled"])]
   return cases, table, spearman(*pooled) if pooled[0] else float("nan")
 
 
@@ -178,7 +249,7 @@ def report(out: str) -> str:
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("verb", choices=("compile", "report", "list"))
+  p.add_argument("verb", choices=("compile", "fit", "report", "list"))
   p.add_argument("--cases", default=",".join(CASES))
   p.add_argument("--shard", default="0/1", help="i/n: every n-th layout from the i-th")
   p.add_argument("--also", default=None, help="a .jsonl of an earlier sweep: its layouts too")
@@ -186,6 +257,12 @@ def main() -> None:
   args = p.parse_args()
   if args.verb == "report":
     print(report(args.out))
+    return
+  if args.verb == "fit":
+    for constants in fit(load()):
+      print(f"{type(constants).__name__}(" + ", ".join(
+          f"{f.name}={getattr(constants, f.name):.4g}" for f in dataclasses.fields(constants))
+            + ")")
     return
   for case in args.cases.split(","):
     if args.verb == "list":

@@ -25,8 +25,8 @@ from jscale import exit_codes, hardware
 from jscale.config import ConfigError
 
 COMPILED_TOP = 10  # layouts `--rank compiled` compiles unless --verify says otherwise
-# GPUs whose single-device step efficiency jscale measured: the planner's compute term.
-PLANNABLE = tuple(name for name, g in hardware.GPUS.items() if g.step_efficiency)
+# GPUs whose HBM bandwidth jscale measured: the planner prices memory-bound passes by it.
+PLANNABLE = tuple(name for name, g in hardware.GPUS.items() if g.hbm_bytes_s)
 _SUFFIX = {"k": 2**10, "m": 2**20, "g": 2**30}  # 4M tokens = 1024 x 4096 (playbook)
 
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
   from jscale.plan.rank import rank
   try:
     if args.gpu not in PLANNABLE:
-      raise ConfigError(f"--gpu {args.gpu!r}: the planner knows the measured step efficiency "
+      raise ConfigError(f"--gpu {args.gpu!r}: the planner knows the measured HBM bandwidth "
                         f"of {', '.join(PLANNABLE)} only (jscale/hardware.py)")
     model = _model(args.model, args.overrides)
     gpu = hardware.GPUS[args.gpu]

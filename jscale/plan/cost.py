@@ -1,41 +1,52 @@
-"""Step time of a layout: compute, communication by mesh axis and link, pipeline bubble.
+"""Step time of a layout: what a device computes, the communication its program leaves exposed,
+and a pipeline's pace.
 
-    step = compute x (1 + bubble) + exposed communication,   MFU = model FLOPs / (step x peak)
+    step = busy x pace + exposed communication,   MFU = model FLOPs / (step x peak)
 
-- compute: the step's hardware FLOPs per device (model FLOPs, `jscale.metrics.flops_per_token`,
-  plus what remat recomputes) at the device's measured step efficiency (`hardware.Gpu`);
-- bubble: idle over busy cells of the schedule jscale would run (`schedules.make_table`);
+- busy: the kernels' time, term by term (`jscale.plan.busy`: gemms at their shapes'
+  efficiency, attention at measured rates, remat, memory-bound passes);
 - communication: the playbook volumes (`jscale.analysis.volume`'s conventions) per mesh axis,
   each over the link its groups span (`Layout.nodes`), at the playbook's measured bus
-  bandwidths (`hardware.busbw`). Gradient reduction and ZeRO's gathers overlap the backward
-  (XLA's async collectives), so only what exceeds that window is exposed; TP, EP and pipeline
-  transfers sit on the critical path; the context-parallel ring overlaps its block attention.
+  bandwidths (`hardware.busbw`). Gradient reductions overlap the backward (XLA's async
+  collectives), so only what exceeds that window is exposed; ZeRO-3's weight gathers and TP's
+  activation collectives sit on the critical path, a fitted share of them exposed in the
+  compiled programs (`Exposure`); EP and pipeline transfers whole; the context-parallel ring
+  overlaps its block attention.
+- pace: a pipelined step's executed ticks over its work (`pipeline_pace`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax.numpy as jnp
 
 from jscale import hardware
 from jscale.config import ModelConfig
-from jscale.metrics import flops_per_token, param_counts
+from jscale.metrics import flops_per_token
+from jscale.plan import busy
 from jscale.plan.layout import Layout, layout_of
 from jscale.plan.memory import channels, local_param_split, schedule_table, tokens_per_microbatch
 
 GRAD_BYTES = 4  # gradients are reduced in fp32
-# What the compiled programs run beyond the FLOPs at the measured efficiency, fitted (relative
-# least squares) on scripts/estimate_vs_compiled.py's sweep of XLA:GPU steps for H100s, as
-# `jscale.predict` times them (results/estimate_vs_compiled.md; refit when that sweep changes):
-NO_REMAT_EXTRA = 0.31  # remat=none: the layer scan's stacked residuals, as a share of compute
-MICROBATCH_WEIGHT_PASSES = 7  # per extra micro-batch: passes over bf16 weights (casts, sums)
-RING_HOP_S = 1.5e-3  # context parallelism: per micro-batch, layer and doubling of the ring
-# Pipelines: jscale's executor runs the schedule's ticks in lockstep (each ends in a ppermute), a
-# tick at the pace of the slowest op any stage runs in it, and the head's work rides on the
-# ticks of every stage's last chunk; this many times the schedule's unit-op ticks.
-PIPELINE_PACE = 1.88
+
+
+@dataclasses.dataclass(frozen=True)
+class Exposure:
+  """What the compiled programs leave exposed, fitted with `busy.Fit` on the same sweep
+  (`scripts/estimate_vs_compiled.py fit`): the share of each critical-path transfer's own time
+  (XLA:GPU's scheduler hides the rest behind independent kernels), and the pipelines' pace
+  (jscale's executor runs the schedule's ticks in lockstep, each ending in a ppermute, a tick
+  at the pace of the slowest op any stage runs in it: this many times the unit-op ticks)."""
+  zero3_gathers: float = 1.21
+  # full remat: each backward gather feeds the layer's forward again too, a longer window
+  zero3_gathers_full: float = 1.1
+  tensor_all_reduce: float = 0.631  # TP without SP: the backward's dW gemms hide some
+  sequence_parallel: float = 1.6  # SP's gather / scatter pairs: wholly, and then some
+  pipeline_pace: float = 1.88
+
+
+EXPOSURE = Exposure()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +60,9 @@ class Transfer:
   # What it can hide behind: "step" (the context-parallel ring's hops), "backward"
   # (per-micro-batch gradient reduce-scatters), "last backward" (the once-per-step gradient
   # reduction: inside the backward with one micro-batch, after the accumulation loop with
-  # more, where the compiled programs show it whole), "" (exposed).
+  # more, where the compiled programs show it whole), "" (on the critical path).
   overlap: str
+  share: str = ""  # on the critical path: the `Exposure` field of its exposed share ("": all)
 
   @property
   def overlapped(self) -> bool:
@@ -59,17 +71,24 @@ class Transfer:
   def seconds(self) -> float:
     return self.bytes / hardware.busbw(self.kind, self.nodes)
 
+  def exposed_seconds(self, exposure: Exposure = EXPOSURE) -> float:
+    """Its time on the critical path (0 for an overlapped one: see `exposed`)."""
+    if self.overlap:
+      return 0.0
+    return self.seconds() * (getattr(exposure, self.share) if self.share else 1.0)
+
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
   """The estimate for one layout."""
-  compute_s: float
+  compute_s: float  # busy: the kernels' time (`busy.terms`, summed)
   bubble: float
   transfers: tuple[Transfer, ...]
   exposed_s: float
   step_s: float
   model_flops: float  # per device per step
   mfu: float
+  busy: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds by `busy` term
 
 
 def bubble(schedule: str, p: int, m: int, v: int) -> float:
@@ -92,7 +111,8 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
       # Exposed: XLA:GPU's compiled steps show each layer's gather waiting on its start
       # (`scripts/estimate_vs_compiled.py`: exposed time ~ the gathers' own time).
       out.append(Transfer("fsdp", "ZeRO-3 weight all-gathers, forward and backward", "all-gather",
-                          (2 * layer_psi + other_psi) * c * lay.accum, nodes("fsdp"), ""))
+                          (2 * layer_psi + other_psi) * c * lay.accum, nodes("fsdp"), "",
+                          "zero3_gathers_full" if lay.remat == "full" else "zero3_gathers"))
       out.append(Transfer("fsdp", "ZeRO-3 gradient reduce-scatter (the gather's transpose)",
                           "reduce-scatter", psi * c * lay.accum, nodes("fsdp"), "backward"))
     else:
@@ -118,7 +138,8 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
     again = 2 * layers * sbh if lay.remat == "selective" and lay.sequence_parallel else 0
     out.append(Transfer("tensor", "TP/SP activations, 2 per block per pass", "all-reduce",
                         2 * 2 * passes * layers * sbh + again + 4 * sbh + 3 * 2 * tokens * 4,
-                        nodes("tensor"), ""))
+                        nodes("tensor"), "", "sequence_parallel" if lay.sequence_parallel
+                        else "tensor_all_reduce"))
   if lay.sequence > 1:
     kv = tokens * model.n_kv_heads * (model.qk_head_dim + model.v_head_dim) / 2 / lay.tensor
     fwd = 2 if lay.remat == "full" else 1
@@ -147,59 +168,54 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
   return out
 
 
-def pipeline_pace(model: ModelConfig, lay: Layout, seq: int) -> float:
-  """Executed time of a pipelined step over its compute without a pipeline: the schedule's
-  ticks (unit F / B / W cells) over the m·v·3 cells of work, each tick at `PIPELINE_PACE`, the
-  head's share of the FLOPs (h) on the ticks of every chunk: (1 - h) + h·p·v."""
+def pipeline_pace(model: ModelConfig, lay: Layout, seq: int,
+                  exposure: Exposure = EXPOSURE) -> float:
+  """Executed time of a pipelined step over its busy time without a pipeline: the schedule's
+  ticks (unit F / B / W cells) over the m·v·3 cells of work, each tick at
+  `Exposure.pipeline_pace`, the head's share of the FLOPs (h) on the ticks of every chunk:
+  (1 - h) + h·p·v. 1 without a pipeline."""
   p, m, v = lay.stage, lay.accum, lay.virtual_stages
+  if p == 1:
+    return 1.0
   head = 6 * model.d_model * model.vocab_size / flops_per_token(model, seq)
   ticks = schedule_table(lay.schedule, p, m, v).ticks
-  return PIPELINE_PACE * ticks / (3 * m * v) * ((1 - head) + head * p * v)
+  return exposure.pipeline_pace * ticks / (3 * m * v) * ((1 - head) + head * p * v)
 
 
-def overheads(model: ModelConfig, lay: Layout, seq: int, flops_s: float,
-              hbm_bytes_s: float | None, compute: float) -> float:
-  """Seconds the compiled step spends beyond its FLOPs, outside a pipeline's pace: saved
-  residuals without remat, per-micro-batch passes over the weights, context parallelism's
-  doubled attention (every block of the ring in full) and its per-hop kernels. `flops_s`: the
-  device's rate at its measured step efficiency; `compute`: the step's FLOPs at that rate."""
-  extra = NO_REMAT_EXTRA * compute if lay.remat == "none" else 0.0
-  psi = sum(local_param_split(model, lay))
-  if hbm_bytes_s:
-    # the step efficiency was measured at one micro-batch: it includes the first one's passes
-    extra += (lay.accum - 1) * MICROBATCH_WEIGHT_PASSES * 2 * psi / hbm_bytes_s
-  if lay.sequence > 1:
-    attention = flops_per_token(model, seq) - 6 * param_counts(model)["matmul"]
-    tokens = lay.mbs * lay.accum * lay.batch_ways * seq / lay.devices
-    extra += attention * tokens / flops_s
-    extra += lay.accum * model.n_layers / lay.stage * math.log2(lay.sequence) * RING_HOP_S
-  return extra
+def exposed(ts: list[Transfer], busy_s: float, accum: int,
+            exposure: Exposure = EXPOSURE) -> float:
+  """Seconds of `ts` on the critical path: the exposed share of each critical-path transfer,
+  and what the overlapped ones need beyond their window (the step, the backward — a third of
+  the busy time is the forward —, the last backward: the backward with one micro-batch, none
+  after an accumulation loop)."""
+  backward = busy_s * 2 / 3
+  windows = {"step": busy_s, "backward": backward,
+             "last backward": backward if accum == 1 else 0.0}
+  out = sum(t.exposed_seconds(exposure) for t in ts)
+  for name, window in windows.items():
+    out += max(0.0, sum(t.seconds() for t in ts if t.overlap == name) - window)
+  return out
 
 
-def estimate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu) -> Cost:
-  """Step time and MFU of `lay` on `gpu`s."""
+def estimate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu,
+             fit: busy.Fit = busy.FIT, exposure: Exposure = EXPOSURE) -> Cost:
+  """Step time and MFU of `lay` on `gpu`s (ValueError for a GPU whose HBM bandwidth jscale has
+  not measured: the passes are priced by it)."""
+  peak = gpu.peak_flops["bf16"]
+  if not gpu.hbm_bytes_s or not peak:
+    raise ValueError(f"{gpu.name}: no measured HBM bandwidth (jscale/hardware.py)")
   tokens = lay.mbs * lay.accum * lay.batch_ways * seq  # global tokens per step
   model_flops = flops_per_token(model, seq) * tokens / lay.devices
-  forward = model_flops / 3
-  extra = {"none": 0.0, "full": forward,
-           # selective recomputes the norms, pointwise ops and attention core (not matmuls):
-           "selective": 0.1 * forward}[lay.remat]
-  peak, efficiency = gpu.peak_flops["bf16"], gpu.step_efficiency
-  if peak is None or efficiency is None:
-    raise ValueError(f"{gpu.name}: no measured step efficiency (jscale/hardware.py)")
-  compute = (model_flops + extra) / (peak * efficiency)
-  bub = bubble(lay.schedule, lay.stage, lay.accum, lay.virtual_stages)
+  parts = busy.terms(model, lay, seq, gpu)
+  busy_s = busy.seconds(parts, fit)
   ts = transfers(model, lay, seq, gpu.gpus_per_node)
-  backward = compute * 2 / 3
-  windows = {"step": compute, "backward": backward,
-             "last backward": backward if lay.accum == 1 else 0.0}
-  exposed = sum(t.seconds() for t in ts if not t.overlap)
-  for name, window in windows.items():
-    exposed += max(0.0, sum(t.seconds() for t in ts if t.overlap == name) - window)
-  busy = compute + overheads(model, lay, seq, peak * efficiency, gpu.hbm_bytes_s, compute)
-  step = (busy * pipeline_pace(model, lay, seq) if lay.stage > 1 else busy) + exposed
-  return Cost(compute, bub, tuple(ts), exposed, step, model_flops,
-              model_flops / (step * peak))
+  exposed_s = exposed(ts, busy_s, lay.accum, exposure)
+  step = busy_s * pipeline_pace(model, lay, seq, exposure) + exposed_s
+  weights = {f.name: getattr(fit, f.name) for f in dataclasses.fields(fit)}
+  mfu = model_flops / (step * peak)
+  return Cost(busy_s, bubble(lay.schedule, lay.stage, lay.accum, lay.virtual_stages),
+              tuple(ts), exposed_s, step, model_flops, mfu,
+              {k: v * weights.get(k, 1.0) for k, v in parts.items() if v})
 
 
 def playbook_volume(rt) -> dict[str, float]:

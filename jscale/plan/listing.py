@@ -41,11 +41,14 @@ def terms(r: Row) -> list[str]:
   m, c = r.memory, r.cost
   out = ["memory: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in m.terms().items())
          + f" = {m.total / GiB:.2f} GiB"]
-  out.append(f"compute {c.compute_s:.3f} s (model {c.model_flops / 1e12:.1f} TFLOP per device "
-             f"+ remat) x (1 + bubble {c.bubble:.3f})")
+  out.append(f"busy {c.compute_s:.3f} s (model {c.model_flops / 1e12:.1f} TFLOP per device): "
+             + ", ".join(f"{k} {v:.3f} s" for k, v in c.busy.items())
+             + (f"; pipeline bubble {c.bubble:.3f}" if c.bubble else ""))
   for t in c.transfers:
     link = "NVLink" if t.nodes == 1 else f"{t.nodes} nodes"
-    hidden = f" (hidden behind the {t.overlap})" if t.overlap else " (exposed)"
+    hidden = (f" (hidden behind the {t.overlap})" if t.overlap else
+              f" (on the critical path: {t.exposed_seconds() / t.seconds():.2f} x its link time)"
+              if t.seconds() else "")
     out.append(f"{t.axis}: {t.what}: {t.kind} {t.bytes / 1e9:.3f} GB over {link} = "
                f"{1e3 * t.seconds():.1f} ms" + hidden)
   out.append(f"exposed communication {c.exposed_s:.3f} s; step {c.step_s:.3f} s; "
@@ -58,7 +61,7 @@ def as_dict(r: Row, seq: int, gpu: hardware.Gpu) -> dict:
   c = r.cost
   return {"layout": r.layout.describe(), "overrides": r.layout.overrides(seq, gpu.gpus_per_node),
           "fits": r.fits, "memory_bytes": {**r.memory.terms(), "total": r.memory.total},
-          "step_s": c.step_s, "compute_s": c.compute_s, "bubble": c.bubble,
+          "step_s": c.step_s, "compute_s": c.compute_s, "busy_s": c.busy, "bubble": c.bubble,
           "exposed_comm_s": c.exposed_s, "mfu": c.mfu, "tokens_per_s": r.tokens_per_s,
           "transfers": [{"axis": t.axis, "what": t.what, "kind": t.kind, "bytes": t.bytes,
                          "nodes": t.nodes, "overlap": t.overlap, "seconds": t.seconds()}

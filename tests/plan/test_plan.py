@@ -218,21 +218,30 @@ def test_layer_activations_are_what_jax_saves(remat, mlp):
   assert saved == pytest.approx(want, rel=1e-3 if mlp and remat == "none" else 0) and saved > 0
 
 
-# Steady-state steps measured on one lent H100 (jax 0.11.2, bf16 matmuls, cuDNN attention, seq
-# 4096; results/h100_measured/h100_2026-11-23.md, README "Choosing a layout"): preset, overrides,
-# layout, tokens/s. The estimate's step efficiency (0.49) came from the batch-8 row.
-H100_MEASURED = [("llama3_1b", (), Layout(mbs=4, remat="selective"), 57_952),
-                 ("llama3_1b", (), Layout(mbs=8, remat="selective"), 58_950),
-                 ("llama3_3b", (), Layout(mbs=2, remat="full"), 17_543),
-                 ("llama3_8b", ("model.n_layers=8",), Layout(mbs=1, remat="full"), 26_179)]
+# Steady-state steps measured on lent GPUs (seq 4096, bf16 matmuls, cuDNN attention): the H100
+# of results/h100_measured/h100_2026-11-23.md (jax 0.11.2) and the H200 of
+# results/h200_measured/README.md. gpu, preset, overrides, layout, tokens/s. None of them was
+# fitted on: the estimate's constants come from the compiled 8- and 64-GPU sweep. Within 12%:
+# the 3B full-remat row is the farthest (+11%), where the compiled program's own prediction is
+# +9% (results/predict_vs_measured.md); the rest are within 5%.
+MEASURED = [("h100", "llama3_1b", (), Layout(mbs=4, remat="selective"), 57_952),
+            ("h100", "llama3_1b", (), Layout(mbs=8, remat="selective"), 58_950),
+            ("h100", "llama3_1b", (), Layout(mbs=2, remat="none"), 47_239),
+            ("h100", "llama3_3b", (), Layout(mbs=2, remat="full"), 17_543),
+            ("h100", "llama3_8b", ("model.n_layers=8",), Layout(mbs=1, remat="full"), 26_179),
+            ("h200", "llama3_1b", (), Layout(mbs=8, remat="selective"), 63_431),
+            ("h200", "llama3_1b", (), Layout(mbs=4, remat="selective"), 61_736),
+            ("h200", "llama3_8b", ("model.n_layers=8",), Layout(mbs=2, remat="selective"),
+             36_632)]
 
 
-@pytest.mark.parametrize("preset,overrides,lay,measured", H100_MEASURED,
+@pytest.mark.parametrize("gpu,preset,overrides,lay,measured", MEASURED,
                          ids=lambda x: x.describe().replace(" ", "-") if isinstance(x, Layout)
                          else None)
-def test_step_time_against_measured_h100(preset, overrides, lay, measured):
+def test_step_time_against_measured_gpus(gpu, preset, overrides, lay, measured):
   model = load_config(None, [f"model.preset={preset}", *overrides]).model
-  assert evaluate(model, lay, 4096, H100).tokens_per_s == pytest.approx(measured, rel=0.10)
+  got = evaluate(model, lay, 4096, hardware.GPUS[gpu]).tokens_per_s
+  assert got == pytest.approx(measured, rel=0.12 if lay.remat == "full" else 0.05)
 
 
 @pytest.mark.parametrize("remat", ["selective", "full"])
