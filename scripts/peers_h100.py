@@ -5,7 +5,7 @@ for that many H100s with the real XLA:GPU compiler on this machine and timed by
 (`metrics.flops_per_token`, causal attention counted as half, as MaxText does) over the dense
 BF16 peak, the peer's from its tok/s.
 
-    python scripts/peers_h100.py [--only 8b,70b] [--out results/peers_h100.md]
+    python scripts/peers_h100.py [--only 8b,70b] [--collectives both] [--out results/peers_h100.md]
 
 Writes the table with the commit that predicted it; the predictions are predictions.
 """
@@ -73,26 +73,28 @@ def peer_tok_s(p: Peer, flops_per_token: float) -> float:
   return flops / flops_per_token
 
 
-def predicted(p: Peer, pick):
+def predicted(p: Peer, pick, mode: str):
   cfg = load_config(None, [*p.model, "model.dtype=bfloat16", "checkpoint.every=0",
-                           *pick.layout.overrides(p.seq, H100.gpus_per_node)])
+                           *pick.layout.overrides(p.seq, H100.gpus_per_node),
+                           f"parallel.collectives={mode}"])
   return predict.predict_config(cfg, f"h100x{p.gpus}")
 
 
-def row(p: Peer, top: int) -> dict:
+def row(p: Peer, top: int, modes: tuple[str, ...]) -> dict:
   """The peer's figures and jscale's predicted ones for the planner's pick: its estimate's
-  first layout, or with `top` > 1 the fastest compiled program of its first `top` (what
-  `python -m jscale.plan --rank compiled --verify top` picks)."""
+  first layout, or with `top` > 1 the fastest compiled program of its first `top`, each in
+  each of `modes` (what `python -m jscale.plan --rank compiled --verify top --collectives
+  both` picks)."""
   model = load_config(None, [*p.model, "model.dtype=bfloat16"]).model
   fpt = metrics.flops_per_token(model, p.seq)
   rows = rank(model, p.gpus, p.seq, p.step_tokens, H100)[:top]
-  tried = [(predicted(p, x), x) for x in rows]
-  r, pick = min(tried, key=lambda t: (not t[0].fits, t[0].step_s))
+  tried = [(predicted(p, x, mode), x, mode) for x in rows for mode in modes]
+  r, pick, mode = min(tried, key=lambda t: (not t[0].fits, t[0].step_s))
   peer = peer_tok_s(p, fpt)
   ours = r.tokens_per_s / p.gpus
   peak = H100.peak_flops["bf16"]
   return {"peer": p.what, "source": p.source, "peer_tok_s": peer, "peer_mfu": peer * fpt / peak,
-          "pick": pick.layout.describe(), "planner_mfu": pick.cost.mfu,
+          "pick": f"{pick.layout.describe()} ({mode})", "planner_mfu": pick.cost.mfu,
           "predicted_tok_s": ours, "predicted_mfu": r.mfu, "ratio": ours / peer,
           "memory": "fits" if r.fits else "does not fit"}
 
@@ -105,23 +107,26 @@ def main() -> None:
   ap.add_argument("--rank-compiled", type=int, default=10, metavar="K",
                   help="pick the fastest compiled program of the estimate's first K (1: the "
                   "estimate's first alone)")
+  ap.add_argument("--collectives", choices=("xla", "manual", "both"), default="both",
+                  help="the modes each layout is compiled in (both: the faster program counts)")
   args = ap.parse_args()
+  modes = ("xla", "manual") if args.collectives == "both" else (args.collectives,)
   keys = set(filter(None, args.only.split(",")))
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                           capture_output=True, check=False).stdout.strip()
   lines = [f"Peers' published H100 figures beside jscale's **predicted** figures for the "
            f"planner's pick (`python scripts/peers_h100.py`, predicted at {commit}: XLA:GPU "
            "compiled on a CPU machine, timed by `jscale.predict`; not measured). The pick: "
-           + ("the estimate's first layout." if args.rank_compiled == 1 else
+           + ("the estimate's first layout" if args.rank_compiled == 1 else
               f"`jscale.plan --rank compiled`'s, the fastest compiled program among the "
-              f"estimate's first {args.rank_compiled}."), "",
+              f"estimate's first {args.rank_compiled}") + f", in {' or '.join(modes)} mode.", "",
            "| configuration | peer tok/s/GPU | peer MFU | planner's pick | planner MFU | "
            "**predicted** tok/s/GPU | **predicted** MFU | predicted / peer | memory | source |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for p in PEERS:
     if keys and p.key not in keys:
       continue
-    r = row(p, args.rank_compiled)
+    r = row(p, args.rank_compiled, modes)
     lines.append(f"| {r['peer']} | {r['peer_tok_s']:,.0f} | {r['peer_mfu']:.1%} | {r['pick']} | "
                  f"{r['planner_mfu']:.1%} | {r['predicted_tok_s']:,.0f} | "
                  f"{r['predicted_mfu']:.1%} | {r['ratio']:.2f}x | {r['memory']} | "

@@ -64,8 +64,9 @@ def _parser() -> argparse.ArgumentParser:
                  f"defaults to {COMPILED_TOP} then)")
   p.add_argument("--compile-budget-s", type=float, default=900.0, metavar="S",
                  help="--verify compiles no further layout once this many seconds have gone")
-  p.add_argument("--collectives", choices=("xla", "manual"), default="xla",
-                 help="parallel.collectives of the --verify compiles")
+  p.add_argument("--collectives", choices=("xla", "manual", "both"), default="xla",
+                 help="parallel.collectives of the --verify compiles (both: each layout in "
+                 "each mode; with --rank compiled the faster program of the two ranks)")
   p.add_argument("--target", default=None, metavar="GPUxN",
                  help="compile --verify's layouts with the real XLA:GPU compiler for N GPUs "
                  "(h100x8: N = --gpus) instead of on simulated CPU devices; needs JAX's CUDA "
@@ -149,20 +150,24 @@ def main(argv: list[str] | None = None) -> int:
   return 0 if fitting else 1
 
 
+MODES = {"xla": ("xla",), "manual": ("manual",), "both": ("xla", "manual")}
+
+
 def _compile(rows, args, gpu, devices) -> list[dict]:
-  """`verify.compare` of each row in order, a progress line each on stderr, until
-  --compile-budget-s has gone (the rest are said to be left out)."""
+  """`verify.compare` of each row in order (in each of --collectives' modes), a progress line
+  each on stderr, until --compile-budget-s has gone (the rest are said to be left out)."""
   from jscale.plan import verify
   start, out = time.monotonic(), []
-  for i, row in enumerate(rows):
+  todo = [(row, mode) for row in rows for mode in MODES[args.collectives]]
+  for i, (row, mode) in enumerate(todo):
     if i and time.monotonic() - start > args.compile_budget_s:  # the first always compiles
-      print(f"compile budget of {args.compile_budget_s:.0f} s spent: layouts {i + 1}-"
-            f"{len(rows)} not compiled (raise --compile-budget-s)", file=sys.stderr, flush=True)
+      print(f"compile budget of {args.compile_budget_s:.0f} s spent: compiles {i + 1}-"
+            f"{len(todo)} left out (raise --compile-budget-s)", file=sys.stderr, flush=True)
       break
     t0 = time.monotonic()
     out.append(verify.compare(args.model, args.overrides, row, args.seq, gpu, devices,
-                              collectives=args.collectives))
-    print(f"compiled {i + 1}/{len(rows)}: {row.layout.describe()} in "
+                              collectives=mode))
+    print(f"compiled {i + 1}/{len(todo)}: {row.layout.describe()} ({mode}) in "
           f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
   return out
 

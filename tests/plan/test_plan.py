@@ -176,6 +176,16 @@ def test_cli_json_plot_and_errors(capsys, tmp_path):
   assert "give --target (e.g. h100x8)" in capsys.readouterr().err
 
 
+def test_cli_compiles_each_layout_in_both_modes(capsys):
+  """`--collectives both`: each verified layout compiled in xla and in manual mode (the
+  faster program ranks under `--rank compiled`), a progress line per compile."""
+  assert main(["--model", "tiny", "--gpus", "8", "--seq", "64", "--global-batch-tokens",
+               "4k", "--top", "1", "--verify", "1", "--collectives", "both"]) == 0
+  out = capsys.readouterr()
+  assert "compiled 1/2" in out.err and "(xla) in" in out.err and "(manual) in" in out.err
+  assert out.out.count("verify ") == 2 and "(xla)" in out.out and "(manual)" in out.out
+
+
 def test_cli_runs_as_a_module():
   # The module entry point at 8 GPUs (a 70B x 64-GPU search took 34 s of the suite; the
   # search itself is tested in-process above)
