@@ -9,6 +9,10 @@ own hooks stay with them (`pallas_kernels/mosaic_gpu_env.py`).
   size (`jscale.analysis.gpu_target.launched_memory`). JAX has no option for it.
 - `jit_cache_size`: how many programs a jitted function has compiled (generation checks its
   decode step compiles once). Public JAX exposes no count.
+- `cudnn_compute_capability`: the GPU generation JAX's cuDNN attention checks ask about while
+  tracing. With no GPU here (a compile for GPUs that are not here) JAX answers as for no GPU,
+  so head sizes over 128, which Hopper's cuDNN takes (MLA's 192), are refused. JAX has no
+  option for it.
 - `kernel_names`: the names of the kernels a jaxpr equation runs (a `pallas_call`'s name
   parameter, spelled differently across JAX versions, or inside the `custom_vmap_call` a Mosaic
   GPU kernel is wrapped in), for the remat policy that saves the flash kernels' outputs.
@@ -20,6 +24,7 @@ import contextlib
 from typing import Any
 
 from jax._src import distributed as _distributed
+from jax._src.cudnn import fused_attention_stablehlo as _cudnn_attention
 from jax._src.interpreters import pxla as _pxla
 
 # Private by design: this file is the one home of JAX's private hooks.
@@ -46,6 +51,20 @@ def appended_compile_options(extra: bytes):
     yield
   finally:
     _pxla.create_compile_options = original
+
+
+@contextlib.contextmanager
+def cudnn_compute_capability(capability: str):
+  """Inside it, JAX's cuDNN attention asks whether the GPU is at least a given generation of a
+  GPU of `capability` ("9.0"), not of this process's devices."""
+  original = _cudnn_attention.check_compute_capability
+  ours = tuple(int(x) for x in capability.split("."))
+  _cudnn_attention.check_compute_capability = (
+      lambda wanted: ours >= tuple(int(x) for x in wanted.split(".")))
+  try:
+    yield
+  finally:
+    _cudnn_attention.check_compute_capability = original
 
 
 def jit_cache_size(fn: Any) -> int:

@@ -97,6 +97,19 @@ def memory_bytes(device: jax.Device) -> int | None:
 
 
 @contextlib.contextmanager
+def tracing_for(device: jax.Device):
+  """Traces inside see `device`'s GPU generation where JAX asks the local one: a GPU target
+  compiled on a machine without that GPU (JAX's cuDNN attention checks take head sizes up to
+  256 on Hopper, 128 on what it takes for no GPU)."""
+  capability = getattr(device, "compute_capability", None)
+  if device.platform != "gpu" or capability is None or jax.default_backend() == "gpu":
+    yield
+    return
+  with jax_compat.cudnn_compute_capability(capability):
+    yield
+
+
+@contextlib.contextmanager
 def launched_memory(size: int | None):
   """Compiles inside plan for `size` bytes of device memory, as on a GPU (None: XLA's own
   choice). JAX has no option for it: the serialised CompileOptions get

@@ -38,7 +38,8 @@ def compile_train_step(cfg: Config, devices: Sequence[jax.Device] | None = None,
   rt = runtime.build(cfg, devices)
   step = rt.train_step()
   t0 = time.perf_counter()
-  lowered = step.lower(rt.abstract_state(), abstract_batch(cfg))
+  with gpu_target.tracing_for(rt.mesh.devices.flat[0]):
+    lowered = step.lower(rt.abstract_state(), abstract_batch(cfg))
   t1 = time.perf_counter()
   with compiler_log.remat_shortfalls() as short:
     compiled = compile_as_launched(lowered, rt, gpu_options)

@@ -6,9 +6,10 @@ once and the train loop prints and records the choice.
 
 Every impl takes q [B, L, H, K], k [B, S, G, K] and v [B, S, G, Kv] with H a multiple of G
 (grouped-query attention: K/V are never repeated in memory) and returns [B, L, H, Kv]: V's head
-size may differ from Q's (e.g. MLA; not for cuDNN, whose jax.nn.dot_product_attention needs
-Kv == K). The causal mask is the usual one, or, given token positions (context parallelism
-reorders tokens), query i sees key j when pos_q[i] >= pos_k[j]. "ring" is ring attention over
+size may differ from Q's (e.g. MLA; cuDNN's jax.nn.dot_product_attention needs Kv == K, so V is
+zero-padded to K's size and the output sliced: `with_v_padded`). The causal mask is the usual
+one, or, given token positions (context parallelism reorders tokens), query i sees key j when
+pos_q[i] >= pos_k[j]. "ring" is ring attention over
 the `sequence` mesh axis (`jscale.parallel.context.ring`, called through the model's seam); on one
 device it is one diagonal block, i.e. plain attention. "pallas" is the Pallas flash attention
 kernel (`pallas_kernels.flash_attention`, GPU; `interpret=True` runs it in the Pallas
@@ -18,6 +19,7 @@ interpreter), index-causal only; under a mesh the model's seam runs it on each d
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -51,19 +53,35 @@ def xla_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGV: jax.Array,
   return out_BLGRV.reshape(b, l, h, v_BSGV.shape[-1])
 
 
-def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
+def with_v_padded(attend: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """`attend(q, k, v, ...)` for a V head size Kv below K's: V zero-padded to K's, the output
+  sliced back. Exact (softmax(QKᵀ)·[V, 0] = [softmax(QKᵀ)·V, 0]), and so are the gradients
+  (the pad's transpose drops the padded columns of dV); the kernel does (K + K) / (K + Kv) of
+  the work (MLA's 192 / 128: 1.2x)."""
+
+  def padded(q_BLHK, k_BSGK, v_BSGV, *args, **kwargs):
+    kv, k = v_BSGV.shape[-1], k_BSGK.shape[-1]
+    if kv == k:
+      return attend(q_BLHK, k_BSGK, v_BSGV, *args, **kwargs)
+    v_BSGK = jnp.pad(v_BSGV, [(0, 0)] * 3 + [(0, k - kv)])
+    return attend(q_BLHK, k_BSGK, v_BSGK, *args, **kwargs)[..., :kv]
+
+  return padded
+
+
+def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGV: jax.Array,
                     causal: bool = True, positions=None) -> jax.Array:
-  """cuDNN fused attention (GPU only; GQA handled by the kernel; index-causal only; V's head
-  size equal to Q's, which jax.nn.dot_product_attention requires)."""
+  """cuDNN fused attention (GPU only; GQA handled by the kernel; index-causal only; a V head
+  size below Q's, MLA's, through `with_v_padded`)."""
   if positions is not None:
     raise ValueError("cudnn attention masks by index, not by token positions: with "
                      "mesh.sequence > 1 use model.attention_impl=ring or xla")
-  if v_BSGK.shape[-1] != k_BSGK.shape[-1]:
-    raise ValueError(f"cudnn attention (jax.nn.dot_product_attention) needs V's head size "
-                     f"equal to K's, got {v_BSGK.shape[-1]} and {k_BSGK.shape[-1]}: use "
+  if v_BSGV.shape[-1] > k_BSGK.shape[-1]:
+    raise ValueError(f"cudnn attention needs V's head size at most K's, got "
+                     f"{v_BSGV.shape[-1]} and {k_BSGK.shape[-1]}: use "
                      f"model.attention_impl=xla, pallas or ring")
-  return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, is_causal=causal,
-                                      implementation="cudnn")
+  return with_v_padded(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                         implementation="cudnn"))(q_BLHK, k_BSGK, v_BSGV)
 
 
 def pallas_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
@@ -128,14 +146,18 @@ BACKENDS: dict[str, tuple[str, ...]] = {"xla": ("cpu", "gpu", "tpu"), "cudnn": (
 def cudnn_applies(dtype, head_dim: int, compute_capability: str | None = None,
                   v_head_dim: int | None = None) -> str | None:
   """None if cuDNN's fused flash attention runs this attention, else why not: it takes fp16 /
-  bf16 operands, head dims that are multiples of 8 up to 128, V's equal to Q's (MLA's is
-  not), and Ampere or newer GPUs."""
-  if v_head_dim is not None and v_head_dim != head_dim:
-    return f"v head_dim {v_head_dim} != q head_dim {head_dim} (jax.nn.dot_product_attention)"
+  bf16 operands, head dims that are multiples of 8 up to 128 (256 on Hopper and later, as
+  JAX's cuDNN checks say), a V head size at most Q's (MLA's is padded: `with_v_padded`), and
+  Ampere or newer GPUs."""
+  if v_head_dim is not None and v_head_dim > head_dim:
+    return f"v head_dim {v_head_dim} > q head_dim {head_dim} (V is padded to Q's, not cut)"
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"model.dtype={jnp.dtype(dtype).name} (cuDNN flash attention needs bf16 or fp16)"
-  if head_dim % 8 or head_dim > 128:
-    return f"head_dim={head_dim} (cuDNN flash attention needs a multiple of 8, at most 128)"
+  hopper = compute_capability is not None and float(compute_capability) >= 9.0
+  most = 256 if hopper else 128
+  if head_dim % 8 or head_dim > most:
+    return (f"head_dim={head_dim} (cuDNN flash attention needs a multiple of 8, at most "
+            f"{most}{'' if hopper else ' before Hopper'})")
   if compute_capability and float(compute_capability) < 8.0:
     return f"compute capability {compute_capability} (cuDNN flash attention needs >= 8.0)"
   return None
@@ -155,7 +177,10 @@ def auto_impl(platform: str, dtype, head_dim: int, context_parallel: bool = Fals
   if platform == "gpu":
     why_not = cudnn_applies(dtype, head_dim, compute_capability, v_head_dim)
     if why_not is None:
-      return "cudnn", f"GPU, {jnp.dtype(dtype).name}, head_dim {head_dim}: cuDNN flash attention"
+      padded = (f" (V's {v_head_dim} padded to {head_dim})"
+                if v_head_dim is not None and v_head_dim != head_dim else "")
+      return "cudnn", (f"GPU, {jnp.dtype(dtype).name}, head_dim {head_dim}: cuDNN flash "
+                       f"attention{padded}")
     return "xla", f"GPU, but cuDNN does not apply: {why_not}"
   return "xla", f"{platform}: plain XLA attention"
 

@@ -6,7 +6,7 @@ One of the block's swappable attention modules (`jscale.model.llama.Block`), cho
   queries: h -> [q_lora_rank] (RMSNorm) -> H x (nope + rope)      (or h -> H x (nope + rope))
   latent:  h -> [kv_lora_rank] (RMSNorm) = c,  and h -> [rope] = the RoPE key, shared by heads
   keys:    c -> H x nope, then each head's key is [nope part; the shared RoPE key]
-  values:  c -> H x v_head_dim (V's head size may differ from Q's: every impl but cuDNN)
+  values:  c -> H x v_head_dim (V's head size may differ from Q's; cuDNN's impl pads V)
 
 Training expands c into per-head keys and values and runs the seam's attention (tensor
 parallelism over heads, context parallelism over the sequence, like GQA). Generation caches

@@ -6,6 +6,7 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from jscale.config import Config, ConfigError
+from jscale.model import attention as attn_lib
 from jscale.parallel.context.order import token_order
 from jscale.parallel.pipeline import schedules
 from jscale.validate import experts, kernels, no_ops
@@ -44,10 +45,11 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
       raise ConfigError(f"model.mtp with mesh.sequence={cp}: multi-token prediction shifts the "
                         "labels along the sequence, which context parallelism splits; set "
                         "mesh.sequence=1 or model.mtp=null")
-  if m.attention_impl == "cudnn" and m.v_head_dim != m.qk_head_dim:
-    raise ConfigError(f"model.attention_impl=cudnn with model.mla: V's head size "
-                      f"{m.v_head_dim} differs from Q's {m.qk_head_dim}, which cuDNN "
-                      "(jax.nn.dot_product_attention) cannot take; use xla, pallas or ring")
+  capability = getattr(mesh.devices.flat[0], "compute_capability", None)
+  if m.attention_impl == "cudnn" and m.v_head_dim != m.qk_head_dim and (why := (
+      attn_lib.cudnn_applies(m.dtype, m.qk_head_dim, capability, m.v_head_dim))) is not None:
+    raise ConfigError(f"model.attention_impl=cudnn: {why}; use model.attention_impl=xla, "
+                      "pallas or ring")
   kernels.check_backend(cfg, mesh.devices.flat[0].platform)
   if m.attention_impl == "pallas":
     kernels.check_flash_attention(cfg, sizes)

@@ -25,6 +25,10 @@ from jscale.model import llama
     (("gpu", jnp.bfloat16, 60), "xla", "head_dim=60"),
     (("gpu", jnp.bfloat16, 64, False, True, "7.0"), "xla", "compute capability 7.0"),
     (("gpu", jnp.bfloat16, 64, False, True, "9.0"), "cudnn", "cuDNN"),
+    # MLA: q / k 192, v 128: Hopper's cuDNN takes head sizes up to 256, V padded to Q's
+    (("gpu", jnp.bfloat16, 192, False, True, "9.0", 128), "cudnn", "V's 128 padded to 192"),
+    (("gpu", jnp.bfloat16, 192, False, True, "8.0", 128), "xla", "at most 128 before Hopper"),
+    (("gpu", jnp.bfloat16, 64, False, True, "9.0", 128), "xla", "v head_dim 128 > q head_dim"),
     (("gpu", jnp.bfloat16, 64, True, True), "pallas", "flash-kernel blocks"),
     (("gpu", jnp.bfloat16, 64, True, False), "ring", "does not tile"),
     (("cpu", jnp.float32, 64, True), "ring", "ring attention"),

@@ -1,7 +1,8 @@
 """V's head size differing from Q's (K != Kv, e.g. MLA) in every attention impl: plain XLA, the
 ring's blocks (plain jnp and flash kernel) on a CPU mesh, the Pallas flash kernel (interpret
-mode), each against a plain materialised-scores reference, values and gradients; cuDNN refuses
-it clearly."""
+mode), each against a plain materialised-scores reference, values and gradients; cuDNN's
+zero-padded V (the same padding around JAX's attention on CPU) likewise, and a V larger than Q's
+refused clearly."""
 
 import jax
 import jax.numpy as jnp
@@ -112,7 +113,20 @@ def test_flash_rejects_untileable_v_head_dim():
     flash_attention(q, k, jnp.zeros((1, 16, 2, 16)), causal=False, interpret=True)
 
 
-def test_cudnn_refuses_different_v_head_dim():
+@pytest.mark.parametrize("k,kv", [(24, 16), (48, 32), (32, 32)])
+def test_v_padded_to_q_head_size_is_exact(k, kv):
+  """cuDNN's path for MLA (`with_v_padded`): V zero-padded to K's head size, the output sliced;
+  here around JAX's own attention on CPU (the same call cuDNN's takes, `implementation` aside),
+  values and gradients against the plain reference."""
+  q, kk, v, do = _inputs(32, 4, 2, k, kv, seed=k)
+  attend = attn_lib.with_v_padded(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation="xla"))
+  got = _value_and_grads(attend, q, kk, v, do)
+  want = _value_and_grads(lambda q, k, v: _plain(q, k, v, True), q, kk, v, do)
+  _check(f"padded v k={k} kv={kv}", got, want, 1e-5)
+
+
+def test_cudnn_refuses_a_v_head_larger_than_q():
   q, k, v, _ = _inputs(16, 4, 2, 16, 32)
-  with pytest.raises(ValueError, match="needs V's head size equal to K's, got 32 and 16"):
+  with pytest.raises(ValueError, match="needs V's head size at most K's, got 32 and 16"):
     attn_lib.cudnn_attention(q, k, v)

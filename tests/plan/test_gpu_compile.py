@@ -113,6 +113,32 @@ def test_every_gemm_on_h100_is_bf16_and_attention_is_cudnn():
     assert len(stores) == 1, stores
 
 
+# MLA with DeepSeek-V3's head sizes (q / k 192, v 128) at CPU width: more than the 128 cuDNN
+# takes before Hopper, which JAX's cuDNN checks assume without a local GPU.
+MLA_192 = ("model.preset=deepseek_v3_tiny", "model.mla.qk_nope_head_dim=128",
+           "model.mla.qk_rope_head_dim=64", "model.mla.v_head_dim=128", "train.seq_len=256")
+
+
+def test_mla_runs_cudnn_attention_on_h100_with_v_padded():
+  """attention_impl=auto for MLA on an H100: cuDNN's fused kernels at Q's head size 192, V
+  zero-padded from 128 (`attention.with_v_padded`), forward and backward once per layer —
+  no materialised scores (plain XLA's [B, H, L, L] fusions were the DeepSeek proxy's largest
+  kernels)."""
+  cfg = load_config("configs/tiny.yaml", [*TINY_BF16, *MLA_192])
+  rt = runtime.build(cfg, gpu_target.devices("h100x1"))
+  assert rt.cfg.model.attention_impl == "cudnn" and "padded to 192" in rt.kernels.attention_why
+  compiled, _ = introspect.compile_train_step(cfg, gpu_target.devices("h100x1"))
+  text = compiled.as_text()
+  calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))
+  layers = cfg.model.n_layers + cfg.model.mtp.depth
+  assert calls["__cudnn$fmhaSoftmax"] == calls["__cudnn$fmhaSoftmaxBackward"] >= 2, calls
+  assert calls["__cudnn$fmhaSoftmax"] <= layers * UNROLL, calls
+  # The forward's output [B, H, L, 192] (sliced to V's 128 after it); V enters padded.
+  fmha = re.findall(r"= \(bf16\[\d+,\d+,\d+,(\d+)\]\S*, f32\[[^]]*\]\S*, u8\[0\]\S*\) "
+                    r'custom-call\(([^)]*)\), custom_call_target="__cudnn\$fmhaSoftmax"', text)
+  assert fmha and all(dim == "192" and "pad" in operands for dim, operands in fmha), fmha
+
+
 MOE_GPU = ("model.moe.n_experts=8", "model.moe.top_k=2", "model.moe.d_ff=256",
            "model.d_model=256", "train.seq_len=512", "train.remat=none")
 
