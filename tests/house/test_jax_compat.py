@@ -3,6 +3,7 @@ fails here, by name."""
 
 import jax
 import jax.numpy as jnp
+from jax._src.cudnn import fused_attention_stablehlo as cudnn
 from jax._src.interpreters import pxla
 from jax.experimental import pallas as pl
 
@@ -36,3 +37,10 @@ def test_jit_cache_size_counts_compiled_programs():
   f(jnp.ones(2))
   f(jnp.ones(3))
   assert jax_compat.jit_cache_size(f) == 2
+
+
+def test_cudnn_attention_checks_see_the_given_gpu_generation_then_this_ones():
+  assert not cudnn.check_compute_capability("9.0")  # no GPU here: no Hopper
+  with jax_compat.cudnn_compute_capability("9.0"):
+    assert cudnn.check_compute_capability("9.0") and not cudnn.check_compute_capability("10.0")
+  assert not cudnn.check_compute_capability("9.0")
