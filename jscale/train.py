@@ -83,6 +83,10 @@ def _start(cfg: Config) -> run_dir.Plan:
   if cfg.checkpoint.resume:
     ckpt_lib.newest_intact(ckpt_lib.checkpoint_dir(cfg), cfg.checkpoint.verify, _warn_once)
   plan = run_dir.plan(cfg)
+  if jax.process_count() > 1:  # every process reads the run directory before process 0
+    # changes it below: one that planned after the change would plan otherwise, and meet
+    # the others at a different barrier (a 2-process CI run under load did)
+    multihost_utils.sync_global_devices("jscale_planned")
   if distributed.is_main():
     print(plan.line(), flush=True)
     for line in run_dir.changed_lines(plan):

@@ -304,7 +304,7 @@ def test_plan_ranks_verified_layouts_by_their_compiled_step(capsys):
                     "--global-batch-tokens", "16k", "--top", "2", "--verify", "2", "--target",
                     "h100x8", "--rank", "compiled", "--compile-budget-s", "0"]) == 0
   err = capsys.readouterr().err
-  assert "compiled 1/2" in err and "layouts 2-2 not compiled (raise --compile-budget-s)" in err
+  assert "compiled 1/2" in err and "compiles 2-2 left out (raise --compile-budget-s)" in err
 
 
 # XLA:GPU leaves `known_trip_count` off some loops: this one (cut from llama3_1b's micro-batch
