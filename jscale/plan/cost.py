@@ -108,8 +108,8 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
   if f > 1:
     if lay.zero_stage == 3:  # layers gathered in the forward and again in the backward, the
       # embedding and head once (their backward follows at once), per micro-batch
-      # Exposed: XLA:GPU's compiled steps show each layer's gather waiting on its start
-      # (`scripts/estimate_vs_compiled.py`: exposed time ~ the gathers' own time).
+      # On the critical path: XLA:GPU's compiled steps show each layer's gather waiting on
+      # its start, a fitted share of the gathers' own time exposed (`Exposure`).
       out.append(Transfer("fsdp", "ZeRO-3 weight all-gathers, forward and backward", "all-gather",
                           (2 * layer_psi + other_psi) * c * lay.accum, nodes("fsdp"), "",
                           "zero3_gathers_full" if lay.remat == "full" else "zero3_gathers"))

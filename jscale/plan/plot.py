@@ -24,8 +24,8 @@ def plot(rows: list[Row], limit_bytes: float, out_path: str) -> str:
   mem_ax.axvline(limit_bytes / GiB, color="k", ls="--", lw=1, label="usable")
   mem_ax.set_title("memory per device (GiB)")
   left = [0.0] * len(rows)
-  parts = (("compute", lambda r: r.cost.compute_s),
-           ("bubble", lambda r: r.cost.compute_s * r.cost.bubble),
+  parts = (("busy", lambda r: r.cost.compute_s),
+           ("pipeline schedule", lambda r: r.cost.step_s - r.cost.exposed_s - r.cost.compute_s),
            ("exposed communication", lambda r: r.cost.exposed_s))
   for i, (name, get) in enumerate(parts):
     widths = [get(r) for r in rows]
