@@ -69,12 +69,6 @@ class Fit:
 FIT = Fit()
 
 
-def gemm_rows(lay: Layout, seq: int) -> int:
-  """Rows of a layer's gemms on one device: the tokens of one micro-batch (all of them under
-  TP, the device's share of the sequence under context parallelism)."""
-  return lay.mbs * seq // lay.sequence
-
-
 def layer_gemms(model: ModelConfig, lay: Layout, seq: int
                 ) -> list[tuple[int, int, int, int, bool]]:
   """(m, n, k, count, rerun) of the forward gemms one device runs per step's micro-batch: per
@@ -82,7 +76,8 @@ def layer_gemms(model: ModelConfig, lay: Layout, seq: int
   expert's, its tokens spread over the local experts; the shared expert), then the head.
   `rerun`: full remat runs it again in the backward — all but each MLP's out-projection, whose
   output (the layer's) no backward reads, and the head, outside the layers."""
-  d, t, rows = model.d_model, lay.tensor, gemm_rows(lay, seq)
+  # rows: the tokens of one micro-batch on the device (all of them under TP)
+  d, t, rows = model.d_model, lay.tensor, memory.tokens_per_microbatch(lay, seq)
   out = [(rows, attention_params(model)[1] // (d * t), d, model.n_layers, True)]
   mlps = [(rows, model.d_ff, model.n_layers)]
   if model.moe is not None:
@@ -123,9 +118,11 @@ def attention_seconds(model: ModelConfig, lay: Layout, seq: int, tokens: float,
   return fwd / rate[False], 2.5 * fwd / rate[True]
 
 
-def terms(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu) -> dict[str, float]:
+def terms(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu,
+          mem: memory.Memory | None = None) -> dict[str, float]:
   """Seconds of each term for one step of `lay` on `gpu`: the fixed ones (gemm, attention,
-  recompute) and one pass of each fitted one (named as `Fit`'s fields)."""
+  recompute, optimizer) and one pass of each fitted one (named as `Fit`'s fields). `mem`:
+  `memory.estimate` of the layout, where the caller has it."""
   chip = rates.chip(gpu.name)
   hbm = chip.hbm_bytes_s
   tokens = lay.mbs * lay.accum * lay.batch_ways * seq / lay.devices  # model FLOPs' tokens
@@ -141,7 +138,7 @@ def terms(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu) -> dict[
   hidden = local * layers * width / lay.tensor * c / hbm
   sp = lay.sequence_parallel
   weights = (lay.accum - 1) * sum(memory.local_param_split(model, lay)) * c / hbm
-  mem = memory.estimate(model, lay, seq)
+  mem = mem or memory.estimate(model, lay, seq)
   share = mem.total / memory.usable_bytes(gpu)
   return {
       "gemm": gemm, "attention": att_fwd + att_bwd,

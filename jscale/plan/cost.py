@@ -26,7 +26,13 @@ from jscale.config import ModelConfig
 from jscale.metrics import flops_per_token
 from jscale.plan import busy
 from jscale.plan.layout import Layout, layout_of
-from jscale.plan.memory import channels, local_param_split, schedule_table, tokens_per_microbatch
+from jscale.plan.memory import (
+  Memory,
+  channels,
+  local_param_split,
+  schedule_table,
+  tokens_per_microbatch,
+)
 
 GRAD_BYTES = 4  # gradients are reduced in fp32
 
@@ -198,15 +204,17 @@ def exposed(ts: list[Transfer], busy_s: float, accum: int,
 
 
 def estimate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu,
-             fit: busy.Fit = busy.FIT, exposure: Exposure = EXPOSURE) -> Cost:
+             fit: busy.Fit = busy.FIT, exposure: Exposure = EXPOSURE,
+             mem: Memory | None = None) -> Cost:
   """Step time and MFU of `lay` on `gpu`s (ValueError for a GPU whose HBM bandwidth jscale has
-  not measured: the passes are priced by it)."""
+  not measured: the passes are priced by it). `mem`: the layout's `memory.estimate`, where the
+  caller has it."""
   peak = gpu.peak_flops["bf16"]
   if not gpu.hbm_bytes_s or not peak:
     raise ValueError(f"{gpu.name}: no measured HBM bandwidth (jscale/hardware.py)")
   tokens = lay.mbs * lay.accum * lay.batch_ways * seq  # global tokens per step
   model_flops = flops_per_token(model, seq) * tokens / lay.devices
-  parts = busy.terms(model, lay, seq, gpu)
+  parts = busy.terms(model, lay, seq, gpu, mem)
   busy_s = busy.seconds(parts, fit)
   ts = transfers(model, lay, seq, gpu.gpus_per_node)
   exposed_s = exposed(ts, busy_s, lay.accum, exposure)

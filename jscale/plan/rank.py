@@ -29,10 +29,11 @@ class Row:
     return self.memory.total <= self.limit
 
 
-def evaluate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu) -> Row:
-  """One layout's memory and cost."""
-  mem = memory.estimate(model, lay, seq)
-  c = cost.estimate(model, lay, seq, gpu)
+def evaluate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu,
+             mem: memory.Memory | None = None) -> Row:
+  """One layout's memory and cost (`mem`: its `memory.estimate`, where the caller has it)."""
+  mem = mem or memory.estimate(model, lay, seq)
+  c = cost.estimate(model, lay, seq, gpu, mem=mem)
   tokens = lay.mbs * lay.accum * lay.batch_ways * seq
   return Row(lay, mem, c, tokens / c.step_s, memory.usable_bytes(gpu))
 
@@ -50,6 +51,6 @@ def rank(model: ModelConfig, devices: int, seq: int, global_batch_tokens: int,
     mem = memory.estimate(model, lay, seq)
     if mem.total > memory.usable_bytes(gpu) and not include_unfit:
       continue
-    rows.append(evaluate(model, lay, seq, gpu))
+    rows.append(evaluate(model, lay, seq, gpu, mem))
   rows.sort(key=lambda r: (not r.fits, r.cost.step_s, r.memory.total))
   return rows
