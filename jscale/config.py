@@ -256,6 +256,9 @@ class TrainConfig:
   b2: float = 0.95
   eps: float = 1e-8
   clip_norm: float = 1.0  # global gradient-norm clipping; 0: off
+  # Adam's two moments as stored (updated in fp32 either way): float32 | bfloat16 (half their
+  # memory and update traffic, as DeepSeek-V3 trained; needs 1 - b2 >= 2^-8, see jscale.optim)
+  moments_dtype: Literal["float32", "bfloat16"] = "float32"
   # what a layer keeps for its backward (jscale.model.remat): none (everything) | selective
   # (matmul outputs; softmax and pointwise ops recomputed) | full (only the layer's input)
   remat: Literal["none", "selective", "full"] = "none"

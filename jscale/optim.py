@@ -4,6 +4,12 @@ The clip factor and Adam's (1 - beta) coefficients are scalars applied inside ea
 update, so no clipped or squared copy of the gradients is ever materialised: besides params,
 gradients and the two moments, the optimizer step needs no gradient-sized buffer (the ZeRO
 memory formulas assume exactly that). Matches `optax.chain(clip_by_global_norm, adamw)`.
+
+The moments may be stored in bf16 (`train.moments_dtype`), as DeepSeek-V3 trained (its report,
+§3.3.2): each update reads them, computes in fp32 and rounds the new moments to nearest. bf16
+keeps 8 significant bits, so a change below 2^-8 of a stored value can round away: the second
+moment's decay per step, (1 - b2)·v, registers only when 1 - b2 >= 2^-8 (b2 <= 0.996;
+`jscale.validate.values` refuses larger b2 with bf16 moments).
 """
 
 from __future__ import annotations
@@ -62,11 +68,14 @@ class AdamWState(NamedTuple):
 
 
 def adamw(schedule: optax.Schedule, b1: float, b2: float, eps: float, weight_decay: float,
-          clip_norm: float = 0.0) -> optax.GradientTransformationExtraArgs:
-  """Decoupled-weight-decay Adam; gradients are first scaled to global norm <= clip_norm (> 0)."""
+          clip_norm: float = 0.0, moments_dtype: Any = None
+          ) -> optax.GradientTransformationExtraArgs:
+  """Decoupled-weight-decay Adam; gradients are first scaled to global norm <= clip_norm (> 0).
+  `moments_dtype`: how the moments are stored (None: as the parameters); they are updated in
+  fp32 whatever it is."""
 
   def init(params):
-    zeros = lambda: jax.tree.map(jnp.zeros_like, params)
+    zeros = lambda: jax.tree.map(lambda p: jnp.zeros_like(p, dtype=moments_dtype), params)
     return AdamWState(jnp.zeros((), jnp.int32), zeros(), zeros())
 
   def update(grads, state, params, grad_norm=None, finite=None):
@@ -87,15 +96,19 @@ def adamw(schedule: optax.Schedule, b1: float, b2: float, eps: float, weight_dec
       lr = jnp.where(finite, lr, 0.0)
       bc1, bc2 = jnp.where(count == 0, 1.0, bc1), jnp.where(count == 0, 1.0, bc2)
 
-    def leaf(g, m, v, p, decay):
-      m_new = b1 * m + c1.astype(m.dtype) * g
-      v_new = b2 * v + c2.astype(v.dtype) * (g * g)
+    def leaf(g, m_stored, v_stored, p, decay):
+      # in fp32 (or wider: the parameters' dtype); stored back rounded to the moments' dtype
+      wide = jnp.promote_types(jnp.promote_types(m_stored.dtype, p.dtype), jnp.float32)
+      m, v = m_stored.astype(wide), v_stored.astype(wide)
+      m_new = b1 * m + c1.astype(wide) * g
+      v_new = b2 * v + c2.astype(wide) * (g * g)
       if finite is not None:  # old moments are finite, so u below is too, and lr * u is 0
         m_new, v_new = jnp.where(finite, m_new, m), jnp.where(finite, v_new, v)
       u = (m_new / bc1) / (jnp.sqrt(v_new / bc2) + eps)
       if decay and weight_decay:
         u = u + weight_decay * p
-      return (-lr * u).astype(p.dtype), m_new, v_new
+      return (-lr * u).astype(p.dtype), m_new.astype(m_stored.dtype), v_new.astype(
+          v_stored.dtype)
 
     out = jax.tree.map(leaf, grads, state.mu, state.nu, params, decay_mask(params))
     is_out = lambda x: isinstance(x, tuple) and len(x) == 3 and not isinstance(x, AdamWState)
@@ -106,5 +119,7 @@ def adamw(schedule: optax.Schedule, b1: float, b2: float, eps: float, weight_dec
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformationExtraArgs:
-  """The optimizer; its state has the dtype of the (fp32 master) parameters."""
-  return adamw(lr_schedule(cfg), cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay, cfg.clip_norm)
+  """The optimizer; its moments are stored in `cfg.moments_dtype` (the fp32 master parameters'
+  by default)."""
+  return adamw(lr_schedule(cfg), cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay, cfg.clip_norm,
+               jnp.dtype(cfg.moments_dtype))

@@ -86,6 +86,15 @@ def done_keys() -> set[str]:
   return {r["key"] for r in load()}
 
 
+def _key(case: str, lay: Layout) -> str:
+  """A stored row's key: the case and the layout's fields (the fp32 moments of the rows stored
+  before `Layout.moments` existed left out, so their keys still match)."""
+  fields = dataclasses.asdict(lay)
+  if fields["moments"] == "float32":
+    del fields["moments"]
+  return f"{case} {json.dumps(fields, sort_keys=True)}"
+
+
 def compile_case(case: str, shard: tuple[int, int], extra: list[dict]) -> None:
   """Compiles `case`'s layouts (and the `extra` rows' layouts of it) for its GPUs, this
   shard's share, and appends their rows."""
@@ -95,7 +104,7 @@ def compile_case(case: str, shard: tuple[int, int], extra: list[dict]) -> None:
   have = done_keys()
   lays = pick(case) + [Layout(**r["layout"]) for r in extra if r["case"] == case]
   for i, lay in enumerate(lays):
-    key = f"{case} {json.dumps(dataclasses.asdict(lay), sort_keys=True)}"
+    key = _key(case, lay)
     if i % shard[1] != shard[0] or key in have:
       continue
     have.add(key)

@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--top", type=int, default=10, help="rows to print")
   p.add_argument("--max-tensor", type=int, default=None,
                  help="largest mesh.tensor to consider (default: GPUs per node)")
+  p.add_argument("--moments-dtype", choices=("float32", "bfloat16"), default="float32",
+                 help="train.moments_dtype of the run: Adam's moments in bf16 halve their "
+                 "memory and update traffic")
   p.add_argument("--explain", action="store_true", help="every memory and time term per row")
   p.add_argument("--json", action="store_true", help="rows as JSON (stdout)")
   p.add_argument("--plot", default=None, metavar="PNG",
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                        "time on GPUs: give --target (e.g. h100x8)")
     devices = _target_devices(args) if args.verify else None
     rows = rank(model, args.gpus, args.seq, args.global_batch_tokens, gpu,
-                include_unfit=True, max_tensor=args.max_tensor)
+                include_unfit=True, max_tensor=args.max_tensor, moments=args.moments_dtype)
   except (ConfigError, ValueError, RuntimeError) as e:
     print(f"error: {e}", file=sys.stderr)
     return exit_codes.BAD_INPUT

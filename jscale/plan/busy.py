@@ -42,9 +42,10 @@ from jscale.predict import rates, timing
 # The memory estimate's share of the usable device memory above which XLA:GPU's programs
 # spend more in copies (the `pressure` passes grow linearly beyond it).
 PRESSURE_FROM = 0.5
-# Adam's update reads the fp32 parameter, gradient and both moments and writes the parameter and
-# moments: 28 bytes per parameter, 3.5x the moments' 8 (`memory.Memory.optimizer`).
-UPDATE_BYTES_PER_MOMENT_BYTE = 3.5
+# Adam's update reads the fp32 parameter and gradient and writes the parameter (12 bytes per
+# parameter), and reads and writes both moments (twice `memory.moment_bytes`: 28 bytes in all
+# with fp32 moments, 20 with bf16).
+UPDATE_BYTES_PER_PARAM = 12
 # Each step casts the fp32 masters it holds to bf16 (reads 4, writes 2) and its bf16 gradients
 # to fp32 (reads 2, writes 4): 12 bytes per parameter, 3x the masters' 4 (`Memory.params`).
 CAST_BYTES_PER_PARAM_BYTE = 3.0
@@ -143,7 +144,7 @@ def terms(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu,
   return {
       "gemm": gemm, "attention": att_fwd + att_bwd,
       "recompute": gemm / 3 * rerun + att_fwd if lay.remat == "full" else 0.0,
-      "optimizer": (mem.optimizer * UPDATE_BYTES_PER_MOMENT_BYTE
+      "optimizer": (mem.optimizer * (2 + UPDATE_BYTES_PER_PARAM / memory.moment_bytes(lay))
                     + mem.params * CAST_BYTES_PER_PARAM_BYTE) / hbm,
       "residual": stream / lay.tensor if sp else stream, "hidden": hidden,
       "sequence_parallel": stream if sp else 0.0,

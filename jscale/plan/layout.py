@@ -36,6 +36,7 @@ class Layout:
   remat: str = "none"
   mbs: int = 1  # sequences per device per micro-batch
   accum: int = 1  # micro-batches per optimizer step (pipeline.microbatches under a pipeline)
+  moments: str = "float32"  # train.moments_dtype (a choice the planner is given, not a lever)
 
   def size(self, axis: str) -> int:
     return getattr(self, axis)
@@ -71,6 +72,8 @@ class Layout:
             f"train.seq_len={seq}", f"train.batch_size={self.mbs * self.accum * self.batch_ways}"]
     if self.sequence_parallel:
       out.append("parallel.sequence_parallel=true")
+    if self.moments != "float32":
+      out.append(f"train.moments_dtype={self.moments}")
     if self.stage > 1:
       out += [f"pipeline.schedule={self.schedule}", f"pipeline.microbatches={self.accum}",
               f"pipeline.virtual_stages={self.virtual_stages}", "train.microbatches=1"]
@@ -89,7 +92,9 @@ class Layout:
     if self.stage > 1:
       v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
       parts[[p.startswith("stage") for p in parts].index(True)] += f"({self.schedule}{v})"
-    return " ".join(parts or ["1 device"]) + f" mbs{self.mbs}x{self.accum} {self.remat}"
+    moments = "" if self.moments == "float32" else f" {self.moments} moments"
+    return (" ".join(parts or ["1 device"]) + f" mbs{self.mbs}x{self.accum} {self.remat}"
+            + moments)
 
 
 def layout_of(cfg: Config, sizes: dict[str, int]) -> Layout:
@@ -101,7 +106,7 @@ def layout_of(cfg: Config, sizes: dict[str, int]) -> Layout:
                 zero_stage=cfg.parallel.zero_stage if sizes["fsdp"] > 1 else 0,
                 sequence_parallel=cfg.parallel.sequence_parallel, schedule=cfg.pipeline.schedule,
                 virtual_stages=cfg.pipeline.virtual_stages, remat=t.remat,
-                mbs=t.batch_size // ways // accum, accum=accum)
+                mbs=t.batch_size // ways // accum, accum=accum, moments=t.moments_dtype)
 
 
 def _factorizations(n: int, k: int) -> Iterator[tuple[int, ...]]:
@@ -116,9 +121,11 @@ def _factorizations(n: int, k: int) -> Iterator[tuple[int, ...]]:
 
 
 def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
-               gpus_per_node: int = 8, max_tensor: int | None = None) -> Iterator[Layout]:
+               gpus_per_node: int = 8, max_tensor: int | None = None,
+               moments: str = "float32") -> Iterator[Layout]:
   """Every layout of `devices` that jscale can run for `model` at `batch` sequences of `seq`
-  tokens per step (the divisibility rules of `validate.check_mesh` / `_check_pipeline`)."""
+  tokens per step (the divisibility rules of `validate.check_mesh` / `_check_pipeline`), with
+  Adam's moments stored in `moments` (`train.moments_dtype`)."""
   moe = model.moe is not None
   max_tensor = max_tensor or gpus_per_node
   heads = (model.n_heads, model.n_kv_heads, model.d_ff, model.vocab_size)
@@ -155,7 +162,7 @@ def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
               continue
             for remat in REMATS:
               yield Layout(data, stage, fsdp, expert, sequence, tensor, zero, sp,
-                           pipe[0], pipe[1], remat, mbs, accum)
+                           pipe[0], pipe[1], remat, mbs, accum, moments)
 
 
 def _pipelines(model: ModelConfig, stage: int) -> list[tuple[str, int]]:

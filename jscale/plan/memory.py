@@ -7,7 +7,8 @@ attention, so no s² term) are 34·s·b·h bytes, s·b·h·(10 + 24/t) with TP a
 TP + SP (the 70B chart: 21.25 / 8.125 / 2.66 GiB at seq 1k).
 
 jscale keeps fp32 master weights, fp32 gradients and fp32 Adam moments (4 + 4 + 8 bytes per
-parameter: the same 16Ψ, distributed differently) and saves per layer and token what its remat
+parameter: the same 16Ψ, distributed differently; 4 + 4 + 4 with bf16 moments,
+`train.moments_dtype`) and saves per layer and token what its remat
 policy keeps (`jscale.model.remat.SELECTIVE_SAVE`), in the compute dtype.
 """
 
@@ -196,6 +197,11 @@ def in_flight(schedule: str, p: int, m: int, v: int) -> int:
   return int(schedule_table(schedule, p, m, v).live().max())
 
 
+def moment_bytes(lay: Layout) -> int:
+  """Bytes of Adam's two moments per parameter (`train.moments_dtype`)."""
+  return 2 * jnp.dtype(lay.moments).itemsize
+
+
 def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   """jscale's per-device memory for one train step of `lay`."""
   n = local_params(model, lay)
@@ -203,7 +209,7 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   zero = lay.zero_stage
   params = 4 * n / (f if zero >= 3 else 1)
   grads = 4 * n / (f if zero >= 2 else 1)
-  optimizer = 8 * n / (f if zero >= 1 else 1)
+  optimizer = moment_bytes(lay) * n / (f if zero >= 1 else 1)
   tokens = tokens_per_microbatch(lay, seq)
   # (the dense prefix and MTP blocks counted as one more chunk's layers each, on every stage)
   extra = model.first_dense + (model.mtp.depth if model.mtp is not None else 0)

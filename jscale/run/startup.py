@@ -108,8 +108,8 @@ def summary(cfg: Config, mesh: jax.sharding.Mesh, start_step: int, checkpoint_di
   lines = [
       model_line(m),
       f"devices   {mesh.size} x {kind} in {jax.process_count()} process(es); mesh {axes}; {par}",
-      f"numerics  compute {m.dtype}, params {m.param_dtype}, norm {m.norm_impl}, remat "
-      f"{t.remat}{fp8}",
+      f"numerics  compute {m.dtype}, params {m.param_dtype}, Adam moments {t.moments_dtype}, "
+      f"norm {m.norm_impl}, remat {t.remat}{fp8}",
       *[("kernels   " if i == 0 else "          ") + line for i, line in enumerate(impls)],
       f"data      {source}, tokenizer {cfg.data.tokenizer} (vocab {tokenizer_vocab}): "
       f"{count_text(train_tokens)} train / {count_text(val_tokens)} val tokens",

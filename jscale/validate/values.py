@@ -90,6 +90,11 @@ def _check_fp8(cfg: Config) -> None:
     raise ConfigError(f"fp8.margin={f.margin} must be >= 0 (powers of two of headroom)")
 
 
+# The largest relative rounding error of bf16 (8 significant bits): a change smaller than this
+# share of a stored value may round away.
+BF16_HALF_ULP = 2.0**-8
+
+
 def _check_train(cfg: Config) -> None:
   m, t = cfg.model, cfg.train
   if t.batch_size % t.microbatches:
@@ -101,6 +106,12 @@ def _check_train(cfg: Config) -> None:
   for key in ["train.b1", "train.b2"]:
     if not 0.0 <= _get(cfg, key) < 1.0:
       raise ConfigError(f"{key}={_get(cfg, key)} must lie in [0, 1) (Adam's moment decay)")
+  if t.moments_dtype == "bfloat16" and 1.0 - t.b2 < BF16_HALF_ULP:
+    raise ConfigError(f"train.moments_dtype=bfloat16 with train.b2={t.b2}: bf16 keeps 8 "
+                      f"significant bits, so the second moment's decay per step (1 - b2 = "
+                      f"{1 - t.b2:.2g} of it) rounds away and it never falls; use "
+                      f"train.b2 <= {1 - BF16_HALF_ULP:.4f} (DeepSeek-V3: 0.95) or "
+                      "train.moments_dtype=float32")
   if t.eps <= 0:
     raise ConfigError(f"train.eps={t.eps} must be positive (Adam's denominator floor)")
   if t.peak_flops is not None and t.peak_flops <= 0:

@@ -136,7 +136,8 @@ VERIFY = [Layout(fsdp=8, zero_stage=1, mbs=2), Layout(fsdp=8, zero_stage=2, mbs=
           Layout(data=2, fsdp=4, zero_stage=3, mbs=2), Layout(data=4, tensor=2, mbs=2),
           Layout(data=4, tensor=2, sequence_parallel=True, mbs=2),
           Layout(data=4, stage=2, mbs=1, accum=2, schedule="1f1b"),
-          Layout(data=2, sequence=4, mbs=2), Layout(data=2, expert=4, mbs=2)]
+          Layout(data=2, sequence=4, mbs=2), Layout(data=2, expert=4, mbs=2),
+          Layout(data=8, mbs=2, moments="bfloat16")]
 # XLA:CPU keeps manual mode's hand-written collectives as written, but runs bf16 collectives in
 # fp32 and has no ragged all-to-all: compile in fp32, with capacity-1.0 experts (the same bytes
 # as GPU's ragged dropless exchange), so the compiled volume is the GPU program's.
@@ -174,6 +175,25 @@ def test_cli_json_plot_and_errors(capsys, tmp_path):
   assert main(["--model", "llama3_8b", "--gpus", "8", "--seq", "4096",
                "--global-batch-tokens", "1M", "--rank", "compiled"]) == 2
   assert "give --target (e.g. h100x8)" in capsys.readouterr().err
+
+
+def test_cli_plans_with_bf16_moments(capsys):
+  """`--moments-dtype bfloat16`: half the optimizer state and its update traffic in every
+  row, and the run's overrides say so."""
+  args = ["--model", "llama3_8b", "--gpus", "8", "--seq", "4096", "--global-batch-tokens",
+          "1M", "--top", "1", "--json"]
+  rows = {}
+  for dtype in ("float32", "bfloat16"):
+    assert main([*args, "--moments-dtype", dtype]) == 0
+    rows[dtype] = json.loads(capsys.readouterr().out)[0]
+  assert "train.moments_dtype=bfloat16" in rows["bfloat16"]["overrides"]
+  model = load_config(None, ["model.preset=llama3_8b"]).model
+  for dtype in ("float32", "bfloat16"):
+    lay = Layout(fsdp=8, zero_stage=1, mbs=2, accum=8, remat="selective", moments=dtype)
+    rows[dtype] = evaluate(model, lay, 4096, H100)
+  half, full = rows["bfloat16"], rows["float32"]
+  assert half.memory.optimizer == full.memory.optimizer / 2
+  assert half.cost.busy["optimizer"] < full.cost.busy["optimizer"]
 
 
 def test_cli_compiles_each_layout_in_both_modes(capsys):

@@ -23,7 +23,7 @@ def test_the_run_prints_what_it_resolved(traced_run):
   lines = {line.split()[0]: line for line in stdout.splitlines() if line[:1].isalpha()}
   assert lines["devices"].startswith("devices   8 x cpu in 1 process(es); mesh data=8;")
   assert "collectives xla, ZeRO-0" in lines["devices"]
-  assert "compute float32, params float32, norm xla, remat none" in lines["numerics"]
+  assert "compute float32, params float32, Adam moments float32, norm xla, remat none" in lines["numerics"]
   assert "kernels   attention: xla (model.attention_impl=auto" in stdout
   assert lines["data"].startswith("data      stdlib, tokenizer byte (vocab 256): ")
   assert "8 x 32 = 256 tokens per step x 4 steps = 1.02k tokens" in lines["batch"]
