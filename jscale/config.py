@@ -199,6 +199,10 @@ class ParallelConfig:
   # manual mode with SP: SP's all-gather / reduce-scatter decomposed into ring steps overlapped
   # with the attention and MLP projections (jscale.parallel.tensor)
   collective_matmul: bool = False
+  # manual mode with mesh.expert > 1, dropless: each device's tokens go through the expert
+  # exchange in this many slices, one slice's all-to-alls under another's expert matmuls
+  # (DeepSeek-V3's two-micro-batch overlap inside the MoE layer; jscale.parallel.expert_exchange)
+  expert_chunks: int = 1
   # Overrides of the logical-axis -> mesh-axes table (jscale.sharding.RULES), e.g.
   # {mlp: tensor, embed: null}; a value is a mesh axis, a list of axes, or null (replicated).
   rules: dict | None = None

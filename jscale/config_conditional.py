@@ -88,6 +88,12 @@ RULES: tuple[Rule, ...] = (
          "(xla mode: XLA:GPU's windowed einsum does not apply to SP's constraints)",
          "set parallel.collectives=manual, mesh.tensor > 1 and parallel.sequence_parallel=true",
          True),
+    Rule("parallel.expert_chunks", lambda c, s: c.parallel.collectives == "manual"
+         and s["expert"] > 1 and c.model.moe is not None and c.model.moe.dispatch == "dropless",
+         "it slices the hand-written dropless expert exchange (xla mode: GSPMD's all-to-alls "
+         "come from sharding constraints, which jscale does not slice)",
+         "set parallel.collectives=manual, mesh.expert > 1 and model.moe.dispatch=dropless",
+         True),
     Rule("parallel.bucket_mb", lambda c, s: c.parallel.collectives == "manual",
          "XLA chooses how gradients are reduced", "set parallel.collectives=manual", False),
     Rule("model.kernel_interpret", lambda c, s: _pallas(c), "no Pallas kernel is chosen",

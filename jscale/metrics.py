@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from jscale import hardware
-from jscale.config import ModelConfig
+from jscale.config import Config, ModelConfig
 
 
 def attention_params(cfg: ModelConfig) -> tuple[int, int]:
@@ -83,6 +83,17 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   blocks = cfg.n_layers + (cfg.mtp.depth if cfg.mtp is not None else 0)
   attention = 3 * blocks * seq_len * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
   return 6 * param_counts(cfg)["matmul"] + attention
+
+def routed_tokens(cfg: Config, sizes: dict[str, int]) -> int:
+  """Tokens one device routes through its MoE layers per micro-batch: its rows times its share
+  of the sequence (`parallel.expert_chunks` slices them further). With balanced routing a
+  device computes top_k expert rows per such token, whatever room its exchange's receive buffer
+  keeps for uneven routing."""
+  t = cfg.train
+  accum = cfg.pipeline.microbatches if sizes["stage"] > 1 else t.microbatches
+  rows = t.batch_size // (sizes["data"] * sizes["fsdp"] * sizes["expert"]) // accum
+  return rows * t.seq_len // sizes["sequence"]
+
 
 
 def mfu(flops_per_step: float, step_time_s: float, n_devices: int,
@@ -172,3 +183,4 @@ def _plain(v):
   if hasattr(v, "item"):
     v = v.item()
   return v
+

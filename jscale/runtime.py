@@ -175,6 +175,7 @@ def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
   layouts = Layouts(abstract_model, mesh, cfg.parallel)
   abstract = jax.eval_shape(lambda: state_lib.init_state(cfg))
   state_shardings = layouts.state(make_optimizer(cfg.train), abstract)
-  comms = (ManualComms(layouts, cfg.parallel.bucket_mb, cfg.parallel.collective_matmul)
+  comms = (ManualComms(layouts, cfg.parallel.bucket_mb, cfg.parallel.collective_matmul,
+                       cfg.parallel.expert_chunks)
            if cfg.parallel.collectives == "manual" else XlaComms(layouts))
   return Runtime(cfg, mesh, layouts, comms, graphdef, abstract, state_shardings, kernels)

@@ -96,6 +96,7 @@ class ManualExpert:
   mesh: Mesh
   tp: int
   batch_axes: tuple[str, ...]
+  expert_chunks: int  # parallel.expert_chunks: the dropless exchange on this many token slices
 
 
   def token_sum(self, x: jax.Array) -> jax.Array:
@@ -115,11 +116,13 @@ class ManualExpert:
     if moe.dispatch == "dropless":
       gpu = self.mesh.devices.flat[0].platform == "gpu"  # native ragged_all_to_all there
       if moe.exchange == "node_limited":
-        y_TD = ex.node_limited_exchange(x_TD, ids_TK, gates_TK, w, dtype, "expert", n_ep,
-                                        moe.n_group, gpu, gemm)
+        exchange = lambda x, i, g: ex.node_limited_exchange(x, i, g, w, dtype, "expert", n_ep,
+                                                            moe.n_group, gpu, gemm)
       else:
-        y_TD = ex.dropless_exchange(x_TD, ids_TK, gates_TK, w, dtype,
-                                    ex.Peers.whole("expert", n_ep), gpu, gemm)
+        exchange = lambda x, i, g: ex.dropless_exchange(x, i, g, w, dtype,
+                                                        ex.Peers.whole("expert", n_ep), gpu,
+                                                        gemm)
+      y_TD = ex.in_chunks(exchange, self.expert_chunks, x_TD, ids_TK, gates_TK)
       return y_TD[None], jnp.zeros((), jnp.int32)
     y_TD, dropped = ex.capacity_exchange(x_TD, ids_TK, gates_TK, w, dtype,
                                          moe.capacity_factor, "expert", n_ep)

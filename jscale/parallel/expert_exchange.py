@@ -12,6 +12,8 @@ Device j of the n_ep devices on the expert axis holds experts [j·E_l, (j+1)·E_
     most once); the receiver regroups them by local expert for one grouped matmul. On GPU it
     is `ragged_all_to_all`, which moves only the real rows; it has no CPU implementation, so
     there the same semantics run as padded blocks through `all_to_all`.
+  * `in_chunks`: any of the dropless exchanges on equal slices of the tokens, one after another
+    (`parallel.expert_chunks`): each slice's all-to-alls hide under another's expert matmuls.
   * `node_limited_exchange`: DeepSeek-V3's two hops for group-limited routing (playbook:
     "Expert parallelism": tokens sent "to at most 4 nodes ... to reduce communication
     overhead"). The n_group groups of experts tile the devices, a group per node of
@@ -208,6 +210,23 @@ def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, peers:
   out_AD = round_trip(md.dispatch_sorted(x_TD.astype(dtype), s), s, e_l, peers, cap,
                       native_ragged, ffn)
   return md.combine_sorted(out_AD, s, gates_TK)
+
+
+def in_chunks(exchange: Callable, chunks: int, x_TD, ids_TK, gates_TK) -> jax.Array:
+  """`exchange(x, ids, gates)` on `chunks` equal slices of the T tokens, its [T/chunks, D]
+  outputs joined in order: equal to one call (dropless: every row is computed alone).
+
+  DeepSeek-V3's two-micro-batch overlap inside the MoE layer: a slice's dispatch and combine
+  depend on its own rows only, so XLA:GPU's latency-hiding scheduler can run them (async
+  ragged all-to-alls) while another slice's grouped matmuls compute. DeepSeek overlaps one
+  micro-batch's exchange with the other's attention too; a single SPMD program gets that only
+  where the scheduler moves the exchange across the layer's other ops, which the slices here do
+  not need. T must divide by `chunks` (`validate.experts`)."""
+  if chunks == 1:
+    return exchange(x_TD, ids_TK, gates_TK)
+  split = lambda a: jnp.split(a, chunks)
+  return jnp.concatenate([exchange(*c) for c in zip(split(x_TD), split(ids_TK),
+                                                     split(gates_TK))])
 
 
 def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis: str,

@@ -27,12 +27,14 @@ class ManualComms(ManualZero, ManualTensor, ManualContext, ManualExpert, ManualS
 
   mode = "manual"
 
-  def __init__(self, layouts: Layouts, bucket_mb: float, collective_matmul: bool = False):
+  def __init__(self, layouts: Layouts, bucket_mb: float, collective_matmul: bool = False,
+               expert_chunks: int = 1):
     self.layouts, self.mesh = layouts, layouts.mesh
     size = dict(layouts.mesh.shape)
     self.tp, self.fsdp, self.cp = size["tensor"], size["fsdp"], size["sequence"]
     self.sp = self.tp > 1 and "tensor" in layouts.rules["res_seq"]
     self.collective_matmul = collective_matmul
+    self.expert_chunks = expert_chunks
     self.batch_axes = tuple(a for a in ("data", "fsdp", "expert", "sequence") if size[a] > 1)
     # Gradients are summed over every axis that splits the tokens (CP: `sequence` too).
     self.dp_axes = tuple(a for a in ("data", "expert", "sequence") if size[a] > 1)

@@ -9,15 +9,28 @@ against every measured GPU row: results/predict_vs_measured.md.
 
 from __future__ import annotations
 
-from jscale import metrics
+from jscale import mesh, metrics
 from jscale.analysis import compiler_log, gpu_target, introspect
 from jscale.config import Config
 from jscale.predict import launches, rates, summary, timing
 
 
-def predict(hlo_text: str, gpu: str, fit: rates.Fit = rates.FIT) -> timing.Schedule:
-  """The predicted schedule of one step of `hlo_text` (`compiled.as_text()`) on `gpu`."""
-  return timing.schedule(launches.Program(hlo_text).items(), rates.chip(gpu, fit))
+def predict(hlo_text: str, gpu: str, fit: rates.Fit = rates.FIT,
+            routed_rows: int | None = None) -> timing.Schedule:
+  """The predicted schedule of one step of `hlo_text` (`compiled.as_text()`) on `gpu`;
+  `routed_rows`: the rows each grouped matmul computes (`launches.Program`)."""
+  program = launches.Program(hlo_text, routed_rows)
+  return timing.schedule(program.items(), rates.chip(gpu, fit))
+
+
+def routed_rows(cfg: Config, n_devices: int) -> int | None:
+  """The expert rows one device's grouped matmuls compute per call with balanced routing: its
+  routed tokens per exchange slice times top_k (None without MoE)."""
+  moe = cfg.model.moe
+  if moe is None:
+    return None
+  sizes = {a: ici * dcn for a, (ici, dcn) in mesh.axis_sizes(cfg.mesh, n_devices).items()}
+  return metrics.routed_tokens(cfg, sizes) // cfg.parallel.expert_chunks * moe.top_k
 
 
 def model_flops_per_device(cfg: Config, n_devices: int) -> float:
@@ -61,7 +74,7 @@ def predict_config(cfg: Config, target: str, hlo_text: str | None = None, top: i
   gpu, n = gpu_target.parse(target)
   if hlo_text is None:
     hlo_text, memory_bytes, remat = compile_for(cfg, target)
-  r = summary.summarize(predict(hlo_text, gpu, fit), rates.chip(gpu, fit),
+  r = summary.summarize(predict(hlo_text, gpu, fit, routed_rows(cfg, n)), rates.chip(gpu, fit),
                         model_flops_per_device(cfg, n),
                         cfg.train.batch_size * cfg.train.seq_len, top)
   r.memory_bytes = memory_bytes

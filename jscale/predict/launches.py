@@ -92,10 +92,23 @@ def _callees(attrs: str, comps: dict) -> list[str]:
 class Program:
   """A parsed optimised module: `items()` is its entry computation as `Item`s."""
 
-  def __init__(self, text: str):
+  def __init__(self, text: str, routed_rows: int | None = None):
+    """`routed_rows`: the expert rows a grouped matmul computes per call with balanced routing
+    (None: all its rows). Its lhs may hold more: an expert-parallel exchange's receive buffer
+    keeps room for the most a device can be sent, and the kernel skips the rows past its
+    groups' sizes (pallas_kernels/grouped_matmul), so only the routed rows cost FLOPs."""
+    self.routed_rows = routed_rows
     self.comps, self.entry, self.n_devices = hlo.parse(text)
     self.colls = {(c.computation, c.name): c for c in hlo.collectives(text)}
     self._shapes = {c: hlo.shapes(insts) for c, insts in self.comps.items()}
+
+  def _routed(self, c: hlo.Collective) -> hlo.Collective:
+    """A ragged all-to-all moves the routed rows, not its buffer (room for the most a device
+    can be sent or send): its bytes for `routed_rows` rows where that is fewer."""
+    if c.kind != "ragged-all-to-all" or self.routed_rows is None:
+      return c
+    rows = hlo.split_shape(c.shapes[0])[0][1][0]
+    return dataclasses.replace(c, bytes=c.bytes * min(rows, self.routed_rows) // rows)
 
   def items(self, comp: str | None = None) -> list[Item]:
     """The launches and control flow of `comp` (default: the entry) in schedule order."""
@@ -131,9 +144,11 @@ class Program:
           (self.colls[(c, n)] for c in callees for n, *_ in self.comps[c]
            if (c, n) in self.colls), None)
       if coll is not None:
-        return Launch(name, op, "collective", coll.kind, op_name, collective=coll)
+        return Launch(name, op, "collective", coll.kind, op_name, collective=self._routed(coll))
     if op in hlo.KINDS:  # a synchronous collective
-      return Launch(name, op, "collective", op, op_name, collective=self.colls.get((comp, name)))
+      coll = self.colls.get((comp, name))
+      return Launch(name, op, "collective", op, op_name,
+                    collective=coll and self._routed(coll))
     if op.endswith("-start") or op in ("async-update", "async-done"):
       return None  # copy-start / send / recv: not on a train step's path
     launch = Launch(name, op, "memory", op, op_name, bytes=self._bytes(comp, shape, attrs))
@@ -249,8 +264,12 @@ class Program:
       if "flash_attention" in kernel:
         self._flash(launch, kernel, operands)
       elif "grouped_matmul" in kernel:  # lhs [M, K] (after the group sizes); out [..., N]
-        (_, lhs), = [o for o in operands if len(o[1]) == 2][:1]
-        launch.mnk = (1, lhs[0], hlo.leaves(shape)[0][1][-1], lhs[1])
+        rows_inputs = [o for o in operands if len(o[1]) == 2]  # lhs (and dW's dout [M, N])
+        m, k = rows_inputs[0][1]
+        rows = m if self.routed_rows is None else min(m, self.routed_rows)
+        # The kernel reads no row past its groups' sizes (it writes them as zeros).
+        launch.bytes -= sum(hlo.nbytes(d, (m - rows, s[1])) for d, s in rows_inputs if s[0] == m)
+        launch.mnk = (1, rows, hlo.leaves(shape)[0][1][-1], k)
 
   def _cublas(self, launch: Launch, attrs: str, operands) -> None:
     gemm = _json_after(attrs, "gemm_backend_config") or {}

@@ -75,6 +75,14 @@ ATTENTION: dict[tuple[str, bool, int], list[tuple[int, float, float]]] = {
     ("hopper", True, 64): [(4096, 419, 354)],
     ("pallas", True, 64): [(4096, 232, 135)],
 }
+# jscale's Hopper grouped matmul (pallas_kernels/grouped_matmul), bf16, FLOP/s on the H200
+# (results/h200_measured/bench_moe_gpu_kernels.md, profiler kernel time: 32768 rows x 2048 ->
+# 2048 in 8 groups). The forward kernel ran at 732 TFLOP/s; the backward at 595 is dX (the same
+# kernel) and dW (the transposed one) over twice the FLOPs, so dW's rate is
+# 1 / (2/595 - 1/732) = 501. The SMs and clocks bound it, so the H200's figures stand for the
+# H100's (as attention's). Measured at one shape: groups of 4096 rows, where a real router's
+# groups are smaller and uneven.
+GROUPED = {"grouped_matmul": 732e12, "transposed_grouped_matmul": 501e12}
 # RMSNorm kernels, fraction of the copy bandwidth (results/h200_measured/bench_kernels.md, N
 # 16384, D 2048 / 4096 averaged; the backward's share derived from fwd+bwd minus fwd).
 NORM = {("hopper", "fwd"): 0.87, ("hopper", "bwd"): 0.75,

@@ -11,7 +11,8 @@ Cost rules, per launch (`rates.Chip` holds the constants and their sources):
 - attention (cuDNN's fused kernels, jscale's Pallas flash kernels): FLOPs over the rate
   measured for that kernel, sequence length and head dim (`rates.ATTENTION`).
 - other Pallas kernels: RMSNorm at its measured share of copy bandwidth; the grouped matmul
-  (no rate measured yet) as a roofline, flagged.
+  and its transposed (dW) kernel at their measured rates (`rates.GROUPED`); any other as a
+  roofline, flagged.
 - everything else (XLA's loop / input / Triton fusions, copies, dynamic-update-slices): bytes
   read + written over the copy bandwidth times `Fit.memory`.
 - every kernel adds `Fit.launch_s` (what a profile shows as idle between kernels).
@@ -96,9 +97,12 @@ def _pallas_kernel(x: Launch, chip: rates.Chip) -> Timed:
   if "rms_norm" in name:
     share = rates.NORM[(impl, "bwd" if "bwd" in name else "fwd")]
     return Timed(x, x.bytes / (chip.hbm_bytes_s * share), chip.fit.launch_s, "measured")
-  flops = _grouped_flops(x) if "grouped_matmul" in name else 0.0
-  x.flops = flops
-  t = max(flops / chip.peak["bf16"], x.bytes / chip.hbm_bytes_s)
+  if "grouped_matmul" in name:
+    x.flops = _grouped_flops(x)
+    kind = "transposed_grouped_matmul" if "transposed" in name else "grouped_matmul"
+    t = max(x.flops / rates.GROUPED[kind], x.bytes / chip.hbm_bytes_s)
+    return Timed(x, t, chip.fit.launch_s, "measured", note=f"{kind}: rate at 8 x 4096 rows")
+  t = x.bytes / chip.hbm_bytes_s
   return Timed(x, t, chip.fit.launch_s, "roofline", note=f"{name}: no measured rate")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jscale import metrics
 from jscale.config import Config, ConfigError, MoeConfig
 from jscale.validate import deepseek
 
@@ -36,3 +37,15 @@ def check_experts(cfg: Config, sizes: dict[str, int]) -> None:
                       "each device must hold the same number of experts")
   if moe.exchange == "node_limited" and ep > 1:
     deepseek.check_node_limited(moe, cfg.parallel.collectives, ep)
+  _check_chunks(cfg, sizes)
+
+
+def _check_chunks(cfg: Config, sizes: dict[str, int]) -> None:
+  """parallel.expert_chunks slices the tokens one device sends through the experts per
+  micro-batch (its rows times its share of the sequence) into equal parts."""
+  chunks = cfg.parallel.expert_chunks
+  tokens = metrics.routed_tokens(cfg, sizes)
+  if tokens % chunks:
+    raise ConfigError(f"parallel.expert_chunks={chunks} does not divide the {tokens} tokens "
+                      "each device sends through the experts per micro-batch: pick a divisor "
+                      "of it")

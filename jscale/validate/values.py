@@ -38,7 +38,7 @@ def _check_signs(cfg: Config) -> None:
               "train.batch_size", "train.seq_len", "train.microbatches", "train.eval_batches",
               "checkpoint.keep", "logging.every", "pipeline.microbatches",
               "pipeline.virtual_stages", "model.rope_theta", "model.norm_eps", "model.init_std",
-              "train.lr"]
+              "train.lr", "parallel.expert_chunks"]
   for key in positive:
     if _get(cfg, key) <= 0:
       raise ConfigError(f"{key}={_get(cfg, key)} must be positive")

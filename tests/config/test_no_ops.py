@@ -43,6 +43,8 @@ EXAMPLES = {
     "parallel.collective_matmul": (["parallel.collective_matmul=true"],
                                    ["parallel.collectives=manual",
                                     "parallel.sequence_parallel=true"], dict(tensor=2)),
+    "parallel.expert_chunks": ([*MOE, "parallel.expert_chunks=2"],
+                               ["parallel.collectives=manual"], dict(expert=2)),
     "model.kernel_interpret": (["model.kernel_interpret=true"], ["model.norm_impl=pallas"], {}),
     "train.eval_batches": (["train.eval_batches=2", "train.eval_every=0"],
                            ["train.eval_every=10"], {}),

@@ -102,6 +102,19 @@ def test_memory_bound_fusion_moves_its_bytes():
   assert t.gap == FIT.launch_s and t.bound == "memory"
 
 
+@pytest.mark.parametrize("label, rate", [("grouped_matmul", 732e12),
+                                         ("transposed_grouped_matmul", 501e12)])
+def test_grouped_matmul_kernels_run_at_their_measured_rates(label, rate):
+  """The Hopper grouped matmul's kernels (forward / dX, and dW) at the rates measured on the
+  H200, not a roofline: 2·M·K·N FLOPs, M rows of K times their group's [K, N]."""
+  m, n, k = 32768, 2048, 2048
+  x = launches.Launch("mpmd_map_1", "custom-call", "kernel", label, "", bytes=2.0 * m * k,
+                      mnk=(1, m, n, k))
+  t = timing.time_launch(x, CHIP)
+  assert t.bound == "measured" and x.flops == 2.0 * m * n * k
+  assert t.seconds == pytest.approx(x.flops / rate)
+
+
 def test_in_place_update_moves_the_slice_not_the_buffer():
   buf = jax.ShapeDtypeStruct((64, 1024, 1024), jnp.float32)
   row = jax.ShapeDtypeStruct((1, 1024, 1024), jnp.float32)
