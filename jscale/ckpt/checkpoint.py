@@ -11,8 +11,10 @@ the oldest step beyond `checkpoint.keep` is removed only after a newer one is co
 Whether a step can be read back is `integrity`'s to decide, before anything restores it. A
 resume starts from `newest_intact`: a damaged newer step (a truncated array file, deleted
 metadata, a lost data position) is moved aside to `<step>.damaged-<time>` (nothing is deleted)
-with one warning line naming what is wrong; a step written by another number of processes is
-intact and never moved: the run is refused. A run's last save is read back before it says done
+with one warning line naming what is wrong. A step written by another number of processes
+resumes from its global data position (every process saved the same one: the train iterator
+counts global batches), so a run continues the same sequence of examples on any process count;
+one whose processes saved different positions is refused and never moved. A run's last save is read back before it says done
 (`Checkpointer.check_last`), and saved once more if it does not read back.
 """
 
@@ -79,8 +81,7 @@ def newest_intact(directory: str, read_arrays: bool, warn: Warn | None = None) -
     if found is None:
       return step
     if not found.damaged:
-      raise ConfigError(f"{found.line()} (a resume at a new process count is not supported yet; "
-                        "nothing was moved)")
+      raise ConfigError(f"{found.line()} (nothing was moved)")
     moved = move_aside(directory, step)
     rest = (f"resuming from step {steps[-i - 2]} instead" if i + 1 < len(steps) else
             "no older checkpoint is left")
@@ -105,6 +106,11 @@ def move_aside(directory: str, step: int) -> str:
     os.replace(os.path.join(directory, str(step)), target)
   multihost_utils.sync_global_devices(f"jscale_moved_{step}")
   return target
+
+
+def _own_position() -> str:
+  """The file of this process's data position, as grain's checkpoint handler names it."""
+  return f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
 
 def _stderr(msg: str) -> None:
@@ -156,9 +162,22 @@ class Checkpointer:
     return started
 
   def restore(self, step: int, abstract_state: Any, data_iter: Any) -> Any:
-    """Restores the state (with the shardings of `abstract_state`) and the iterator in place."""
+    """Restores the state (with the shardings of `abstract_state`) and the iterator in place.
+    A step saved by another number of processes gives every process its global data position
+    (`integrity.global_position`; `newest_intact` admits no other)."""
+    step_dir = os.path.join(self.directory, str(step))
+    if os.path.exists(os.path.join(step_dir, "data", _own_position())):
+      return self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state),
+          data=checkpoint_restore(data_iter)))["state"]
+    position = integrity.global_position(step_dir)
+    if position is None:
+      raise ConfigError(f"checkpoint step {step} in {self.directory} holds no data position "
+                        "this run's processes can share: resume it with the process count "
+                        "that saved it")
     out = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=checkpoint_restore(data_iter)))
+        state=ocp.args.StandardRestore(abstract_state)))
+    data_iter.set_state(position)
     return out["state"]
 
   def check_last(self, state: Any, data_iter: Any, warn: Warn | None = None) -> str | None:

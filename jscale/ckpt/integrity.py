@@ -15,8 +15,10 @@ A params checkpoint (`<dir>/params/`, from `jscale.convert`) is intact when its 
 are. Reading every value back finds what storage loses (a truncated, missing or emptied file, a
 missing index); orbax stores no checksums, so a flipped bit inside a value is not found.
 
-A step that is intact but was written by another number of processes is not damaged: its
-`Finding` says so (`damaged=False`), and no command moves it aside.
+A step written by another number of processes resumes where every process saved the same data
+position (`global_position`: jscale's train iterator counts global batches); where they differ
+it is intact but not resumable here: its `Finding` says so (`damaged=False`), and no command
+moves it aside.
 """
 
 from __future__ import annotations
@@ -120,10 +122,22 @@ def _check_position(step_dir: str, where: str, processes: int | None) -> Finding
     name = f"process_{i}-of-{n}.json"
     if not isinstance(_read_json(os.path.join(data, name)), dict):
       return Finding(where, "data position", f"{data}/{name} is missing or not a JSON object")
-  if processes is not None and n != processes:
-    return Finding(where, "data position", f"written by {n} process{'es' * (n != 1)}, and this "
-                   f"run has {processes}; resume it with {n}", damaged=False)
+  if processes is not None and n != processes and global_position(step_dir) is None:
+    return Finding(where, "data position", f"written by {n} processes at different positions, "
+                   f"and this run has {processes}; resume it with {n}", damaged=False)
   return None
+
+
+def global_position(step_dir: str) -> dict | None:
+  """The data position of a step as one state every process count can resume: each process's
+  saved iterator state, where they are all equal (jscale's train iterator counts global
+  batches: `jscale.data.iterators`); None where they differ, or none is readable."""
+  data = os.path.join(step_dir, "data")
+  names = [x for x in _listdir(data) if _POSITION.match(x)]
+  states = [_read_json(os.path.join(data, x)) for x in names]
+  if not states or not all(isinstance(x, dict) and x == states[0] for x in states):
+    return None
+  return states[0]
 
 
 def _read_values(store: Any, keys: list[str], total: int, where: str,

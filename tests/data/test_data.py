@@ -253,6 +253,27 @@ def test_process_shards_partition_each_epoch(bin_cfg):
   assert firsts[0] != firsts[1]
 
 
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2), (2, 4)])
+def test_a_position_saved_by_some_processes_resumes_on_others(bin_cfg, before, after):
+  """Every process saves the same position (global batches consumed): set on any other number
+  of processes it continues the same global batches, none repeated, none skipped."""
+  batch, done, more = 8, 3, 5
+  whole = _take(make_train_iterator(bin_cfg, L, batch), done + more)
+  saved = [make_train_iterator(bin_cfg, L, batch, p, before) for p in range(before)]
+  for it in saved:
+    _take(it, done)
+  positions = [it.get_state() for it in saved]
+  assert all(x == positions[0] for x in positions)
+  resumed = []
+  for p in range(after):
+    it = make_train_iterator(bin_cfg, L, batch, p, after)
+    it.set_state(positions[0])
+    resumed.append(_take(it, more))
+  for s in range(more):
+    got = sorted(r for shard in resumed for r in _rows(shard[s]))
+    assert got == sorted(_rows(whole[done + s]))
+
+
 def test_eval_batches_in_order_and_cycle(tmp_path):
   stream = np.arange(10 * L + 1, dtype=np.uint16) % 256
   stream.tofile(tmp_path / "t.bin")
