@@ -264,8 +264,9 @@ class TrainConfig:
   # memory and update traffic, as DeepSeek-V3 trained; needs 1 - b2 >= 2^-8, see jscale.optim)
   moments_dtype: Literal["float32", "bfloat16"] = "float32"
   # what a layer keeps for its backward (jscale.model.remat): none (everything) | selective
-  # (matmul outputs; softmax and pointwise ops recomputed) | full (only the layer's input)
-  remat: Literal["none", "selective", "full"] = "none"
+  # (matmul outputs; softmax and pointwise ops recomputed) | offload (selective's, in host
+  # memory) | full (only the layer's input)
+  remat: Literal["none", "selective", "offload", "full"] = "none"
   # The loss holds at most this many MiB of fp32 logits per device: above it, the head and the
   # cross-entropy run in chunks of the sequence, gradients made chunk by chunk (jscale.step.loss);
   # 0: never chunk (one pass through autodiff, [tokens, vocab] fp32 logits in memory).

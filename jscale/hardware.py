@@ -40,6 +40,10 @@ class Gpu:
   # (the predictor's and the planner's price of memory-bound work).
   hbm_bytes_s: float | None = None
   source: str = ""
+  # The host link, bytes/s each way (what host-offloaded activations cross): PCIe Gen5 x16 on
+  # the Hopper SXM boards, 128 GB/s both ways together by NVIDIA's H100 / H200 datasheets.
+  # Datasheet, not measured by jscale (a copy reaches ~80-85% of it in nvbandwidth's tests).
+  host_bytes_s: float = 64e9
 
 
 _HOPPER_PEAKS = {"bf16": 989.5e12, "fp8": 1979e12, "tf32": 494.7e12, "f32": 66.9e12}  # SXM

@@ -14,8 +14,9 @@ metadata, a lost data position) is moved aside to `<step>.damaged-<time>` (nothi
 with one warning line naming what is wrong. A step written by another number of processes
 resumes from its global data position (every process saved the same one: the train iterator
 counts global batches), so a run continues the same sequence of examples on any process count;
-one whose processes saved different positions is refused and never moved. A run's last save is read back before it says done
-(`Checkpointer.check_last`), and saved once more if it does not read back.
+one whose processes saved different positions is refused and never moved. A run's last save
+is read back before it says done (`Checkpointer.check_last`), and saved once more if it does
+not read back.
 """
 
 from __future__ import annotations

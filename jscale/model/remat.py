@@ -6,6 +6,10 @@ backward, `train.remat`.
   * selective: the named matmul outputs (`SELECTIVE_SAVE`) and fused attention kernels'
     forward outputs (with the softmax statistics their backward reads); scores, softmax and
     pointwise ops are recomputed;
+  * offload: what selective saves, moved to the host's pinned memory during the forward and
+    back for the backward (`OFFLOAD_TO`): XLA:GPU copies them asynchronously beside the
+    compute, so device memory holds what full remat does while the backward reruns only what
+    selective reruns;
   * full: nothing; the backward reruns the layer's forward.
 
 The model wraps each layer of its scan in `checkpointed`; the planner's memory model reads
@@ -17,6 +21,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+from jax.ad_checkpoint import Offloadable, Recompute
 
 from jscale import jax_compat
 from jscale.config import ModelConfig
@@ -54,21 +59,33 @@ def _attention_kernel_forward(prim, params) -> bool:
           any("flash_attention_fwd" in name for name in jax_compat.kernel_names(prim, params)))
 
 
+# Where `remat: offload` keeps what selective saves: the host's page-locked memory, which the
+# GPU's copy engines reach without the CPU (jax's memory kind "pinned_host").
+OFFLOAD_TO = "pinned_host"
+
+
+def _selective(prim, params) -> bool:
+  return _attention_kernel_forward(prim, params) or (
+      prim.name == "name" and params["name"] in SELECTIVE_SAVE)
+
+
 def remat_policy(remat: str):
   """`train.remat` -> a jax.checkpoint policy for one layer.
 
   Every policy drops ZeRO-3's gathered weights (`GATHERED`); "none" saves everything else;
-  "selective" the named matmul outputs and fused attention kernels' forward outputs.
+  "selective" the named matmul outputs and fused attention kernels' forward outputs; "offload"
+  the same residuals, offloaded to host memory.
   """
   if remat == "none":
     return _save_all_but_gathered
   if remat == "full":
     return jax.checkpoint_policies.nothing_saveable
   if remat == "selective":
-    named = jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVE)
-    return lambda prim, *args, **params: (_attention_kernel_forward(prim, params) or
-                                          named(prim, *args, **params))
-  raise ValueError(f"train.remat={remat!r}: choose none, selective or full")
+    return lambda prim, *_, **params: _selective(prim, params)
+  if remat == "offload":
+    to_host = Offloadable(src="device", dst=OFFLOAD_TO)
+    return lambda prim, *_, **params: to_host if _selective(prim, params) else Recompute
+  raise ValueError(f"train.remat={remat!r}: choose none, selective, offload or full")
 
 
 def ordered_effects(cfg: ModelConfig) -> bool:

@@ -135,7 +135,7 @@ def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: 
   # q, k, v and the attention output: a·qk, g·qk, g·v, a·v (GQA: qk = v = the head dim; MLA:
   # its expanded heads, g = a, and its latents, a few % more under `none`, left out)
   a, g, qk, vk = model.n_heads, model.n_kv_heads, model.qk_head_dim, model.v_head_dim
-  if remat == "full":
+  if remat in ("full", "offload"):  # offload: selective's residuals live in host memory
     return tokens * c * d / (t if lay.sequence_parallel else 1)
   moe, none = model.moe, remat == "none"
   f = model.d_ff if moe is None else moe.top_k * (moe.d_ff or model.d_ff) + moe.shared_d_ff

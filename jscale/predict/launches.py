@@ -99,6 +99,8 @@ class Program:
     groups' sizes (pallas_kernels/grouped_matmul), so only the routed rows cost FLOPs."""
     self.routed_rows = routed_rows
     self.comps, self.entry, self.n_devices = hlo.parse(text)
+    # Instructions with a host-memory (memory space S(5)) buffer in their shape.
+    self._on_host = set(re.findall(r"%([\w.\-]+) = [^\n]*:S\(5\)", text))
     self.colls = {(c.computation, c.name): c for c in hlo.collectives(text)}
     self._shapes = {c: hlo.shapes(insts) for c, insts in self.comps.items()}
 
@@ -149,6 +151,11 @@ class Program:
       coll = self.colls.get((comp, name))
       return Launch(name, op, "collective", op, op_name,
                     collective=coll and self._routed(coll))
+    if op == "fusion-start" and name in self._on_host and (
+        moved := self._host_slice_bytes(callees)):
+      # XLA:GPU's host offload (`remat: offload`): an async fusion that writes a slice into a
+      # host-memory (S(5)) buffer or reads one back, beside the compute
+      return Launch(name, op, "transfer", "host offload", op_name, bytes=moved)
     if op.endswith("-start") or op in ("async-update", "async-done"):
       return None  # copy-start / send / recv: not on a train step's path
     launch = Launch(name, op, "memory", op, op_name, bytes=self._bytes(comp, shape, attrs))
@@ -165,6 +172,17 @@ class Program:
     elif op == "dot":
       self._gemm(launch, [], attrs, comp)
     return launch
+
+  def _host_slice_bytes(self, callees: list[str]) -> int | None:
+    """Bytes an async fusion on a host-memory buffer moves over the host link: the slice its
+    dynamic-update-slice writes, or its dynamic-slice reads (None: neither)."""
+    for fused in callees:
+      for _, shape, op, attrs in self.comps[fused]:
+        if op == "dynamic-update-slice":
+          return _size(self._shapes[fused][hlo.operands(attrs)[1]])
+        if op == "dynamic-slice":
+          return _size(shape)
+    return None
 
   def _bytes(self, comp: str, shape, attrs: str) -> float:
     shapes = self._shapes[comp]

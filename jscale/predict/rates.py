@@ -40,6 +40,7 @@ class Chip:
   name: str
   peak: dict[str, float]      # FLOP/s by gemm type: bf16, f8, tf32, f32
   hbm_bytes_s: float          # measured copy bandwidth
+  host_bytes_s: float         # the host link, each way (`hardware.Gpu.host_bytes_s`)
   sms: int
   per_node: int
   fit: Fit = FIT
@@ -57,7 +58,8 @@ def chip(gpu: str, fit: Fit = FIT) -> Chip:
   g = hardware.GPUS[gpu]
   peaks = g.peak_flops
   return Chip(gpu, {"bf16": peaks["bf16"], "f8": peaks["fp8"], "tf32": peaks["tf32"],
-                    "f32": peaks["f32"]}, g.hbm_bytes_s, g.sms, g.gpus_per_node, fit)
+                    "f32": peaks["f32"]}, g.hbm_bytes_s, g.host_bytes_s, g.sms,
+              g.gpus_per_node, fit)
 
 
 # Flash attention, bf16, TFLOP/s at B·L = 16384 tokens, H·K = 2048 (scripts/bench_kernels.py;

@@ -21,6 +21,8 @@ def category(x: Timed) -> str:
     return kind
   if kind in ("collective", "done"):
     return "collectives"
+  if kind == "transfer":  # host offload copies: what a profile shows as memcpy
+    return "copies"
   if "grouped_matmul" in x.launch.label:
     return "gemm"
   return categorize(x.launch.kernel_name, x.launch.label)
@@ -65,7 +67,9 @@ def summarize(s: Schedule, chip: Chip, model_flops: float, tokens: int, top: int
   for x in s.timed:
     by[category(x)] += x.seconds * x.runs
     gaps += x.gap * x.runs
-    busy += 0.0 if x.launch.kind in ("collective", "done") else (x.seconds + x.gap) * x.runs
+    # collectives and host transfers run beside the compute; waiting for them is "exposed"
+    busy += (0.0 if x.launch.kind in ("collective", "done", "transfer") else
+             (x.seconds + x.gap) * x.runs)
   by["idle"] = gaps
   exposed = max(0.0, s.seconds - busy)
   peak = chip.peak["bf16"]

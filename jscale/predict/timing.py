@@ -16,6 +16,9 @@ Cost rules, per launch (`rates.Chip` holds the constants and their sources):
 - everything else (XLA's loop / input / Triton fusions, copies, dynamic-update-slices): bytes
   read + written over the copy bandwidth times `Fit.memory`.
 - every kernel adds `Fit.launch_s` (what a profile shows as idle between kernels).
+- host offload (`remat: offload`): the async fusions that write activations into host memory
+  or read them back, their slice's bytes over the host link (`hardware.Gpu.host_bytes_s`), on
+  a stream of their own, waited for at their -done like a collective.
 - collectives: playbook volume (`jscale.analysis.volume`) over the bus bandwidth of the link
   their groups span (`jscale.hardware.busbw`), plus `Fit.collective_s`.
 The schedule: a collective's -start queues it on the communication stream, its -done makes the
@@ -87,6 +90,8 @@ def time_launch(x: Launch, chip: rates.Chip) -> Timed:
     return _collective(x, chip)
   if x.kind == "done":
     return Timed(x, 0.0, 0.0, "link")
+  if x.kind == "transfer":
+    return Timed(x, x.bytes / chip.host_bytes_s, 0.0, "host link")
   t = mem(x.bytes) / fit.memory
   return Timed(x, t, fit.launch_s, "memory" if t > fit.launch_s else "launch")
 
@@ -130,12 +135,14 @@ def _collective(x: Launch, chip: rates.Chip) -> Timed:
 class _Clock:
   t: float = 0.0             # compute stream
   comm_free: float = 0.0     # communication stream
+  host_free: float = 0.0     # the host link's copies (host-offloaded activations)
   pending: dict = dataclasses.field(default_factory=dict)  # start name -> finish time
   comm_busy: float = 0.0     # collective time queued (for the exposed share)
 
   def shift(self, dt: float) -> None:
     self.t += dt
     self.comm_free += dt
+    self.host_free += dt
     self.pending = {k: v + dt for k, v in self.pending.items()}
 
 
@@ -194,6 +201,9 @@ def _run(items, clock: _Clock, runs: int, timed, notes, chip, count: bool = True
       elif it.kind == "collective":  # synchronous: the compute stream waits
         clock.t = max(clock.t, clock.comm_free) + x.seconds
         clock.comm_free = clock.t
+      elif it.kind == "transfer":  # async over the host link, waited for at its -done
+        clock.host_free = max(clock.t, clock.host_free) + x.seconds
+        clock.pending[it.name] = clock.host_free
       elif it.kind == "done":
         clock.t = max(clock.t, clock.pending.pop(it.done_of, clock.t))
       else:
