@@ -25,6 +25,12 @@ _ALL_REDUCE_GBS = {1: 436, 2: 362, 4: 160, 8: 100, 16: 85, 32: 65, 64: 33}
 _GATHER_GBS = {1: 250, 64: 11}
 
 
+# The host link, bytes/s each way (what host-offloaded activations cross): PCIe Gen5 x16 on the
+# Hopper SXM boards, 128 GB/s both ways together by NVIDIA's H100 / H200 datasheets. Datasheet,
+# not measured by jscale.
+HOST_LINK_BYTES_S = 64e9
+
+
 @dataclasses.dataclass(frozen=True)
 class Gpu:
   """One accelerator: what a step's time and memory are bounded by."""
@@ -40,10 +46,7 @@ class Gpu:
   # (the predictor's and the planner's price of memory-bound work).
   hbm_bytes_s: float | None = None
   source: str = ""
-  # The host link, bytes/s each way (what host-offloaded activations cross): PCIe Gen5 x16 on
-  # the Hopper SXM boards, 128 GB/s both ways together by NVIDIA's H100 / H200 datasheets.
-  # Datasheet, not measured by jscale (a copy reaches ~80-85% of it in nvbandwidth's tests).
-  host_bytes_s: float = 64e9
+  host_bytes_s: float = HOST_LINK_BYTES_S  # the host link, each way
 
 
 _HOPPER_PEAKS = {"bf16": 989.5e12, "fp8": 1979e12, "tf32": 494.7e12, "f32": 66.9e12}  # SXM
@@ -84,6 +87,9 @@ def _loglog(table: dict[int, float], nodes: int) -> float:
 
 def busbw(kind: str, nodes: int) -> float:
   """Bytes/s of one collective `kind` (all-reduce, all-gather, reduce-scatter, all-to-all,
-  permute) whose group spans `nodes` nodes (1: inside one node, over NVLink)."""
+  permute) whose group spans `nodes` nodes (1: inside one node, over NVLink); "host": the
+  copies between a device and its host's memory."""
+  if kind == "host":
+    return HOST_LINK_BYTES_S
   table = _ALL_REDUCE_GBS if kind == "all-reduce" else _GATHER_GBS
   return _loglog(table, nodes) * 1e9

@@ -149,7 +149,9 @@ def fit(rows: list[dict]) -> tuple[busy.Fit, cost.Exposure]:
   the pipelined layouts' steps."""
   gpu = hardware.GPUS["h100"]
   names = [f.name for f in dataclasses.fields(busy.Fit)]
-  shares = [f.name for f in dataclasses.fields(cost.Exposure) if f.name != "pipeline_pace"]
+  # (the pace is fitted below; host_offload on programs outside the sweep, `cost.Exposure`)
+  shares = [f.name for f in dataclasses.fields(cost.Exposure)
+            if f.name not in ("pipeline_pace", "host_offload")]
   flat, piped = [], []
   for r, model, lay in fitting(rows):
     (piped if lay.stage > 1 else flat).append((r, model, lay, busy.terms(model, lay, SEQ, gpu)))
@@ -166,7 +168,7 @@ def fit(rows: list[dict]) -> tuple[busy.Fit, cost.Exposure]:
     fixed.append(cost.exposed(ts, busy.seconds(p, passes), lay.accum, none))
   exposed = np.array([r["exposed_compiled"] for r, *_ in flat])
   share = _relative_nnls(np.array(feats), np.array(fixed), exposed, step)
-  exposure = cost.Exposure(*share, pipeline_pace=1.0)
+  exposure = cost.Exposure(**dict(zip(shares, share)), pipeline_pace=1.0)
   a, e, y = (np.array(x) for x in zip(*[
       (busy.seconds(p, passes) * cost.pipeline_pace(model, lay, SEQ, exposure),
        cost.exposed(cost.transfers(model, lay, SEQ, gpu.gpus_per_node),

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jscale import hardware
 from jscale.config import ModelConfig
 from jscale.metrics import flops_per_token
-from jscale.plan import busy
+from jscale.plan import busy, memory
 from jscale.plan.layout import Layout, layout_of
 from jscale.plan.memory import (
   Memory,
@@ -49,6 +49,10 @@ class Exposure:
   zero3_gathers_full: float = 1.1
   tensor_all_reduce: float = 0.631  # TP without SP: the backward's dW gemms hide some
   sequence_parallel: float = 1.6  # SP's gather / scatter pairs: wholly, and then some
+  # remat=offload's copies to the host and back: XLA:GPU starts each just before it is needed,
+  # so little hides (0.86-0.89 of the link time exposed in four compiled H100 programs: llama3
+  # 1b b4, 3b b2, the 8b shape at b1 and b2; not in the fit: no sweep row offloads)
+  host_offload: float = 0.87
   pipeline_pace: float = 1.88
 
 
@@ -146,6 +150,11 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
                         2 * 2 * passes * layers * sbh + again + 4 * sbh + 3 * 2 * tokens * 4,
                         nodes("tensor"), "", "sequence_parallel" if lay.sequence_parallel
                         else "tensor_all_reduce"))
+  if lay.remat == "offload":  # what selective saves, out in the forward and back in the backward
+    host = (memory.layer_activation_bytes(model, lay, tokens // lay.accum, "selective")
+            - memory.layer_activation_bytes(model, lay, tokens // lay.accum, "offload"))
+    out.append(Transfer("host", "offloaded residuals to host memory and back", "host",
+                        2 * layers * lay.accum * host, 1, "", "host_offload"))
   if lay.sequence > 1:
     kv = tokens * model.n_kv_heads * (model.qk_head_dim + model.v_head_dim) / 2 / lay.tensor
     fwd = 2 if lay.remat == "full" else 1

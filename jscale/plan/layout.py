@@ -16,7 +16,7 @@ from jscale.mesh import AXES
 from jscale.parallel.pipeline import schedules
 from jscale.validate.on_mesh import xla_layout_why_not
 
-REMATS = ("none", "selective", "full")
+REMATS = ("none", "selective", "offload", "full")
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 
 

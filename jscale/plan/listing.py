@@ -45,7 +45,8 @@ def terms(r: Row) -> list[str]:
              + ", ".join(f"{k} {v:.3f} s" for k, v in c.busy.items())
              + (f"; pipeline bubble {c.bubble:.3f}" if c.bubble else ""))
   for t in c.transfers:
-    link = "NVLink" if t.nodes == 1 else f"{t.nodes} nodes"
+    link = ("the host link" if t.kind == "host" else "NVLink" if t.nodes == 1 else
+            f"{t.nodes} nodes")
     hidden = (f" (hidden behind the {t.overlap})" if t.overlap else
               f" (on the critical path: {t.exposed_seconds() / t.seconds():.2f} x its link time)"
               if t.seconds() else "")
@@ -53,6 +54,10 @@ def terms(r: Row) -> list[str]:
                f"{1e3 * t.seconds():.1f} ms" + hidden)
   out.append(f"exposed communication {c.exposed_s:.3f} s; step {c.step_s:.3f} s; "
              f"MFU {100 * c.mfu:.1f}%")
+  host = sum(t.exposed_seconds() for t in c.transfers if t.kind == "host")
+  if host > 0.1 * c.compute_s:
+    out.append(f"the host link, not the GPU, bounds this step: {host:.3f} s of offload copies "
+               f"exposed against {c.compute_s:.3f} s busy (train.remat=full needs no link)")
   return out
 
 

@@ -306,3 +306,21 @@ def test_a_dcn_axis_takes_consecutive_devices_as_nodes():
   ids = np.vectorize(lambda d: d.id)(mesh.devices)
   assert dict(mesh.shape)["data"] == 2
   assert sorted(ids[0].flat) == [0, 1, 2, 3] and sorted(ids[1].flat) == [4, 5, 6, 7]
+
+
+def test_offload_is_a_lever_priced_by_the_host_link(capsys):
+  """remat=offload: full remat's device memory, selective's busy time, and the copies to the
+  host and back at the link's rate, 0.87 of them exposed (`cost.Exposure.host_offload`); the
+  explanation says when the link bounds the step. The 8B shape (8 layers, b2) compiled for an
+  H100 and timed by jscale.predict: 391.6 ms, 42.2 GiB (docs/usage.md)."""
+  model = load_config(None, ["model.preset=llama3_8b", "model.n_layers=8"]).model
+  rows = {r: evaluate(model, Layout(mbs=2, remat=r), 4096, H100)
+          for r in ("selective", "offload", "full")}
+  assert rows["offload"].memory.activations == rows["full"].memory.activations
+  assert rows["offload"].cost.compute_s < rows["full"].cost.compute_s
+  assert rows["offload"].cost.step_s == pytest.approx(0.3916, rel=0.05)
+  assert rows["offload"].memory.total / GiB == pytest.approx(42.2, rel=0.05)
+  assert main(["--model", "llama3_1b", "--gpus", "1", "--seq", "4096", "--global-batch-tokens",
+               "32k", "--top", "14", "--explain"]) == 0
+  out = capsys.readouterr().out
+  assert "train.remat=offload" in out and "the host link, not the GPU, bounds this step" in out
