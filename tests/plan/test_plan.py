@@ -94,6 +94,8 @@ def test_every_candidate_passes_jscale_validation(preset):
     seen.add(key)
     cfg = load_config(None, [f"model.preset={preset}", *SMALL, *lay.overrides(SEQ, 8)])
     validate.check_mesh(cfg, make_mesh(cfg.mesh))
+  # remat=offload is refused under a pipeline (the key above leaves remat out)
+  assert not [lay for lay in lays if lay.remat == "offload" and lay.stage > 1]
   if model.moe:
     return
   # ... and it refuses the layouts that aborted the compile, before it
