@@ -46,7 +46,6 @@ class Gpu:
   # (the predictor's and the planner's price of memory-bound work).
   hbm_bytes_s: float | None = None
   source: str = ""
-  host_bytes_s: float = HOST_LINK_BYTES_S  # the host link, each way
 
 
 _HOPPER_PEAKS = {"bf16": 989.5e12, "fp8": 1979e12, "tf32": 494.7e12, "f32": 66.9e12}  # SXM

@@ -151,8 +151,9 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
                         nodes("tensor"), "", "sequence_parallel" if lay.sequence_parallel
                         else "tensor_all_reduce"))
   if lay.remat == "offload":  # what selective saves, out in the forward and back in the backward
-    host = (memory.layer_activation_bytes(model, lay, tokens // lay.accum, "selective")
-            - memory.layer_activation_bytes(model, lay, tokens // lay.accum, "offload"))
+    rows = tokens_per_microbatch(lay, seq)
+    host = (memory.layer_activation_bytes(model, lay, rows, "selective")
+            - memory.layer_activation_bytes(model, lay, rows, "offload"))
     out.append(Transfer("host", "offloaded residuals to host memory and back", "host",
                         2 * layers * lay.accum * host, 1, "", "host_offload"))
   if lay.sequence > 1:

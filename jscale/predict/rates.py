@@ -40,7 +40,7 @@ class Chip:
   name: str
   peak: dict[str, float]      # FLOP/s by gemm type: bf16, f8, tf32, f32
   hbm_bytes_s: float          # measured copy bandwidth
-  host_bytes_s: float         # the host link, each way (`hardware.Gpu.host_bytes_s`)
+  host_bytes_s: float         # the host link, each way (`hardware.HOST_LINK_BYTES_S`)
   sms: int
   per_node: int
   fit: Fit = FIT
@@ -58,7 +58,7 @@ def chip(gpu: str, fit: Fit = FIT) -> Chip:
   g = hardware.GPUS[gpu]
   peaks = g.peak_flops
   return Chip(gpu, {"bf16": peaks["bf16"], "f8": peaks["fp8"], "tf32": peaks["tf32"],
-                    "f32": peaks["f32"]}, g.hbm_bytes_s, g.host_bytes_s, g.sms,
+                    "f32": peaks["f32"]}, g.hbm_bytes_s, hardware.HOST_LINK_BYTES_S, g.sms,
               g.gpus_per_node, fit)
 
 

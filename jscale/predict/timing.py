@@ -17,7 +17,7 @@ Cost rules, per launch (`rates.Chip` holds the constants and their sources):
   read + written over the copy bandwidth times `Fit.memory`.
 - every kernel adds `Fit.launch_s` (what a profile shows as idle between kernels).
 - host offload (`remat: offload`): the async fusions that write activations into host memory
-  or read them back, their slice's bytes over the host link (`hardware.Gpu.host_bytes_s`), on
+  or read them back, their slice's bytes over the host link (`hardware.HOST_LINK_BYTES_S`), on
   a stream of their own, waited for at their -done like a collective.
 - collectives: playbook volume (`jscale.analysis.volume`) over the bus bandwidth of the link
   their groups span (`jscale.hardware.busbw`), plus `Fit.collective_s`.

@@ -42,8 +42,7 @@ H100_TINY = ("model.dtype=bfloat16", "checkpoint.every=0", "train.batch_size=8",
              "train.seq_len=512", "model.d_model=256", "model.d_ff=512")
 
 
-@pytest.mark.skipif(not gpu_target.available(),
-                    reason="compiles for H100s: pip install -e '.[gpu-compile]'")
+@pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
 def test_offloaded_residuals_live_in_host_memory_on_h100():
   programs = {}
   for remat in ("selective", "offload", "full"):

@@ -60,8 +60,7 @@ MOE_H100X8 = ("model.dtype=bfloat16", "checkpoint.every=0", "train.batch_size=8"
               "mesh.data=1", "parallel.collectives=manual")
 
 
-@pytest.mark.skipif(not gpu_target.available(),
-                    reason="compiles for H100s: pip install -e '.[gpu-compile]'")
+@pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
 def test_sliced_exchange_is_scheduled_under_the_other_slices_matmuls_on_h100s():
   """In the XLA:GPU program for 8 H100s, two slices put the Hopper grouped-matmul kernels of
   one slice between the start and done of the other's ragged all-to-alls (the windows of one
