@@ -145,6 +145,11 @@ class ModelConfig:
     return self.resolved_head_dim if self.mla is None else self.mla.v_head_dim
 
   @property
+  def attention_kv_heads(self) -> int:
+    """The K/V heads attention sees: MLA expands its latent per query head, else n_kv_heads."""
+    return self.n_kv_heads if self.mla is None else self.n_heads
+
+  @property
   def rope_dim(self) -> int:
     """The dims RoPE rotates per head: MLA's decoupled rope part, else the whole head."""
     return self.resolved_head_dim if self.mla is None else self.mla.qk_rope_head_dim
@@ -195,6 +200,10 @@ class ParallelConfig:
   # Which sequence chunks each mesh.sequence rank holds: zigzag (chunks i and 2n-1-i: balanced
   # causal attention) or contiguous (chunk i).
   context_layout: Literal["zigzag", "contiguous"] = "zigzag"
+  # How attention meets the split sequence: ring (K/V blocks travel; xla mode with
+  # model.attention_impl=xla: K/V all-gathered) or ulysses (all-to-alls trade the sequence
+  # split for a head split; attention runs whole per head group: jscale.parallel.context.ulysses)
+  context_impl: Literal["ring", "ulysses"] = "ring"
   bucket_mb: float = 25.0  # manual mode: gradients are reduced in buffers of at most this size
   # manual mode with SP: SP's all-gather / reduce-scatter decomposed into ring steps overlapped
   # with the attention and MLP projections (jscale.parallel.tensor)

@@ -82,6 +82,8 @@ RULES: tuple[Rule, ...] = (
          "it splits activations over mesh.tensor, which is 1 here", "set mesh.tensor > 1", False),
     Rule("parallel.context_layout", lambda c, s: s["sequence"] > 1,
          "mesh.sequence is 1 here: no context parallelism", "set mesh.sequence > 1", False),
+    Rule("parallel.context_impl", lambda c, s: s["sequence"] > 1,
+         "mesh.sequence is 1 here: no context parallelism", "set mesh.sequence > 1", False),
     Rule("parallel.collective_matmul", lambda c, s: c.parallel.collectives == "manual"
          and s["tensor"] > 1 and c.parallel.sequence_parallel,
          "it overlaps sequence parallelism's hand-written gather / scatter with the TP matmuls "

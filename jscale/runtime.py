@@ -22,6 +22,7 @@ from jscale.model.layers import norm_backend
 from jscale.optim import make_optimizer
 from jscale.parallel.comms import Comms
 from jscale.parallel.context.order import Reorder
+from jscale.parallel.context.ulysses import whole_sequence
 from jscale.parallel.manual import ManualComms
 from jscale.parallel.xla import XlaComms
 from jscale.sharding import Layouts
@@ -88,10 +89,11 @@ def resolve_attention(cfg: Config, mesh: Mesh) -> tuple[Config, str]:
   m = cfg.model
   if m.attention_impl != "auto":
     return cfg, ""
-  device, cp = mesh.devices.flat[0], mesh.shape["sequence"]
-  flash_tiles = cp == 1 or device.platform != "gpu" or validate.flash_attention_why_not(
+  device = mesh.devices.flat[0]
+  ring = not whole_sequence(cfg.parallel.context_impl, mesh.shape["sequence"])
+  flash_tiles = not ring or device.platform != "gpu" or validate.flash_attention_why_not(
       _with_attention(cfg, "pallas"), dict(mesh.shape)) is None
-  impl, why = attn_lib.auto_impl(device.platform, m.dtype, m.qk_head_dim, cp > 1,
+  impl, why = attn_lib.auto_impl(device.platform, m.dtype, m.qk_head_dim, ring,
                                  flash_tiles, getattr(device, "compute_capability", None),
                                  m.v_head_dim)
   return _with_attention(cfg, impl), why
@@ -103,7 +105,8 @@ def pallas_kernels(cfg: Config, mesh: Mesh) -> tuple[str, str]:
   m = cfg.model
   if m.attention_impl != "pallas":
     return "", ""
-  if m.kernel_interpret or mesh.shape["sequence"] > 1:
+  ring = not whole_sequence(cfg.parallel.context_impl, mesh.shape["sequence"])
+  if m.kernel_interpret or ring:
     return "portable", ("the Pallas interpreter" if m.kernel_interpret
                         else "ring-attention blocks (mesh.sequence > 1)")
   seq, hd = cfg.train.seq_len, m.qk_head_dim

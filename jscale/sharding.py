@@ -96,7 +96,7 @@ class Layouts:
 
   def __init__(self, abstract_model: nnx.Module, mesh: Mesh, parallel: ParallelConfig):
     self.mesh, self.rules, self.zero_stage = mesh, make_rules(parallel), parallel.zero_stage
-    self.context_layout = parallel.context_layout
+    self.context_layout, self.context_impl = parallel.context_layout, parallel.context_impl
     self.names = names = logical_names(abstract_model)
     shapes = nnx.to_pure_dict(nnx.state(abstract_model, nnx.Param))
     is_names = lambda x: isinstance(x, tuple) and all(isinstance(n, str) for n in x)

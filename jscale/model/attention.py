@@ -209,6 +209,11 @@ def attention(q_BLHK, k_BSGK, v_BSGK, impl: str = "xla", causal: bool = True,
   return ctx_BLHK if impl in KERNEL_IMPLS else named(ctx_BLHK)
 
 
+# Context parallelism's exchanged attention operands and output (Ulysses' all-to-alls' results):
+# kept by `remat: selective`, so the backward does not exchange them again.
+CP_EXCHANGED = "attn_cp_exchanged"
+
+
 def named(ctx_BLHK: jax.Array) -> jax.Array:
   """Names a non-kernel attention output "attn_ctx" (kept by `remat: selective`)."""
   return checkpoint_name(ctx_BLHK, "attn_ctx")

@@ -25,6 +25,7 @@ from jax.ad_checkpoint import Offloadable, Recompute
 
 from jscale import jax_compat
 from jscale.config import ModelConfig
+from jscale.model import attention as attn_lib
 from jscale.model.seam import GATHERED
 
 # Matmul outputs kept by `remat: selective`; scores, softmax and pointwise ops are recomputed.
@@ -33,8 +34,9 @@ from jscale.model.seam import GATHERED
 # gated combine) besides gate and up, and expert parallelism's exchanged per-expert counts
 # ("moe_counts"), so the backward reruns no grouped matmul and no all-to-all, only the router,
 # the sort and the gathers.
-SELECTIVE_SAVE = ("q_proj", "k_proj", "v_proj", "attn_ctx", "attn_lse", "attn_out", "mlp_gate",
-                  "mlp_up", "mlp_out", "moe_in", "moe_out", "moe_counts")
+SELECTIVE_SAVE = ("q_proj", "k_proj", "v_proj", attn_lib.CP_EXCHANGED, "attn_ctx", "attn_lse",
+                  "attn_out", "mlp_gate", "mlp_up", "mlp_out", "moe_in", "moe_out",
+                  "moe_counts")
 
 
 def _save_all_but_gathered(prim, *_, **params) -> bool:

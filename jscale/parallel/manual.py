@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 from jscale.model.seam import Names
 from jscale.parallel.comms import Comms
 from jscale.parallel.context.modes import ManualContext
+from jscale.parallel.context.ulysses import ManualUlysses
 from jscale.parallel.expert import ManualExpert
 from jscale.parallel.pipeline.region import ManualStages
 from jscale.parallel.tensor import ManualTensor
@@ -22,7 +23,8 @@ from jscale.parallel.zero import ManualZero
 from jscale.sharding import Layouts
 
 
-class ManualComms(ManualZero, ManualTensor, ManualContext, ManualExpert, ManualStages, Comms):
+class ManualComms(ManualZero, ManualTensor, ManualUlysses, ManualContext, ManualExpert,
+                  ManualStages, Comms):
   """Hand-written collectives for the layouts of `layouts` (same state layout as xla mode)."""
 
   mode = "manual"

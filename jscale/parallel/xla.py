@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jscale.model.seam import Names
 from jscale.parallel.comms import Comms
 from jscale.parallel.context.modes import XlaContext
+from jscale.parallel.context.ulysses import XlaUlysses
 from jscale.parallel.expert import XlaExpert
 from jscale.parallel.pipeline.region import XlaStages
 from jscale.parallel.tensor import XlaTensor
@@ -20,7 +21,8 @@ from jscale.parallel.zero import XlaZero
 from jscale.sharding import Layouts, without_axes
 
 
-class XlaComms(XlaZero, XlaTensor, XlaContext, XlaExpert, XlaStages, Comms):
+class XlaComms(XlaZero, XlaTensor, XlaUlysses, XlaContext, XlaExpert, XlaStages,
+               Comms):
   """Sharding constraints from the logical rules of `layouts`."""
 
   mode = "xla"

@@ -8,6 +8,7 @@ from jscale.config import Config, ConfigError
 from jscale.model import attention as attn_lib
 from jscale.model import moe_gemm
 from jscale.parallel.context.order import chunks_per_device as parts
+from jscale.parallel.context.ulysses import whole_sequence
 from pallas_kernels.flash_attention import why_not as flash_why_not
 
 
@@ -71,9 +72,13 @@ def flash_attention_why_not(cfg: Config, sizes: dict[str, int]) -> str | None:
   b = max(t.batch_size // (dp * t.microbatches), 1)
   h, g = m.n_heads // sizes["tensor"], m.n_kv_heads // sizes["tensor"]
   k, kv = m.qk_head_dim, m.v_head_dim
-  # Under context parallelism the kernel runs on the ring's blocks: one sequence chunk each.
-  cp = sizes["sequence"]
-  chunk = t.seq_len // (cp * parts(cfg.parallel.context_layout)) if cp > 1 else t.seq_len
+  # Under the ring the kernel runs on its blocks, one sequence chunk each; under Ulysses on the
+  # whole sequence and the heads' share of the sequence axis.
+  cp, ctx = sizes["sequence"], cfg.parallel.context_impl
+  chunk = (t.seq_len if whole_sequence(ctx, cp) else
+           t.seq_len // (cp * parts(cfg.parallel.context_layout)))
+  if ctx == "ulysses":
+    h, g = h // cp, g // cp
   why = flash_why_not((b, chunk, h, k), (b, chunk, g, k), causal=True,
                       v_shape=(b, chunk, g, kv))
   if why is None:

@@ -37,10 +37,13 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
       token_order(t.seq_len, cp, cfg.parallel.context_layout)  # the chunks must divide
     except ValueError as e:
       raise ConfigError(str(e)) from None
-    if m.attention_impl == "cudnn":
+    if cfg.parallel.context_impl == "ulysses":
+      _check_ulysses(cfg, sizes)
+    elif m.attention_impl == "cudnn":
       raise ConfigError(f"model.attention_impl=cudnn with mesh.sequence={cp}: cuDNN's mask is "
                         "by index, not by token position; use model.attention_impl=ring, "
-                        "pallas (the ring with flash-kernel blocks) or xla")
+                        "pallas (the ring with flash-kernel blocks) or xla, or "
+                        "parallel.context_impl=ulysses")
     if m.mtp is not None:
       raise ConfigError(f"model.mtp with mesh.sequence={cp}: multi-token prediction shifts the "
                         "labels along the sequence, which context parallelism splits; set "
@@ -72,6 +75,23 @@ def no_op_warnings(cfg: Config, mesh: Mesh) -> list[str]:
   """A warning line per key that has no effect on `mesh` (`no_ops`; the refused ones raised in
   `check_mesh`)."""
   return no_ops.check(cfg, dict(mesh.shape))
+
+
+def _check_ulysses(cfg: Config, sizes: dict[str, int]) -> None:
+  """Ulysses splits each device's heads (after mesh.tensor's split) over mesh.sequence, and
+  runs whole-sequence attention, which the ring's impl is not."""
+  m, cp, tp = cfg.model, sizes["sequence"], sizes["tensor"]
+  for key, heads in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.attention_kv_heads)):
+    if heads % (cp * tp):
+      raise ConfigError(
+          f"parallel.context_impl=ulysses: {key}={heads} is not divisible by mesh.sequence="
+          f"{cp}{f' x mesh.tensor={tp}' if tp > 1 else ''}: the all-to-all gives each device "
+          f"whole heads; use parallel.context_impl=ring, or a mesh.sequence dividing "
+          f"{heads // tp}")
+  if m.attention_impl == "ring":
+    raise ConfigError("model.attention_impl=ring with parallel.context_impl=ulysses: each device "
+                      "attends over the whole sequence, not the ring's blocks; use "
+                      "model.attention_impl=auto, xla, cudnn or pallas")
 
 
 def _check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:

@@ -39,6 +39,7 @@ EXAMPLES = {
     "parallel.zero_stage": (["parallel.zero_stage=1"], [], dict(fsdp=2)),
     "parallel.sequence_parallel": (["parallel.sequence_parallel=true"], [], dict(tensor=2)),
     "parallel.context_layout": (["parallel.context_layout=contiguous"], [], dict(sequence=2)),
+    "parallel.context_impl": (["parallel.context_impl=ulysses"], [], dict(sequence=2)),
     "parallel.bucket_mb": (["parallel.bucket_mb=8"], ["parallel.collectives=manual"], {}),
     "parallel.collective_matmul": (["parallel.collective_matmul=true"],
                                    ["parallel.collectives=manual",

@@ -10,8 +10,9 @@ not a compiled init of its own, the same values):
 - data x fsdp (ZeRO-3) x tensor with sequence parallelism, 2 accumulated micro-batches, MTP
   on (MTP's loss is a token sum over the step's token count, as the token loss: the split into
   micro-batches and devices does not change it, `accumulate.TOKEN_SUMS`);
-- expert x sequence (context parallelism) x tensor, MTP off (it shifts labels along the
-  sequence, which CP splits: refused by `validate.check_mesh`);
+- expert x sequence (context parallelism: the ring, and Ulysses, whose V head size differs
+  from Q's here) x tensor, MTP off (it shifts labels along the sequence, which CP splits:
+  refused by `validate.check_mesh`);
 - stage x expert: a pipeline, MTP in the last stage, the dense layer in the first.
 """
 
@@ -35,6 +36,8 @@ LAYOUTS = {
                               "train.microbatches=2"), 8, ()),
     "ep-cp-tp": (("mesh.data=1", "mesh.expert=2", "mesh.sequence=2", "mesh.tensor=2", *NO_MTP),
                  8, NO_MTP),
+    "ep-ulysses-tp": (("mesh.data=1", "mesh.expert=2", "mesh.sequence=2", "mesh.tensor=2",
+                       "parallel.context_impl=ulysses", *NO_MTP), 8, NO_MTP),
     "pp-ep": (("mesh.data=1", "mesh.stage=2", "mesh.expert=2", "pipeline.microbatches=2"), 4,
               ()),
 }
