@@ -45,6 +45,10 @@ STRATEGIES = {
     "dp×cp": ["mesh.data=2", "mesh.sequence=4", "model.attention_impl=xla"],
     "dp×cp×tp_sp": ["mesh.data=2", "mesh.sequence=2", "mesh.tensor=2",
                     "parallel.sequence_parallel=true", "model.attention_impl=xla"],
+    # Ulysses: all-to-alls in both modes (xla mode: GSPMD's, from the head-split constraints).
+    "dp×ulysses": ["mesh.data=2", "mesh.sequence=4", "parallel.context_impl=ulysses"],
+    "dp×ulysses×tp_sp": ["mesh.data=2", "mesh.sequence=2", "mesh.tensor=2",
+                         "parallel.sequence_parallel=true", "parallel.context_impl=ulysses"],
 }
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 

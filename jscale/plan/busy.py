@@ -110,11 +110,12 @@ def attention_seconds(model: ModelConfig, lay: Layout, seq: int, tokens: float,
   """(forward, backward) seconds of attention for `tokens` on one device at cuDNN's measured
   rates (the large-gemm ceiling where none was measured)."""
   fwd = (flops_per_token(model, seq) - 6 * param_counts(model)["matmul"]) * tokens / 3
-  if lay.sequence > 1:
+  ring = lay.sequence > 1 and not lay.ulysses
+  if ring:
     fwd *= 2  # every block of the ring whole: twice the causal work
-  rate = {}
+  rate, span = {}, seq // lay.sequence if ring else seq  # Ulysses: the whole sequence
   for backward in (False, True):
-    r, _ = rates.attention_rate("cudnn", True, model.qk_head_dim, seq // lay.sequence, backward)
+    r, _ = rates.attention_rate("cudnn", True, model.qk_head_dim, span, backward)
     rate[backward] = r or chip.peak["bf16"] * chip.fit.gemm_ceiling
   return fwd / rate[False], 2.5 * fwd / rate[True]
 
@@ -153,7 +154,7 @@ def terms(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu,
       "weights": weights if lay.zero_stage < 3 else 0.0,
       "weight_shards": weights / lay.fsdp if lay.zero_stage == 3 else 0.0,
       "pressure": (stream + hidden) * max(0.0, share - PRESSURE_FROM),
-      "ring_hop_s": lay.accum * layers * math.log2(lay.sequence),
+      "ring_hop_s": 0.0 if lay.ulysses else lay.accum * layers * math.log2(lay.sequence),
   }
 
 

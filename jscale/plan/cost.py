@@ -157,11 +157,7 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
     out.append(Transfer("host", "offloaded residuals to host memory and back", "host",
                         2 * layers * lay.accum * host, 1, "", "host_offload"))
   if lay.sequence > 1:
-    kv = tokens * model.n_kv_heads * (model.qk_head_dim + model.v_head_dim) / 2 / lay.tensor
-    fwd = 2 if lay.remat == "full" else 1
-    ring = layers * ((fwd + 1) * (lay.sequence - 1) * 2 * kv * c + lay.sequence * 2 * kv * 4)
-    out.append(Transfer("sequence", "ring attention K/V (+dK/dV) hops", "permute", ring,
-                        nodes("sequence"), "step"))
+    out.append(_context_transfer(model, lay, tokens, layers, nodes("sequence")))
   if lay.expert > 1 and model.moe is not None:
     moe_layers = model.stack_layers / lay.stage // model.moe.every + (
         model.mtp.depth if model.mtp is not None else 0)
@@ -182,6 +178,23 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
                         "all-reduce", 2 * other_psi * GRAD_BYTES, nodes("stage"),
                         "last backward"))
   return out
+
+
+def _context_transfer(model: ModelConfig, lay: Layout, tokens: int, layers: float,
+                      nodes: int) -> Transfer:
+  """Context parallelism's exchange per device: the ring's K/V hops (overlapped with its
+  blocks), or Ulysses' all-to-alls of q, k, v and the output and of their cotangents
+  (`parallel.context.ulysses`; on the critical path: the attention waits for them)."""
+  c, n = jnp.dtype(model.dtype).itemsize, lay.sequence
+  g, qk, vk = model.attention_kv_heads, model.qk_head_dim, model.v_head_dim
+  passes = 3 if lay.remat == "full" else 2  # full remat exchanges the forward's again
+  if lay.ulysses:
+    per_pass = tokens * (model.n_heads + g) * (qk + vk) * c / lay.tensor
+    return Transfer("sequence", "Ulysses q, k, v + output all-to-alls, fwd and bwd",
+                    "all-to-all", layers * passes * per_pass, nodes, "")
+  kv = tokens * g * (qk + vk) / 2 / lay.tensor
+  ring = layers * (passes * (n - 1) * 2 * kv * c + n * 2 * kv * 4)
+  return Transfer("sequence", "ring attention K/V (+dK/dV) hops", "permute", ring, nodes, "step")
 
 
 def pipeline_pace(model: ModelConfig, lay: Layout, seq: int,

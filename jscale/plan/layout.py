@@ -37,6 +37,7 @@ class Layout:
   mbs: int = 1  # sequences per device per micro-batch
   accum: int = 1  # micro-batches per optimizer step (pipeline.microbatches under a pipeline)
   moments: str = "float32"  # train.moments_dtype (a choice the planner is given, not a lever)
+  context: str = "ring"  # parallel.context_impl with sequence > 1: ring | ulysses
 
   def size(self, axis: str) -> int:
     return getattr(self, axis)
@@ -52,6 +53,11 @@ class Layout:
   def batch_ways(self) -> int:
     """Devices the batch is split over (`sharding.RULES`: batch -> data, fsdp, expert)."""
     return self.data * self.fsdp * self.expert
+
+  @property
+  def ulysses(self) -> bool:
+    """Context parallelism by Ulysses' all-to-alls (not the ring)."""
+    return self.sequence > 1 and self.context == "ulysses"
 
   def nodes(self, axis: str, gpus_per_node: int) -> int:
     """Nodes one group of `axis` spans (1: all its devices share a node)."""
@@ -74,6 +80,8 @@ class Layout:
       out.append("parallel.sequence_parallel=true")
     if self.moments != "float32":
       out.append(f"train.moments_dtype={self.moments}")
+    if self.ulysses:
+      out.append("parallel.context_impl=ulysses")
     if self.stage > 1:
       out += [f"pipeline.schedule={self.schedule}", f"pipeline.microbatches={self.accum}",
               f"pipeline.virtual_stages={self.virtual_stages}", "train.microbatches=1"]
@@ -89,6 +97,8 @@ class Layout:
       parts[[p.startswith("fsdp") for p in parts].index(True)] += f"(z{self.zero_stage})"
     if self.sequence_parallel:
       parts[[p.startswith("tensor") for p in parts].index(True)] += "+sp"
+    if self.ulysses:
+      parts[[p.startswith("sequence") for p in parts].index(True)] += "(ulysses)"
     if self.stage > 1:
       v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
       parts[[p.startswith("stage") for p in parts].index(True)] += f"({self.schedule}{v})"
@@ -106,7 +116,8 @@ def layout_of(cfg: Config, sizes: dict[str, int]) -> Layout:
                 zero_stage=cfg.parallel.zero_stage if sizes["fsdp"] > 1 else 0,
                 sequence_parallel=cfg.parallel.sequence_parallel, schedule=cfg.pipeline.schedule,
                 virtual_stages=cfg.pipeline.virtual_stages, remat=t.remat,
-                mbs=t.batch_size // ways // accum, accum=accum, moments=t.moments_dtype)
+                mbs=t.batch_size // ways // accum, accum=accum, moments=t.moments_dtype,
+                context=cfg.parallel.context_impl if sizes["sequence"] > 1 else "ring")
 
 
 def _factorizations(n: int, k: int) -> Iterator[tuple[int, ...]]:
@@ -163,8 +174,19 @@ def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
             for remat in REMATS:
               if remat == "offload" and stage > 1:  # refused by `validate` (pipelines)
                 continue
-              yield Layout(data, stage, fsdp, expert, sequence, tensor, zero, sp,
-                           pipe[0], pipe[1], remat, mbs, accum, moments)
+              for context in _contexts(model, sequence, tensor):
+                yield Layout(data, stage, fsdp, expert, sequence, tensor, zero, sp,
+                             pipe[0], pipe[1], remat, mbs, accum, moments, context)
+
+
+def _contexts(model: ModelConfig, sequence: int, tensor: int) -> tuple[str, ...]:
+  """parallel.context_impl's choices: Ulysses where each device gets whole heads
+  (`validate.on_mesh`'s rule)."""
+  if sequence == 1:
+    return ("ring",)
+  whole = not (model.n_heads % (sequence * tensor) or
+               model.attention_kv_heads % (sequence * tensor))
+  return ("ring", "ulysses") if whole else ("ring",)
 
 
 def _pipelines(model: ModelConfig, stage: int) -> list[tuple[str, int]]:

@@ -126,22 +126,26 @@ def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: 
     the top-k's and the sort's indices and gates, the sorted rows (k·h) and the fp32 gated
     outputs (4·k·h); and the layer's weights in the compute dtype (`cast_weights`, unless
     ZeRO-3 gathers them again).
-  Tensor parallelism splits heads and f (not the MoE's routing or rows); sequence parallelism
-  also the [h] terms. Dropless MoE in xla mode over `expert` / `tensor` (GShard's slot buffer,
+  Ulysses context parallelism keeps the attention output twice (before and after its
+  all-to-all). Tensor parallelism splits heads and f (not the MoE's routing or rows); sequence
+  parallelism also the [h] terms. Dropless MoE in xla mode over `expert` / `tensor` (GShard's slot buffer,
   one slot per token and expert) keeps E / k times the rows: not modelled.
   """
   c = jnp.dtype(model.dtype).itemsize
   d, t = model.d_model, lay.tensor
   # q, k, v and the attention output: a·qk, g·qk, g·v, a·v (GQA: qk = v = the head dim; MLA:
   # its expanded heads, g = a, and its latents, a few % more under `none`, left out)
-  a, g, qk, vk = model.n_heads, model.n_kv_heads, model.qk_head_dim, model.v_head_dim
+  a, g, qk, vk = model.n_heads, model.attention_kv_heads, model.qk_head_dim, model.v_head_dim
   if remat in ("full", "offload"):  # offload: selective's residuals live in host memory
     return tokens * c * d / (t if lay.sequence_parallel else 1)
   moe, none = model.moe, remat == "none"
   f = model.d_ff if moe is None else moe.top_k * (moe.d_ff or model.d_ff) + moe.shared_d_ff
   mlp_input = moe is None or moe.shared_d_ff > 0  # a dense matmul reading the normed input
   h_terms = 16 * d + (3 + mlp_input) * c * d + 16 if none else 2 * d * c
-  split = c * (a * qk + g * qk + g * vk + a * vk + (6 if none else 2) * f) + 4 * a
+  # Ulysses keeps the attention output twice: the kernel's (its backward reads it) and the
+  # all-to-all's (the output projection's dW reads it).
+  outputs = 2 if lay.ulysses else 1
+  split = c * (a * qk + g * qk + g * vk + outputs * a * vk + (6 if none else 2) * f) + 4 * a
   if moe is not None:  # routing and rows: whole on every tensor-parallel device
     top = moe.top_k
     rows = (c * top * d + 4 * top * d + 4 * d + 4 * moe.n_experts + 16 + 20 * top if none

@@ -24,6 +24,8 @@ STRATEGIES = {
            "parallel.zero_stage=3"),
     "cp_tp_sp": ("mesh.data=2", "mesh.sequence=2", "mesh.tensor=2",
                  "parallel.sequence_parallel=true"),
+    "ulysses_tp_sp": ("mesh.data=2", "mesh.sequence=2", "mesh.tensor=2",
+                      "parallel.sequence_parallel=true", "parallel.context_impl=ulysses"),
 }
 
 
@@ -51,6 +53,8 @@ def test_the_playbook_collectives_run():
   assert kinds("tp") == {"all-reduce"}
   assert {"reduce-scatter", "all-gather"} <= kinds("tp_sp")
   assert "collective-permute" in kinds("cp_tp_sp")  # the ring
+  assert "all-to-all" in kinds("ulysses_tp_sp") and "collective-permute" not in kinds(
+      "ulysses_tp_sp")
   # ZeRO-3: each layer's weights are gathered inside the forward and again inside the backward
   # layer loop, and each layer's gradient is reduce-scattered there.
   in_loop = [c for c in _compiled(*STRATEGIES["zero3"])[1] if c.in_while]

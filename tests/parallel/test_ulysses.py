@@ -3,14 +3,17 @@ single-device losses and gradient norms in both modes; the token-order permutati
 the all-to-alls in the compiled step carry the formula's bytes and nothing else runs over
 `sequence`; layouts the heads do not divide are refused before compile."""
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import small_config
-from jscale import runtime
-from jscale.analysis import hlo, introspect
+from jscale import predict, runtime
+from jscale.analysis import gpu_target, hlo, introspect
 from jscale.config import ConfigError
+from jscale.config_load import load_config
 from jscale.parallel.context.order import token_order
 from jscale.parallel.context.ulysses import to_sequence_order, to_slot_order
 from parity import BASE, losses, reference
@@ -90,3 +93,21 @@ def test_auto_attends_whole_sequence():
   """`attention_impl: auto` under Ulysses is what one device runs (not the ring's blocks)."""
   rt = runtime.build(small_config(None, *BASE, *CP4))
   assert rt.cfg.model.attention_impl == "xla"
+
+
+@pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
+def test_cudnn_attends_the_whole_sequence_on_h100s():
+  """Compiled by XLA:GPU for 8 H100s (on this CPU machine): `attention_impl: auto` is cuDNN's
+  fused attention under Ulysses, each call over all L tokens of one device's H/n heads, between
+  the all-to-alls; the ring's impl would take L/n-token blocks in plain XLA."""
+  n, l, h = 8, 1024, 8
+  cfg = load_config("configs/tiny.yaml", [
+      "model.dtype=bfloat16", "checkpoint.every=0", "train.batch_size=1", "model.d_model=512",
+      f"model.n_heads={h}", f"model.n_kv_heads={h}", f"train.seq_len={l}",
+      f"model.max_seq_len={l}", f"mesh.sequence={n}", "mesh.data=1", *ULYSSES])
+  text = predict.compile_for(cfg, "h100x8")[0]
+  forwards = re.findall(r"= \((\w+\[[\d,]+\])\{[^}]*\}, f32\[[\d,]+\]\{[^}]*\}, u8\[0\]\{0\}\) "
+                        r"custom-call\([^)]*\), custom_call_target=\"__cudnn\$fmhaSoftmax\"", text)
+  assert forwards and set(forwards) == {f"bf16[1,{h // n},{l},{cfg.model.qk_head_dim}]"}
+  exchanged = [c for c in hlo.collectives(text) if c.kind == "all-to-all"]
+  assert exchanged and all(c.group_size == n for c in exchanged)

@@ -20,6 +20,7 @@ chunks, `to_sequence_order`) for index-causal kernels, and back before the retur
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -117,9 +118,10 @@ class XlaUlysses:
     cannot split a custom call), plain XLA as global math."""
     if impl not in attn_lib.KERNEL_IMPLS:
       return lambda q, k, v: attn_lib.attention(q, k, v, impl)
-    fn = (lambda q, k, v: attn_lib.pallas_attention(q, k, v, interpret=interpret,
-                                                    device=self.kernel_device())  # type: ignore
-          if impl == "pallas" else attn_lib.cudnn_attention)
+    fn = attn_lib.cudnn_attention
+    if impl == "pallas":
+      fn = functools.partial(attn_lib.pallas_attention, interpret=interpret,
+                             device=self.kernel_device())  # type: ignore[attr-defined]
     return self._shard_map(fn, (q_spec, kv_spec, kv_spec), q_spec)
 
 
