@@ -60,6 +60,13 @@ ROWS: dict[str, tuple[str, ...]] = {
     "3b selective b2": (*L3B, "train.batch_size=2", "train.remat=selective"),
     "8b-8L full b1": (*L8B, "train.batch_size=1", "train.remat=full"),
     "8b-8L selective b2": (*L8B, "train.batch_size=2", "train.remat=selective"),
+    # Long context (issue 52): one GPU's slice of Llama 3 8B at 32k tokens, cuDNN and the Hopper
+    # flash kernel (what each device runs under Ulysses, scripts/long_context.py)
+    "8b-8L full b1 32k": (*L8B, "train.batch_size=1", "train.remat=full",
+                          "train.seq_len=32768", "model.max_seq_len=32768"),
+    "8b-8L full b1 32k pallas": (*L8B, "train.batch_size=1", "train.remat=full",
+                                 "train.seq_len=32768", "model.max_seq_len=32768",
+                                 "model.attention_impl=pallas"),
     # DeepSeek-V3 16B-like (docs/deepseek.md): its first 3 layers (1 dense + 2 MoE of 64
     # experts, top-6, 2 shared) + its MTP module fit one GPU; attention auto (V's head size
     # differs from Q's: not cuDNN), experts' matmul auto (the Hopper grouped kernel on an H100).

@@ -65,11 +65,11 @@ def schedule(n: int, layout: str, causal: bool = True) -> list[list[tuple[Block,
   return [[blocks(layout, causal, i, (i - t) % n) for t in range(n)] for i in range(n)]
 
 
-def work(n: int, layout: str, seq_len: int, causal: bool = True) -> np.ndarray:
-  """Score elements (query x key pairs) each device computes for a sequence of `seq_len`."""
-  c = seq_len // (n * parts(layout))
-  return np.array([sum((b.q[1] - b.q[0]) * (b.k[1] - b.k[0]) * c * c for step in row
-                       for b in step) for row in schedule(n, layout, causal)])
+def work(n: int, layout: str, causal: bool = True) -> np.ndarray:
+  """Chunk x chunk score blocks (each (L / (n·parts))² query x key pairs) each device
+  computes."""
+  return np.array([sum((b.q[1] - b.q[0]) * (b.k[1] - b.k[0]) for step in row for b in step)
+                   for row in schedule(n, layout, causal)])
 
 
 def ring_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, axis_name: str, *,
@@ -90,7 +90,8 @@ def ring_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, axis
 
 def blocks_computed(q_BLHK, k_BSGK, v_BSGK, axis_name: str, *, layout: str = "zigzag",
                     causal: bool = True, block: BlockFns = blockwise_attention.JNP) -> jax.Array:
-  """Score elements this device computed in the forward it executes (for balance checks)."""
+  """Chunk x chunk score blocks this device computed in the forward it executes (for balance
+  checks; `work`'s unit)."""
   n = jax.lax.axis_size(axis_name)
   return _forward(q_BLHK, k_BSGK, v_BSGK, axis_name, n, layout, causal, block)[2]
 
@@ -143,7 +144,8 @@ def _forward(q, k, v, axis_name, n, layout, causal, block):
                                  blk.causal)
         mo, mlse = _merge(_rows(o, blk.q, p), _rows(lse, blk.q, p), bo, blse)
         o, lse = _set_rows(o, blk.q, p, mo), _set_rows(lse, blk.q, p, mlse)
-        done += (blk.q[1] - blk.q[0]) * (blk.k[1] - blk.k[0]) * (l // p) ** 2
+        # In chunk x chunk blocks: score elements overflow int32 at long context.
+        done += (blk.q[1] - blk.q[0]) * (blk.k[1] - blk.k[0])
       return o, lse, jnp.int32(done)
     return run
 
