@@ -304,6 +304,11 @@ class DataConfig:
   val_fraction: float = 0.01  # the corpus's share held out as the val split; 0: no eval
   seed: int = 0  # the shuffle of the training windows
   cache_dir: str | None = None  # tokenized corpora; None: ~/.cache/jscale
+  # Packed documents attend only to themselves and RoPE restarts at each (windows carry
+  # doc_starts; jscale.model.positions). Off by default: at the playbook's 4k windows Llama 3
+  # found it changes little, and cuDNN's fused attention has no document mask (on a GPU,
+  # attention_impl=auto then runs the flash kernel); turn it on for long context.
+  document_mask: bool = False
 
 
 @dataclasses.dataclass

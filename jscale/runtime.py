@@ -91,11 +91,11 @@ def resolve_attention(cfg: Config, mesh: Mesh) -> tuple[Config, str]:
     return cfg, ""
   device = mesh.devices.flat[0]
   ring = not whole_sequence(cfg.parallel.context_impl, mesh.shape["sequence"])
-  flash_tiles = not ring or device.platform != "gpu" or validate.flash_attention_why_not(
+  flash_tiles = device.platform != "gpu" or validate.flash_attention_why_not(
       _with_attention(cfg, "pallas"), dict(mesh.shape)) is None
   impl, why = attn_lib.auto_impl(device.platform, m.dtype, m.qk_head_dim, ring,
                                  flash_tiles, getattr(device, "compute_capability", None),
-                                 m.v_head_dim)
+                                 m.v_head_dim, cfg.data.document_mask)
   return _with_attention(cfg, impl), why
 
 

@@ -29,6 +29,16 @@ ACCUMULATE = [("train.microbatches=2", "train.remat=full"),
               ("train.microbatches=2", "train.remat=selective")]
 
 
+def doc_starts(rng, b: int, l: int, docs: int = 4) -> np.ndarray:
+  """int32 [b, l]: each row cut into `docs` documents of random lengths (`data.document_mask`'s
+  "doc_starts": the index of each token's document's first token)."""
+  out = np.zeros((b, l), np.int32)
+  for row in out:
+    for cut in np.sort(rng.choice(np.arange(1, l), docs - 1, replace=False)):
+      row[cut:] = cut
+  return out
+
+
 def batches(cfg, reorder=None, steps: int = STEPS):
   rng = np.random.default_rng(0)
   b, l = cfg.train.batch_size, cfg.train.seq_len
@@ -38,6 +48,8 @@ def batches(cfg, reorder=None, steps: int = STEPS):
     mask = np.ones((b, l), np.float32)
     mask[0, l // 2:] = 0.0
     batch = {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": mask}
+    if cfg.data.document_mask:
+      batch["doc_starts"] = doc_starts(rng, b, l)
     out.append(reorder(batch) if reorder else batch)
   return out
 

@@ -42,7 +42,7 @@ def make_train_iterator(data_cfg: DataConfig, seq_len: int, global_batch: int,
   """
   local = _local_batch(global_batch, process_index, process_count)
   splits = load_splits(data_cfg)
-  windows = _windows(splits.train, seq_len, splits.eos_id, "train")
+  windows = _windows(splits.train, seq_len, splits.eos_id, "train", data_cfg.document_mask)
   ds = grain.MapDataset.source(windows).shuffle(seed=_shuffle_seed(data_cfg.seed))
   # MapDataset.repeat folds the epoch into the shuffle seed: a fresh order every epoch.
   ds = ds.repeat()[process_index::process_count]
@@ -63,7 +63,8 @@ def make_eval_batches(data_cfg: DataConfig, seq_len: int, global_batch: int, num
   if len(stream) < 2:
     raise ConfigError(f"data.val_fraction={data_cfg.val_fraction} leaves no {split} tokens: "
                       "change data.val_fraction (e.g. 0.01), or set train.eval_every=0")
-  windows = _windows(stream, seq_len, splits.eos_id, "validation" if split == "val" else split)
+  windows = _windows(stream, seq_len, splits.eos_id, "validation" if split == "val" else split,
+                     data_cfg.document_mask)
   if num_batches == 0:
     num_batches = len(windows) // global_batch
     if num_batches == 0:
@@ -82,10 +83,12 @@ def make_eval_batches(data_cfg: DataConfig, seq_len: int, global_batch: int, num
   return batches
 
 
-def _windows(stream: np.ndarray, seq_len: int, pad_id: int, split: str) -> Windows:
+def _windows(stream: np.ndarray, seq_len: int, eos_id: int, split: str,
+             document_mask: bool) -> Windows:
   if seq_len <= 0:
     raise ConfigError(f"train.seq_len={seq_len} must be positive")
-  windows = Windows(stream, seq_len, pad_id)
+  # Padding is EOS too: each padded token is a document of its own, and never in the loss.
+  windows = Windows(stream, seq_len, eos_id, eos_id if document_mask else None)
   if len(windows) == 0:
     raise ConfigError(f"the {split} split has {len(stream)} tokens, too few for one example: "
                       "give more data (data.path) or change data.val_fraction")

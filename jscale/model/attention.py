@@ -27,13 +27,16 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jscale.model import blockwise_attention, matmul
+from jscale.model import positions as positions_lib
+from jscale.model.positions import Positions
 from pallas_kernels.flash_attention import flash_attention, ring_block
 
 
 def xla_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGV: jax.Array,
                   causal: bool = True, positions=None) -> jax.Array:
   """Plain einsum attention with fp32 scores and softmax: [B, L, H, Kv] (V's head size, here
-  V); `positions` = (pos_q [B, L], pos_k [B, S]) masks by position instead of by index."""
+  V); `positions` = (q's, k's), each a `positions.Positions` or its index array [B, L] / [B, S],
+  masks by position (and document: `positions.sees`) instead of by index."""
   b, l, h, k = q_BLHK.shape
   g = k_BSGK.shape[2]
   q_BLGRK = q_BLHK.reshape(b, l, g, h // g, k)
@@ -41,8 +44,8 @@ def xla_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGV: jax.Array,
   scores_BGRLS = matmul.einsum_f32("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK,
                                    q_BLHK.dtype) / jnp.sqrt(jnp.float32(k))
   if causal and positions is not None:
-    pos_q_BL, pos_k_BS = positions
-    mask_BLS = pos_q_BL[:, :, None] >= pos_k_BS[:, None, :]
+    mask_BLS = positions_lib.sees(*(p if isinstance(p, Positions) else Positions(p)
+                                    for p in positions))
     scores_BGRLS = jnp.where(mask_BLS[:, None, None], scores_BGRLS, jnp.finfo(jnp.float32).min)
   elif causal:
     s = k_BSGK.shape[1]
@@ -86,11 +89,13 @@ def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGV: jax.Array,
 
 def pallas_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
                      causal: bool = True, positions=None, interpret: bool = False,
-                     device: jax.Device | None = None) -> jax.Array:
+                     device: jax.Device | None = None,
+                     segment_ids: jax.Array | None = None) -> jax.Array:
   """Pallas flash attention (GPU, or the Pallas interpreter; GQA in the kernel; index-causal
-  only): the Hopper (Mosaic GPU) kernels where `pallas_backend` picks them for `device` (the
-  mesh's, from `Seam.kernel_device`; default this process's), else the portable
-  (Triton-lowered) ones. Runs on whole arrays: under a mesh call it through `Seam.kernel`."""
+  only, within `segment_ids` [B, L] (documents) if given): the Hopper (Mosaic GPU) kernels
+  where `pallas_backend` picks them for `device` (the mesh's, from `Seam.kernel_device`;
+  default this process's), else the portable (Triton-lowered) ones. Runs on whole arrays:
+  under a mesh call it through `Seam.kernel`."""
   if positions is not None:
     raise ValueError("pallas attention masks by index, not by token positions: under context "
                      "parallelism the model's seam runs it as the ring's block function")
@@ -98,9 +103,11 @@ def pallas_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
                               None if interpret else compute_capability(device))
   if backend == "hopper":
     from pallas_kernels.flash_attention import hopper
-    out = hopper.flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal)
+    out = hopper.flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal,
+                                 segment_ids=segment_ids)
   else:
-    out = flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal, interpret=interpret)
+    out = flash_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal, segment_ids=segment_ids,
+                          interpret=interpret)
   assert isinstance(out, jax.Array)  # (out, lse) comes only with return_lse
   return out
 
@@ -165,15 +172,21 @@ def cudnn_applies(dtype, head_dim: int, compute_capability: str | None = None,
 
 def auto_impl(platform: str, dtype, head_dim: int, context_parallel: bool = False,
               flash_tiles: bool = True, compute_capability: str | None = None,
-              v_head_dim: int | None = None) -> tuple[str, str]:
+              v_head_dim: int | None = None, documents: bool = False) -> tuple[str, str]:
   """(impl, why) that `model.attention_impl: auto` runs: under context parallelism the ring
   (its blocks the Pallas flash kernel on GPU where it tiles them, else plain jnp); on a GPU
-  cuDNN's fused flash attention where it applies; plain XLA otherwise (CPU)."""
+  cuDNN's fused flash attention where it applies, or with `documents` masked (which cuDNN
+  cannot) the flash kernel where it tiles; plain XLA otherwise (CPU)."""
   if context_parallel:
     if platform == "gpu" and flash_tiles:
       return "pallas", "mesh.sequence > 1 on GPU: ring attention, flash-kernel blocks"
     return "ring", "mesh.sequence > 1: ring attention" + (
         ", plain blocks (the flash kernel does not tile them)" if platform == "gpu" else "")
+  if platform == "gpu" and documents:
+    if flash_tiles:
+      return "pallas", "data.document_mask on GPU: the flash kernel (cuDNN has no document mask)"
+    return "xla", ("data.document_mask on GPU: plain XLA (cuDNN has no document mask and the "
+                   "flash kernel does not tile these shapes)")
   if platform == "gpu":
     why_not = cudnn_applies(dtype, head_dim, compute_capability, v_head_dim)
     if why_not is None:

@@ -3,9 +3,9 @@
 One of the block's swappable attention modules (`jscale.model.llama.Block`): constructed as
 `GQA(cfg, rngs, dot_general=...)` (each projection's product is
 `matmul.for_linear(dot_general, <weight name>)`), called as
-`(h_BLD, positions_BL, inv_freq, comms) -> out_BLD` on the normed input inside the
-tensor-parallel region; the output is the row-parallel partial sum the block takes out of the
-region. `cached` is the generation path (a KV cache, `jscale.model.kv_cache`).
+`(h_BLD, positions, inv_freq, comms) -> out_BLD` (`positions.Positions`) on the normed input
+inside the tensor-parallel region; the output is the row-parallel partial sum the block takes
+out of the region. `cached` is the generation path (a KV cache, `jscale.model.kv_cache`).
 
 Shape suffixes: B batch, L sequence, D d_model, H query heads, G kv heads, K head dim.
 """
@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jscale.config import ModelConfig
 from jscale.model import kv_cache, matmul
 from jscale.model.layers import einsum, param
+from jscale.model.positions import Positions
 from jscale.model.rope import apply_rope
 from jscale.model.seam import LOCAL, EntersTensorParallel, Seam
 
@@ -42,11 +43,10 @@ class GQA(EntersTensorParallel, nnx.Module):
     self.wq_dot, self.wk_dot, self.wv_dot, self.wo_dot = (
         matmul.for_linear(dot_general, n) for n in ("wq", "wk", "wv", "wo"))
 
-  def __call__(self, h_BLD: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array,
+  def __call__(self, h_BLD: jax.Array, positions: Positions, inv_freq: jax.Array,
                comms: Seam) -> jax.Array:
-    q, k, v = self.project(h_BLD, positions_BL, inv_freq, comms)
-    ctx_BLHK = comms.attention(q, k, v, positions_BL, self.attention_impl,
-                               self.kernel_interpret)
+    q, k, v = self.project(h_BLD, positions.rope_BL, inv_freq, comms)
+    ctx_BLHK = comms.attention(q, k, v, positions, self.attention_impl, self.kernel_interpret)
     return self.output(ctx_BLHK, comms)
 
   def project(self, h_BLD: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array,

@@ -26,6 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jscale.config import ModelConfig
 from jscale.model import kv_cache, matmul, rope
+from jscale.model import positions as positions_lib
 from jscale.model import remat as remat_lib
 from jscale.model.gqa import GQA
 from jscale.model.layers import RMSNorm, param
@@ -33,6 +34,7 @@ from jscale.model.mla import MLA
 from jscale.model.mlp import Mlp
 from jscale.model.moe import MoE
 from jscale.model.mtp import MtpModule, shift
+from jscale.model.positions import Positions
 from jscale.model.seam import LOCAL, EntersTensorParallel, Seam
 
 
@@ -45,7 +47,7 @@ class AttentionModule(Protocol):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *,
                dot_general: matmul.DotGeneral = jax.lax.dot_general) -> None: ...
 
-  def __call__(self, h_BLD: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array,
+  def __call__(self, h_BLD: jax.Array, positions: Positions, inv_freq: jax.Array,
                comms: Seam) -> jax.Array: ...
 
 
@@ -102,9 +104,9 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.dtype, pd, **norm)
     self.mlp = mlp(cfg, rngs, dot_general=dot_general)
 
-  def __call__(self, x_BLD, positions_BL, inv_freq, comms: Seam):
+  def __call__(self, x_BLD, positions: Positions, inv_freq, comms: Seam):
     h_BLD = _enter(self.attn, comms, self.attn_norm(x_BLD, comms))
-    out_BLD = _leave(self.attn, comms, self.attn(h_BLD, positions_BL, inv_freq, comms))
+    out_BLD = _leave(self.attn, comms, self.attn(h_BLD, positions, inv_freq, comms))
     # Outputs are named once out of the tensor-parallel region: `selective` keeps the reduced
     # sums (1/t of them under SP), so recomputing the MLP's norm input redoes no all-reduce.
     out_BLD = checkpoint_name(out_BLD, "attn_out")
@@ -144,14 +146,14 @@ class MoeGroup(nnx.Module):
     self.dense_count = every - 1
     self.moe_block = Block(cfg, rngs, **modules)
 
-  def __call__(self, x_BLD, positions_BL, inv_freq, comms: Seam):
+  def __call__(self, x_BLD, positions: Positions, inv_freq, comms: Seam):
     graphdef, stacked = nnx.split(self.dense)
 
     def dense(x_BLD, state):
-      return nnx.merge(graphdef, state)(x_BLD, positions_BL, inv_freq, comms)[0], None
+      return nnx.merge(graphdef, state)(x_BLD, positions, inv_freq, comms)[0], None
 
     x_BLD, _ = jax.lax.scan(dense, x_BLD, stacked)
-    return self.moe_block(x_BLD, positions_BL, inv_freq, comms)
+    return self.moe_block(x_BLD, positions, inv_freq, comms)
 
   def cached(self, x_BLD, positions_BL, inv_freq, cache: kv_cache.Cache, group: jax.Array,
              prefill: bool) -> tuple[jax.Array, kv_cache.Cache]:
@@ -222,30 +224,30 @@ class Llama(nnx.Module):
 
       self.mtp = make_mtp(rngs)
 
-  def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
+  def __call__(self, tokens_BL: jax.Array, positions: Positions | jax.Array | None = None, *,
                comms: Seam = LOCAL, remat: str = "none") -> jax.Array:
-    return self.forward(tokens_BL, positions_BL, comms=comms, remat=remat)[0]
+    return self.forward(tokens_BL, positions, comms=comms, remat=remat)[0]
 
-  def forward(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
+  def forward(self, tokens_BL: jax.Array, positions: Positions | jax.Array | None = None, *,
               comms: Seam = LOCAL, remat: str = "none") -> tuple[jax.Array, dict]:
     """(fp32 logits [B, L, V], MoE router statistics averaged over layers; {} if dense)."""
-    x_BLD, stats, embed_VD = self.trunk(tokens_BL, positions_BL, comms=comms, remat=remat)
+    x_BLD, stats, embed_VD = self.trunk(tokens_BL, positions, comms=comms, remat=remat)
     return self.logits(x_BLD, comms, embed_VD), stats
 
-  def trunk(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
+  def trunk(self, tokens_BL: jax.Array, positions: Positions | jax.Array | None = None, *,
             comms: Seam = LOCAL, remat: str = "none") -> tuple[jax.Array, dict, jax.Array]:
     """Embedding and layers: (hidden states [B, L, D] before the final norm, MoE statistics,
-    the embedding table in the compute dtype, which a tied head reuses)."""
-    if positions_BL is None:
-      positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
+    the embedding table in the compute dtype, which a tied head reuses). `positions`: the
+    tokens' (`positions.resolve`: None for tokens in order, one document per row)."""
+    positions = positions_lib.resolve(positions, tokens_BL.shape)
     # Weights outside the layer stack also go through the seam (ZeRO-3 stores them as shards).
     # They are gathered once per step: the embedding's backward (a scatter-add) does not need
     # the table, and the head's backward runs right after its forward.
     embed_VD = comms.gather_params(self.embed, self.cfg.dtype)[...]
-    x_BLD = self.dense_prefix(self.embed_tokens(tokens_BL, comms, embed_VD), positions_BL,
+    x_BLD = self.dense_prefix(self.embed_tokens(tokens_BL, comms, embed_VD), positions,
                               comms, remat)
     graphdef, weights, dot_state = nnx.split(self.blocks, nnx.Param, ...)
-    x_BLD, stats = run_layers(graphdef, weights, x_BLD, positions_BL, self.cfg, comms, remat,
+    x_BLD, stats = run_layers(graphdef, weights, x_BLD, positions, self.cfg, comms, remat,
                               with_stats=True, dot_state=dot_state)
     return x_BLD, stats, embed_VD
 
@@ -274,10 +276,10 @@ class Llama(nnx.Module):
       first += n
     return x_BLD, cache
 
-  def dense_prefix(self, x_BLD: jax.Array, positions_BL: jax.Array, comms: Seam = LOCAL,
+  def dense_prefix(self, x_BLD: jax.Array, positions: Positions, comms: Seam = LOCAL,
                    remat: str = "none") -> jax.Array:
     """The leading dense layers (`model.moe.first_dense`; identity without), a scan whose
-    weights are gathered once per call (ZeRO-3), like the embedding's. `positions_BL`: the
+    weights are gathered once per call (ZeRO-3), like the embedding's. `positions`: the
     whole sequence's (under SP `x_BLD` holds a part of it)."""
     if not self.cfg.first_dense:
       return x_BLD
@@ -286,14 +288,14 @@ class Llama(nnx.Module):
     inv_freq = rope.for_model(self.cfg)
 
     def layer(x_BLD, inputs):
-      return nnx.merge(graphdef, *inputs)(x_BLD, positions_BL, inv_freq, comms)[0], None
+      return nnx.merge(graphdef, *inputs)(x_BLD, positions, inv_freq, comms)[0], None
 
     layer = remat_lib.checkpointed(layer, remat, self.cfg)
     with jax.named_scope("dense_prefix"):
       return jax.lax.scan(layer, x_BLD, (weights, rest))[0]
 
   def mtp_hidden(self, x_BLD: jax.Array, labels_BL: jax.Array,
-                 positions_BL: jax.Array | None = None, comms: Seam = LOCAL,
+                 positions: Positions | jax.Array | None = None, comms: Seam = LOCAL,
                  remat: str = "none", embed_VD: jax.Array | None = None) -> list[jax.Array]:
     """The multi-token prediction modules' outputs (`jscale.model.mtp`), one [B, L, D] per
     depth d = 1..D, after their final norms: what the shared head reads to predict token
@@ -301,8 +303,8 @@ class Llama(nnx.Module):
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     if cfg.mtp is None:
       raise ValueError("multi-token prediction needs model.mtp")
-    if positions_BL is None:  # from the labels: under SP x_BLD holds 1/t of the sequence
-      positions_BL = jnp.broadcast_to(jnp.arange(labels_BL.shape[1]), labels_BL.shape)
+    # From the labels' shape: under SP x_BLD holds 1/t of the sequence.
+    positions = positions_lib.resolve(positions, labels_BL.shape)
     if embed_VD is None:
       embed_VD = comms.gather_params(self.embed, dt)[...]
     norm_graphdef, norm_state = nnx.split(self.final_norm)
@@ -314,7 +316,7 @@ class Llama(nnx.Module):
     def depth(h_BLD, inputs):
       w, r, tokens_BL = inputs
       e_BLD = self.embed_tokens(tokens_BL, comms, embed_VD)
-      return nnx.merge(graphdef, w, r)(h_BLD, e_BLD, positions_BL, inv_freq, comms)
+      return nnx.merge(graphdef, w, r)(h_BLD, e_BLD, positions, inv_freq, comms)
 
     depth = remat_lib.checkpointed(depth, remat, cfg)
     out = []
@@ -369,7 +371,7 @@ class Llama(nnx.Module):
     return comms.activation(logits_BLV, ("batch", "seq", "vocab"))
 
 
-def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, positions_BL: jax.Array,
+def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, positions: Positions,
                cfg: ModelConfig, comms: Seam = LOCAL, remat: str = "none",
                with_stats: bool = False, dot_state=None, unroll: bool = False):
   """The blocks of `stacked` (weights with a leading layers axis: the whole stack, or one
@@ -384,7 +386,7 @@ def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, position
   def layer(x_BLD, inputs):
     weights, dots = inputs
     block = nnx.merge(block_graphdef, comms.gather_layer(weights, dt), *dots)
-    return block(x_BLD, positions_BL, inv_freq, comms)
+    return block(x_BLD, positions, inv_freq, comms)
 
   layer = remat_lib.checkpointed(layer, remat, cfg)
   dots = () if dot_state is None else (dot_state,)

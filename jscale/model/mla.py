@@ -40,6 +40,7 @@ from jscale.config import ModelConfig
 from jscale.model import attention as attn_lib
 from jscale.model import kv_cache, matmul, rope
 from jscale.model.layers import RMSNorm, einsum, param
+from jscale.model.positions import Positions
 from jscale.model.seam import LOCAL, Seam
 
 LATENT_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm eps
@@ -79,11 +80,10 @@ class MLA(nnx.Module):
   def _einsum(self, spec: str, x: jax.Array, w: str, comms: Seam) -> jax.Array:
     return einsum(spec, x, getattr(self, w), self.dtype, self.dots[w], comms)
 
-  def __call__(self, h_BLD: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array,
+  def __call__(self, h_BLD: jax.Array, positions: Positions, inv_freq: jax.Array,
                comms: Seam) -> jax.Array:
-    q, k, v = self.project(h_BLD, positions_BL, inv_freq, comms)
-    ctx_BLHV = comms.attention(q, k, v, positions_BL, self.attention_impl,
-                               self.kernel_interpret)
+    q, k, v = self.project(h_BLD, positions.rope_BL, inv_freq, comms)
+    ctx_BLHV = comms.attention(q, k, v, positions, self.attention_impl, self.kernel_interpret)
     return self.output(ctx_BLHV, comms)
 
   def latents(self, h_BLD: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array,

@@ -30,6 +30,7 @@ from flax import nnx
 from jscale.config import ModelConfig
 from jscale.model import matmul
 from jscale.model.layers import RMSNorm, einsum, param
+from jscale.model.positions import Positions
 from jscale.model.seam import Seam
 
 
@@ -56,12 +57,12 @@ class MtpModule(nnx.Module):
     self.dtype = cfg.dtype
     self.eh_dot = matmul.for_linear(dot_general, "eh_proj")
 
-  def __call__(self, h_BLD: jax.Array, e_BLD: jax.Array, positions_BL: jax.Array,
+  def __call__(self, h_BLD: jax.Array, e_BLD: jax.Array, positions: Positions,
                inv_freq: jax.Array, comms: Seam) -> jax.Array:
     """h^d (after the module's final norm) from h^{d-1} and the embedded tokens t_{i+d}."""
     x_BLX = jnp.concatenate([self.enorm(e_BLD, comms), self.hnorm(h_BLD, comms)], axis=-1)
     x_BLD = einsum("BLX,XD->BLD", x_BLX, self.eh_proj, self.dtype, self.eh_dot, comms)
     x_BLD = comms.activation(x_BLD, ("batch", "res_seq", "embed"))
-    x_BLD, _ = self.block(x_BLD, positions_BL, inv_freq, comms)
+    x_BLD, _ = self.block(x_BLD, positions, inv_freq, comms)
     # RMSNorm returns (x, h) only when given a residual.
     return self.norm(x_BLD, comms)  # pyright: ignore[reportReturnType]

@@ -21,12 +21,18 @@ import jax.numpy as jnp
 
 from jscale.model import attention as attn_lib
 from jscale.model import moe_dispatch
+from jscale.model.positions import Positions
 
 Names = Sequence[str | None]
 
 # checkpoint_name of whole weights gathered for ZeRO-3: never saved for the backward (which
 # gathers again), or the forward would keep every layer's full weights alive, undoing ZeRO-3.
 GATHERED = "zero3_gathered_params"
+
+
+def _pallas(q_BLHK, k_BSGK, v_BSGK, docs_BL=None, *, interpret: bool, device):
+  return attn_lib.pallas_attention(q_BLHK, k_BSGK, v_BSGK, interpret=interpret, device=device,
+                                   segment_ids=docs_BL)
 
 
 class EntersTensorParallel:
@@ -102,22 +108,27 @@ class Seam:
   # ---------------------------------------------------------------- attention (CP)
 
   def attention(self, q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
-                positions_BL: jax.Array, impl: str, interpret: bool = False) -> jax.Array:
+                positions: Positions, impl: str, interpret: bool = False) -> jax.Array:
     """Causal self-attention of the sequence (split over `sequence` under context parallelism:
-    K/V all-gathered, or a ring). `positions_BL` are the tokens' positions in their sequence.
-    `interpret`: run a Pallas impl in the Pallas interpreter."""
-    del positions_BL  # one device (or no context parallelism): tokens are in order
+    K/V all-gathered, a ring, or Ulysses' all-to-alls), within each token's document
+    (`positions.Positions`: where the tokens sit). `interpret`: run a Pallas impl in the Pallas
+    interpreter."""
+    # One device (or no context parallelism): tokens are in order, so only documents mask.
+    docs_BL = positions.start_BL
     impl = attn_lib.local_impl(impl, q_BLHK, v_BSGK)
     if impl in attn_lib.KERNEL_IMPLS:  # kernels: run on each device's shards of batch and heads
       # (cuDNN too: a custom call inside GSPMD regions such as a pipeline stage, and only ever
       # per-device work, so it gets the same per-shard dispatch as the Pallas kernel)
-      fn = (functools.partial(attn_lib.pallas_attention, interpret=interpret,
-                              device=self.kernel_device())
+      names = [attn_lib.Q_NAMES, attn_lib.KV_NAMES, attn_lib.KV_NAMES]
+      args = [q_BLHK, k_BSGK, v_BSGK]
+      if docs_BL is not None:  # `validate` refuses cuDNN here (it has no document mask)
+        names, args = names + [("batch", "seq")], args + [docs_BL]
+      fn = (functools.partial(_pallas, interpret=interpret, device=self.kernel_device())
             if impl == "pallas" else attn_lib.cudnn_attention)
-      names = (attn_lib.Q_NAMES, attn_lib.KV_NAMES, attn_lib.KV_NAMES)
       # Not named "attn_ctx": the policy saves the kernel's outputs (`attn_lib.KERNEL_IMPLS`).
-      return self.kernel(fn, (q_BLHK, k_BSGK, v_BSGK), names, attn_lib.Q_NAMES)
-    return attn_lib.attention(q_BLHK, k_BSGK, v_BSGK, impl)
+      return self.kernel(fn, args, names, attn_lib.Q_NAMES)
+    return attn_lib.attention(q_BLHK, k_BSGK, v_BSGK, impl,
+                              positions=None if docs_BL is None else (positions, positions))
 
   # ---------------------------------------------------------------- tensor parallelism
 

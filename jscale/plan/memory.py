@@ -128,8 +128,8 @@ def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: 
     ZeRO-3 gathers them again).
   Ulysses context parallelism keeps the attention output twice (before and after its
   all-to-all). Tensor parallelism splits heads and f (not the MoE's routing or rows); sequence
-  parallelism also the [h] terms. Dropless MoE in xla mode over `expert` / `tensor` (GShard's slot buffer,
-  one slot per token and expert) keeps E / k times the rows: not modelled.
+  parallelism also the [h] terms. Dropless MoE in xla mode over `expert` / `tensor` (GShard's
+  slot buffer, one slot per token and expert) keeps E / k times the rows: not modelled.
   """
   c = jnp.dtype(model.dtype).itemsize
   d, t = model.d_model, lay.tensor

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jscale.model import matmul, mtp
+from jscale.model.positions import Positions
 from jscale.model.seam import LOCAL, Seam
 
 LOGITS_NAMES = ("batch", "seq", "vocab")
@@ -169,7 +170,7 @@ def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int,
 
 
 def mtp_terms(model, x_BLD: jax.Array, labels_BL: jax.Array, mask_BL: jax.Array,
-              positions_BL: jax.Array | None = None, comms: Seam = LOCAL,
+              positions: Positions | jax.Array | None = None, comms: Seam = LOCAL,
               remat: str = "none", budget_mb: float = 0.0, embed_VD: jax.Array | None = None,
               head_DV: jax.Array | None = None) -> dict[str, jax.Array]:
   """Multi-token prediction's terms for one micro-batch (`jscale.model.mtp`), token sums over
@@ -181,7 +182,7 @@ def mtp_terms(model, x_BLD: jax.Array, labels_BL: jax.Array, mask_BL: jax.Array,
   if head_DV is None:
     head_DV = model.head_inputs(x_BLD, comms, embed_VD)[1]
   sums = []
-  for d, h_BLD in enumerate(model.mtp_hidden(x_BLD, labels_BL, positions_BL, comms, remat,
+  for d, h_BLD in enumerate(model.mtp_hidden(x_BLD, labels_BL, positions, comms, remat,
                                               embed_VD), start=1):
     h_BLD = comms.enter_tensor_parallel(h_BLD).astype(head_DV.dtype)
     sums.append(head_loss_sums(h_BLD, head_DV, mtp.shift(labels_BL, d), mtp.shift(mask_BL, d),

@@ -18,6 +18,7 @@ from flax import nnx
 from jscale.config import Config, ModelConfig, PipelineConfig
 from jscale.model import llama
 from jscale.model import moe as moe_lib
+from jscale.model import positions as positions_lib
 from jscale.parallel.comms import Comms
 from jscale.parallel.pipeline import executor, placement, schedules
 from jscale.parallel.pipeline import program as prog_lib
@@ -61,17 +62,15 @@ def stage_fns(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
   model = lambda shared: nnx.merge(graphdef, {**shared, "blocks": params["blocks"]}, *extra)
   block_graphdef = nnx.split(nnx.merge(graphdef, params, *extra).blocks)[0]
 
-  def embed(shared, tokens_bL):  # and the dense prefix (model.moe.first_dense), if any
+  def embed(shared, tokens_bL, positions):  # and the dense prefix (model.moe.first_dense)
     m = model(shared)
-    # (No context parallelism in a pipeline: positions are the tokens' indices.)
-    positions_bL = jnp.broadcast_to(jnp.arange(tokens_bL.shape[1]), tokens_bL.shape)
-    return m.dense_prefix(m.embed_tokens(tokens_bL, comms), positions_bL, comms, s.remat)
+    return m.dense_prefix(m.embed_tokens(tokens_bL, comms), positions, comms, s.remat)
 
   moe = s.model.moe
   stack = s.model.stack_layers // (moe.every if moe is not None else 1)
 
-  def layers(chunk, dots, x_bLD, positions_bL):
-    y, stats = llama.run_layers(block_graphdef, chunk, x_bLD, positions_bL, s.model, comms,
+  def layers(chunk, dots, x_bLD, positions):
+    y, stats = llama.run_layers(block_graphdef, chunk, x_bLD, positions, s.model, comms,
                                 s.remat, with_stats=True, dot_state=dots or None,
                                 unroll=unroll)
     if moe is None:
@@ -80,29 +79,25 @@ def stage_fns(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
     share = jax.tree.leaves(chunk)[0].shape[0] / (stack * s.pipeline.microbatches)
     return y, moe_lib.with_objective(jax.tree.map(lambda v: v * share, stats), moe)
 
-  def head_loss(shared, x_bLD, labels_bL, mask_bL):
+  def head_loss(shared, x_bLD, labels_bL, mask_bL, positions):
     m = model(shared)
     h_bLD, head_DV = m.head_inputs(x_bLD, comms)
     loss, _ = head_loss_sums(h_bLD, head_DV, labels_bL, mask_bL, comms, s.logits_chunk_mb,
                              m.head_dot)
     if s.model.mtp is None:
       return loss, 0.0, {}
-    # (A pipeline has no context parallelism: positions are the tokens' indices.) Token sums,
-    # as the loss: the executor scales all three by the step's 1 / token count.
-    terms = mtp_terms(m, x_bLD, labels_bL, mask_bL, None, comms, s.remat, s.logits_chunk_mb,
-                      head_DV=head_DV)
+    # Token sums, as the loss: the executor scales all three by the step's 1 / token count.
+    terms = mtp_terms(m, x_bLD, labels_bL, mask_bL, positions, comms, s.remat,
+                      s.logits_chunk_mb, head_DV=head_DV)
     return loss, terms["mtp_objective"], {"mtp_loss": terms["mtp_loss"]}
 
   return executor.StageFns(embed, layers, head_loss)
 
 
 def _microbatches(s: Settings, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  tokens = batch["tokens"]
-  positions = batch.get("positions")
-  if positions is None:
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  mb = {"tokens": tokens, "labels": batch["labels"], "loss_mask": batch["loss_mask"],
-        "positions": positions}
+  # (No context parallelism in a pipeline: the indices are the tokens' own.)
+  mb = {"tokens": batch["tokens"], "labels": batch["labels"], "loss_mask": batch["loss_mask"],
+        "positions": positions_lib.from_batch(batch)}
   return split_microbatches(mb, s.pipeline.microbatches)
 
 

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jscale.config import Config
 from jscale.model import moe as moe_lib
+from jscale.model import positions as positions_lib
 from jscale.optim import lr_schedule, make_optimizer
 from jscale.parallel.comms import LOCAL, Comms
 from jscale.step import pipelined, router_bias
@@ -38,7 +39,8 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
   def loss_fn(params, mb: Batch, comms: Comms = comms, dot_state: Any = None):
     with jax.named_scope("forward"):
       model = merge(graphdef, params, dot_state)
-      x_BLD, stats, embed_VD = model.trunk(mb["tokens"], mb.get("positions"), comms=comms,
+      positions = positions_lib.from_batch(mb)
+      x_BLD, stats, embed_VD = model.trunk(mb["tokens"], positions, comms=comms,
                                            remat=cfg.train.remat)
       h_BLD, head_DV = model.head_inputs(x_BLD, comms, embed_VD)
       loss_sum, count = head_loss_sums(h_BLD, head_DV, mb["labels"], mb["loss_mask"], comms,
@@ -47,7 +49,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
       stats = moe_lib.with_objective(stats, moe) if moe is not None else stats
       if cfg.model.mtp is not None:
         stats = {**stats, **mtp_terms(model, x_BLD, mb["labels"], mb["loss_mask"],
-                                      mb.get("positions"), comms, cfg.train.remat,
+                                      positions, comms, cfg.train.remat,
                                       cfg.train.logits_chunk_mb, embed_VD, head_DV)}
     return loss_sum, count, stats
 

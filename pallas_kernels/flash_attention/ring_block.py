@@ -19,18 +19,20 @@ def _config(q, k, v, causal: bool, interpret: bool, blocks: BlockSizes) -> Confi
 
 
 def block_fns(interpret: bool = False, block_sizes: BlockSizes = BlockSizes()):
-  """(forward, backward) for `BlockFns`: forward(q, k, v, causal) -> (out fp32 [B, L, H, Kv],
-  lse [B, L, H]); backward(q, k, v, dout, lse, delta, causal) -> fp32 (dq, dk, dv)."""
+  """(forward, backward) for `BlockFns`: forward(q, k, v, causal, q_seg, kv_seg) -> (out fp32
+  [B, L, H, Kv], lse [B, L, H]); backward(q, k, v, dout, lse, delta, causal, q_seg, kv_seg)
+  -> fp32 (dq, dk, dv); the segment ids [B, L] / [B, S] (documents) or None."""
 
-  def forward(q_BLHK, k_BSGK, v_BSGK, causal: bool):
+  def forward(q_BLHK, k_BSGK, v_BSGK, causal: bool, q_seg_BL=None, kv_seg_BS=None):
     cfg = _config(q_BLHK, k_BSGK, v_BSGK, causal, interpret, block_sizes)
-    out, lse_BHL = kernel.forward(q_BLHK, k_BSGK, v_BSGK, None, None, cfg)
+    out, lse_BHL = kernel.forward(q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, cfg)
     return out.astype(jnp.float32), lse_BHL.transpose(0, 2, 1)
 
-  def backward(q_BLHK, k_BSGK, v_BSGK, dout_BLHK, lse_BLH, delta_BLH, causal: bool):
+  def backward(q_BLHK, k_BSGK, v_BSGK, dout_BLHK, lse_BLH, delta_BLH, causal: bool,
+               q_seg_BL=None, kv_seg_BS=None):
     cfg = _config(q_BLHK, k_BSGK, v_BSGK, causal, interpret, block_sizes)
     grads = kernel.backward_from_stats(
-        q_BLHK, k_BSGK, v_BSGK, None, None, lse_BLH.transpose(0, 2, 1),
+        q_BLHK, k_BSGK, v_BSGK, q_seg_BL, kv_seg_BS, lse_BLH.transpose(0, 2, 1),
         delta_BLH.transpose(0, 2, 1), dout_BLHK.astype(q_BLHK.dtype), cfg)
     return tuple(g.astype(jnp.float32) for g in grads)
 

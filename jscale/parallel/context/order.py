@@ -4,8 +4,8 @@ With the sequence split over n devices, the batch's sequence axis is laid out co
 the mesh: device i gets slots [i*L/n, (i+1)*L/n). `token_order` says which original position
 sits in each slot. Zig-zag cuts the sequence into 2n chunks and places chunks i and 2n-1-i on
 device i, so that causal attention costs every device the same. The pipeline permutes tokens,
-labels and loss mask together once at load and adds the RoPE `positions`; since the loss is a
-masked sum over tokens, it is unchanged.
+labels and loss mask (and document starts) together once at load and adds the tokens'
+`positions`; since the loss is a masked sum over tokens, it is unchanged.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 
 # parallel.context_layout's values (a test keeps them equal to the config's Literal).
 LAYOUTS = ("zigzag", "contiguous")
-_PERMUTED = ("tokens", "labels", "loss_mask")
+_PERMUTED = ("tokens", "labels", "loss_mask", "doc_starts")
 
 
 def chunks_per_device(layout: str) -> int:

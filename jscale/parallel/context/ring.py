@@ -74,18 +74,21 @@ def work(n: int, layout: str, causal: bool = True) -> np.ndarray:
 
 def ring_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, axis_name: str, *,
                    layout: str = "zigzag", causal: bool = True,
-                   block: BlockFns = blockwise_attention.JNP) -> jax.Array:
+                   block: BlockFns = blockwise_attention.JNP,
+                   docs_BL: jax.Array | None = None) -> jax.Array:
   """Causal attention of this device's sequence slice against the whole sequence.
 
   Call inside `shard_map` with the sequence split over `axis_name` in `layout` order; GQA k
-  [B, S, G, K] and v [B, S, G, Kv] (G dividing H; V's head size may differ from K's). Returns
-  [B, L, H, Kv] in q's dtype.
+  [B, S, G, K] and v [B, S, G, Kv] (G dividing H; V's head size may differ from K's).
+  `docs_BL`: this slice's tokens' documents (`jscale.model.positions`; they travel the ring with
+  K/V), masking pairs across documents; None: one document per row. Returns [B, L, H, Kv] in
+  q's dtype.
   """
   n = jax.lax.axis_size(axis_name)
   if q_BLHK.shape[1] % parts(layout):
     raise ValueError(f"local sequence {q_BLHK.shape[1]} is not divisible into "
                      f"{parts(layout)} {layout} chunks")
-  return _ring(q_BLHK, k_BSGK, v_BSGK, axis_name, n, layout, causal, block)
+  return _ring(q_BLHK, k_BSGK, v_BSGK, docs_BL, axis_name, n, layout, causal, block)
 
 
 def blocks_computed(q_BLHK, k_BSGK, v_BSGK, axis_name: str, *, layout: str = "zigzag",
@@ -93,7 +96,7 @@ def blocks_computed(q_BLHK, k_BSGK, v_BSGK, axis_name: str, *, layout: str = "zi
   """Chunk x chunk score blocks this device computed in the forward it executes (for balance
   checks; `work`'s unit)."""
   n = jax.lax.axis_size(axis_name)
-  return _forward(q_BLHK, k_BSGK, v_BSGK, axis_name, n, layout, causal, block)[2]
+  return _forward(q_BLHK, k_BSGK, v_BSGK, None, axis_name, n, layout, causal, block)[2]
 
 
 # ------------------------------------------------------------------ executor
@@ -132,16 +135,20 @@ def _next(x, axis_name: str, n: int):
   return jax.lax.ppermute(x, axis_name, [(i, (i + 1) % n) for i in range(n)])
 
 
-def _forward(q, k, v, axis_name, n, layout, causal, block):
+def _docs(docs, r: tuple[int, int], p: int):
+  return None if docs is None else _rows(docs, r, p)
+
+
+def _forward(q, k, v, docs, axis_name, n, layout, causal, block):
   p, (cases, ids) = parts(layout), _cases(n, layout, causal)
   b, l, h, _ = q.shape
 
   def branch(case):
-    def run(o, lse, k, v):
+    def run(o, lse, k, v, kdocs):
       done = 0
       for blk in case:
         bo, blse = block.forward(_rows(q, blk.q, p), _rows(k, blk.k, p), _rows(v, blk.k, p),
-                                 blk.causal)
+                                 blk.causal, _docs(docs, blk.q, p), _docs(kdocs, blk.k, p))
         mo, mlse = _merge(_rows(o, blk.q, p), _rows(lse, blk.q, p), bo, blse)
         o, lse = _set_rows(o, blk.q, p, mo), _set_rows(lse, blk.q, p, mlse)
         # In chunk x chunk blocks: score elements overflow int32 at long context.
@@ -151,33 +158,35 @@ def _forward(q, k, v, axis_name, n, layout, causal, block):
 
   branches = [branch(c) for c in cases]
 
-  def compute(t, o, lse, k, v):
-    return jax.lax.switch(_step_case(axis_name, ids, t), branches, o, lse, k, v)
+  def compute(t, o, lse, kv):
+    return jax.lax.switch(_step_case(axis_name, ids, t), branches, o, lse, *kv)
 
   def body(carry, t):
-    o, lse, k, v, done = carry
-    k_next, v_next = _next((k, v), axis_name, n)  # independent of this step's compute: overlaps
-    o, lse, d = compute(t, o, lse, k, v)
-    return (o, lse, k_next, v_next, done + d), None
+    o, lse, kv, done = carry
+    kv_next = _next(kv, axis_name, n)  # independent of this step's compute: overlaps
+    o, lse, d = compute(t, o, lse, kv)
+    return (o, lse, kv_next, done + d), None
 
   o = jnp.zeros((b, l, h, v.shape[-1]), jnp.float32)  # V's head size
   lse = jnp.full((b, l, h), _EMPTY_LSE, jnp.float32)
-  (o, lse, k, v, done), _ = jax.lax.scan(body, (o, lse, k, v, jnp.int32(0)), jnp.arange(n - 1))
-  o, lse, d = compute(n - 1, o, lse, k, v)
+  kv = (k, v, docs)  # the documents of the K/V, travelling with them
+  (o, lse, kv, done), _ = jax.lax.scan(body, (o, lse, kv, jnp.int32(0)), jnp.arange(n - 1))
+  o, lse, d = compute(n - 1, o, lse, kv)
   return o, lse, done + d
 
 
-def _backward(q, k, v, o, lse, dout, axis_name, n, layout, causal, block):
+def _backward(q, k, v, docs, o, lse, dout, axis_name, n, layout, causal, block):
   p, (cases, ids) = parts(layout), _cases(n, layout, causal)
   delta = jnp.sum(dout.astype(jnp.float32) * o, axis=-1)  # [B, L, H]
 
   def branch(case):
-    def run(dq, dk, dv, k, v):
+    def run(dq, dk, dv, k, v, kdocs):
       for blk in case:
         qr = lambda x: _rows(x, blk.q, p)
         kr = lambda x: _rows(x, blk.k, p)
         bdq, bdk, bdv = block.backward(qr(q), kr(k), kr(v), qr(dout), qr(lse), qr(delta),
-                                       blk.causal)
+                                       blk.causal, _docs(docs, blk.q, p),
+                                       _docs(kdocs, blk.k, p))
         dq = _set_rows(dq, blk.q, p, qr(dq) + bdq)
         dk, dv = _set_rows(dk, blk.k, p, kr(dk) + bdk), _set_rows(dv, blk.k, p, kr(dv) + bdv)
       return dq, dk, dv
@@ -185,40 +194,41 @@ def _backward(q, k, v, o, lse, dout, axis_name, n, layout, causal, block):
 
   branches = [branch(c) for c in cases]
 
-  def compute(t, dq, dk, dv, k, v):
-    return jax.lax.switch(_step_case(axis_name, ids, t), branches, dq, dk, dv, k, v)
+  def compute(t, dq, dk, dv, kv):
+    return jax.lax.switch(_step_case(axis_name, ids, t), branches, dq, dk, dv, *kv)
 
   def body(carry, t):
-    dq, dk, dv, k, v = carry
-    k_next, v_next = _next((k, v), axis_name, n)
-    dq, dk, dv = compute(t, dq, dk, dv, k, v)
+    dq, dk, dv, kv = carry
+    kv_next = _next(kv, axis_name, n)
+    dq, dk, dv = compute(t, dq, dk, dv, kv)
     dk, dv = _next((dk, dv), axis_name, n)  # dK/dV travel with the K/V they belong to
-    return (dq, dk, dv, k_next, v_next), None
+    return (dq, dk, dv, kv_next), None
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-  carry = (zeros(q), zeros(k), zeros(v), k, v)
-  (dq, dk, dv, k, v), _ = jax.lax.scan(body, carry, jnp.arange(n - 1))
-  dq, dk, dv = compute(n - 1, dq, dk, dv, k, v)
+  carry = (zeros(q), zeros(k), zeros(v), (k, v, docs))
+  (dq, dk, dv, kv), _ = jax.lax.scan(body, carry, jnp.arange(n - 1))
+  dq, dk, dv = compute(n - 1, dq, dk, dv, kv)
   dk, dv = _next((dk, dv), axis_name, n)  # the last hop home
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _ring(q, k, v, axis_name, n, layout, causal, block):
-  return _forward(q, k, v, axis_name, n, layout, causal, block)[0].astype(q.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _ring(q, k, v, docs, axis_name, n, layout, causal, block):
+  return _forward(q, k, v, docs, axis_name, n, layout, causal, block)[0].astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, axis_name, n, layout, causal, block):
-  o, lse, _ = _forward(q, k, v, axis_name, n, layout, causal, block)
+def _ring_fwd(q, k, v, docs, axis_name, n, layout, causal, block):
+  o, lse, _ = _forward(q, k, v, docs, axis_name, n, layout, causal, block)
   o = checkpoint_name(o.astype(q.dtype), "attn_ctx")
   # Named so that `remat: selective` keeps it with the output and skips re-running the ring.
-  return o, (q, k, v, o, checkpoint_name(lse, "attn_lse"))
+  return o, (q, k, v, docs, o, checkpoint_name(lse, "attn_lse"))
 
 
 def _ring_bwd(axis_name, n, layout, causal, block, res, dout):
-  q, k, v, o, lse = res
-  return _backward(q, k, v, o.astype(jnp.float32), lse, dout, axis_name, n, layout, causal,
-                   block)
+  q, k, v, docs, o, lse = res
+  dq, dk, dv = _backward(q, k, v, docs, o.astype(jnp.float32), lse, dout, axis_name, n, layout,
+                         causal, block)
+  return dq, dk, dv, None  # the documents are integers: no cotangent
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -29,10 +29,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jscale.model import attention as attn_lib
+from jscale.model import positions as positions_lib
+from jscale.model.positions import Positions
 from jscale.model.seam import Seam
 from jscale.parallel.context.order import chunks_per_device
 from jscale.sharding import Layouts
-
 
 
 def whole_sequence(context_impl: str, cp: int) -> bool:
@@ -63,21 +64,31 @@ def to_slot_order(x_BL: jax.Array, n: int, layout: str) -> jax.Array:
   return pairs.reshape(x_BL.shape)
 
 
-def _attend_whole(attend: Callable, q_BLHK, k_BSGK, v_BSGV, n: int, layout: str) -> jax.Array:
-  """`attend` (index-causal) on gathered q, k, v in slot order; the output in slot order."""
-  order = lambda x: to_sequence_order(checkpoint_name(x, attn_lib.CP_EXCHANGED), n, layout)
-  ctx_BLHV = attend(order(q_BLHK), order(k_BSGK), order(v_BSGV))
+def _attend_whole(attend: Callable, q_BLHK, k_BSGK, v_BSGV, docs_BL, n: int,
+                  layout: str) -> jax.Array:
+  """`attend(q, k, v, positions)` (index-causal, within documents) on gathered q, k, v and
+  documents `docs_BL` (None: none) in slot order; the output in slot order."""
+  order = lambda x: to_sequence_order(x, n, layout)
+  exchanged = lambda x: order(checkpoint_name(x, attn_lib.CP_EXCHANGED))
+  docs_BL = None if docs_BL is None else order(docs_BL)
+  shape = q_BLHK.shape[:2]  # the whole sequence, in order
+  positions = positions_lib.resolve(None, shape)._replace(start_BL=docs_BL)
+  ctx_BLHV = attend(exchanged(q_BLHK), exchanged(k_BSGK), exchanged(v_BSGV), positions)
   return to_slot_order(ctx_BLHV, n, layout)
 
 
 def ulysses_attention(q_BLHK, k_BSGK, v_BSGV, attend: Callable, axis_name: str,
-                      layout: str) -> jax.Array:
+                      layout: str, docs_BL: jax.Array | None = None) -> jax.Array:
   """Ulysses attention by hand, inside a shard_map over `axis_name` (n devices, each with L/n
-  tokens): all-to-alls gather the sequence and split the heads, `attend(q, k, v)` runs
-  causal attention on the whole sequence, and the reverse all-to-all splits it again."""
+  tokens): all-to-alls gather the sequence and split the heads, `attend(q, k, v, positions)`
+  runs causal attention on the whole sequence (within the documents of `docs_BL`, gathered
+  too), and the reverse all-to-all splits it again."""
   n = jax.lax.axis_size(axis_name)
   gather = lambda x: jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
-  ctx_BLHV = _attend_whole(attend, gather(q_BLHK), gather(k_BSGK), gather(v_BSGV), n, layout)
+  if docs_BL is not None:
+    docs_BL = jax.lax.all_gather(docs_BL, axis_name, axis=1, tiled=True)
+  ctx_BLHV = _attend_whole(attend, gather(q_BLHK), gather(k_BSGK), gather(v_BSGV), docs_BL, n,
+                           layout)
   return checkpoint_name(jax.lax.all_to_all(ctx_BLHV, axis_name, split_axis=1, concat_axis=2,
                                             tiled=True), attn_lib.CP_EXCHANGED)
 
@@ -98,31 +109,42 @@ class XlaUlysses:
   _sharding: Callable
   _shard_map: Callable[..., Callable]
 
-  def attention(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, impl: str,
+  def attention(self, q_BLHK, k_BSGK, v_BSGK, positions: Positions, impl: str,
                 interpret: bool = False) -> jax.Array:
     lay, n = self.layouts, self.layouts.mesh.shape["sequence"]
     if n == 1 or lay.context_impl != "ulysses":
-      return super().attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl,  # type: ignore
+      return super().attention(q_BLHK, k_BSGK, v_BSGK, positions, impl,  # type: ignore
                                interpret)
     q_spec, kv_spec = heads_spec(lay, attn_lib.Q_NAMES), heads_spec(lay, attn_lib.KV_NAMES)
+    docs_spec = P(q_spec[0], None)
     pin = lambda x, s: jax.lax.with_sharding_constraint(x, self._sharding(s))
     impl = attn_lib.local_impl(impl, q_BLHK, v_BSGK)
-    attend = self._local_attend(impl, interpret, q_spec, kv_spec)
+    attend = self._local_attend(impl, interpret, q_spec, kv_spec, docs_spec)
+    docs_BL = None if positions.start_BL is None else pin(positions.start_BL, docs_spec)
     ctx_BLHV = _attend_whole(attend, pin(q_BLHK, q_spec), pin(k_BSGK, kv_spec),
-                             pin(v_BSGK, kv_spec), n, lay.context_layout)
+                             pin(v_BSGK, kv_spec), docs_BL, n, lay.context_layout)
     ctx_BLHV = pin(pin(ctx_BLHV, q_spec), lay.activation(attn_lib.Q_NAMES).spec)
     return checkpoint_name(ctx_BLHV, attn_lib.CP_EXCHANGED)
 
-  def _local_attend(self, impl: str, interpret: bool, q_spec: P, kv_spec: P) -> Callable:
-    """Index-causal attention on head-split operands: a kernel per device's heads (GSPMD
-    cannot split a custom call), plain XLA as global math."""
+  def _local_attend(self, impl: str, interpret: bool, q_spec: P, kv_spec: P,
+                    docs_spec: P) -> Callable:
+    """Index-causal attention within documents on head-split operands: a kernel per device's
+    heads (GSPMD cannot split a custom call), plain XLA as global math."""
     if impl not in attn_lib.KERNEL_IMPLS:
-      return lambda q, k, v: attn_lib.attention(q, k, v, impl)
+      return lambda q, k, v, p: attn_lib.attention(
+          q, k, v, impl, positions=None if p.start_BL is None else (p, p))
     fn = attn_lib.cudnn_attention
     if impl == "pallas":
       fn = functools.partial(attn_lib.pallas_attention, interpret=interpret,
                              device=self.kernel_device())  # type: ignore[attr-defined]
-    return self._shard_map(fn, (q_spec, kv_spec, kv_spec), q_spec)
+
+    def attend(q, k, v, p: Positions):
+      if p.start_BL is None:
+        return self._shard_map(fn, (q_spec, kv_spec, kv_spec), q_spec)(q, k, v)
+      with_docs = lambda q, k, v, d: fn(q, k, v, segment_ids=d)
+      return self._shard_map(with_docs, (q_spec, kv_spec, kv_spec, docs_spec), q_spec)(
+          q, k, v, p.start_BL)
+    return attend
 
 
 class ManualUlysses:
@@ -131,12 +153,12 @@ class ManualUlysses:
   layouts: Layouts
   cp: int
 
-  def attention(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, impl: str,
+  def attention(self, q_BLHK, k_BSGK, v_BSGK, positions: Positions, impl: str,
                 interpret: bool = False) -> jax.Array:
     if self.cp == 1 or self.layouts.context_impl != "ulysses":
-      return super().attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl,  # type: ignore
+      return super().attention(q_BLHK, k_BSGK, v_BSGK, positions, impl,  # type: ignore
                                interpret)
-    attend = lambda q, k, v: Seam.attention(self, q, k, v, None, impl,  # type: ignore
-                                            interpret)
+    attend = lambda q, k, v, p: Seam.attention(self, q, k, v, p, impl,  # type: ignore
+                                               interpret)
     return ulysses_attention(q_BLHK, k_BSGK, v_BSGK, attend, "sequence",
-                             self.layouts.context_layout)
+                             self.layouts.context_layout, positions.start_BL)

@@ -35,15 +35,15 @@ Tree = Any
 
 class StageFns(NamedTuple):
   """The model cut for the pipeline (pure functions of param dicts and per-device arrays)."""
-  embed: Callable  # (shared, tokens_bL) -> x_bLD
-  # (chunk, chunk dots, x_bLD, positions_bL) -> (x_bLD, stats): stats a dict of this chunk's
+  embed: Callable  # (shared, tokens_bL, positions) -> x_bLD (positions: the dense prefix's)
+  # (chunk, chunk dots, x_bLD, positions) -> (x_bLD, stats): stats a dict of this chunk's
   # share of the step's router statistics ({} if dense); its "moe_loss" is part of the
   # objective. `chunk dots`: the chunk's product state ({} without).
   layers: Callable
-  # (shared, x_bLD, labels_bL, mask_bL) -> (loss sum, extra objective, stats), all sums over
-  # the micro-batch's tokens: the extra term (multi-token prediction's) is added to the loss
-  # sum in the differentiated objective, and the stats join the layers' in `Run.stats`, all
-  # scaled by `scale` as the loss is (0.0 and {} for a plain head)
+  # (shared, x_bLD, labels_bL, mask_bL, positions) -> (loss sum, extra objective, stats), all
+  # sums over the micro-batch's tokens: the extra term (multi-token prediction's) is added to
+  # the loss sum in the differentiated objective, and the stats join the layers' in
+  # `Run.stats`, all scaled by `scale` as the loss is (0.0 and {} for a plain head)
   head_loss: Callable
 
 
@@ -134,11 +134,11 @@ class _Stage:
     one_chunk, one_dots = (jax.tree.map(lambda x: x[0], t) for t in (self.chunks,
                                                                      self.chunk_dots))
     mb0 = jax.tree.map(lambda x: x[0], microbatches)
-    self.act = act = jax.eval_shape(fns.embed, shared, mb0["tokens"])
+    self.act = act = jax.eval_shape(fns.embed, shared, mb0["tokens"], mb0["positions"])
     stats_shape = jax.eval_shape(fns.layers, one_chunk, one_dots, act, mb0["positions"])[1]
     layer_stats = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats_shape)
-    head_shape = jax.eval_shape(lambda sh, y: fns.head_loss(sh, y, mb0["labels"],
-                                                            mb0["loss_mask"])[2], shared, act)
+    head_shape = jax.eval_shape(lambda sh, y: fns.head_loss(
+        sh, y, mb0["labels"], mb0["loss_mask"], mb0["positions"])[2], shared, act)
     self.zero_stats = {**layer_stats,
                        **jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), head_shape)}
     # The objective's cotangent for a chunk's statistics: only its "moe_loss" is minimised.
@@ -188,7 +188,7 @@ class _Stage:
     layers (keeping their residuals when training), and on the last chunk the head, the loss
     and straight away the head's backward."""
     fns, shared, mb = self.fns, self.shared, fside.mb
-    x = fns.embed(shared, mb["tokens"]) if first else x_in
+    x = fns.embed(shared, mb["tokens"], mb["positions"]) if first else x_in
     out = dict(out)
     if self.train:
       (y, stats), out["res"], _, _ = _forward_with_residuals(fns, fside.chunk, fside.dots, x,
@@ -199,11 +199,13 @@ class _Stage:
     if not last:
       return {**out, "out_f": y}
     if not self.train:
-      loss, _, stats = fns.head_loss(shared, y, mb["labels"], mb["loss_mask"])
+      loss, _, stats = fns.head_loss(shared, y, mb["labels"], mb["loss_mask"],
+                                     mb["positions"])
       return {**out, "loss": loss, "stats": {**out["stats"], **stats}}
 
     def head(sh, y):
-      loss, extra, stats = fns.head_loss(sh, y, mb["labels"], mb["loss_mask"])
+      loss, extra, stats = fns.head_loss(sh, y, mb["labels"], mb["loss_mask"],
+                                         mb["positions"])
       return (loss + extra) * self.scale, (loss * self.scale,
                                            jax.tree.map(lambda v: v * self.scale, stats))
 
@@ -227,7 +229,8 @@ class _Stage:
                                     self.dchunk_of(dchunk))
       out["ddots"] = jax.tree.map(lambda a, d: a.at[local].max(d), out["ddots"], new_dots)
     if need_dx and first:  # the embedding's gradient (a scatter-add of dx)
-      _, embed_vjp = jax.vjp(lambda sh: self.fns.embed(sh, mb["tokens"]), self.shared)
+      _, embed_vjp = jax.vjp(lambda sh: self.fns.embed(sh, mb["tokens"], mb["positions"]),
+                             self.shared)
       out["dshared"] = self.add_shared(out["dshared"], embed_vjp(dx.astype(self.act.dtype))[0])
     elif need_dx:
       out["out_b"] = dx.astype(self.act.dtype)
