@@ -56,6 +56,9 @@ ROWS: dict[str, tuple[str, ...]] = {
                                "model.attention_impl=pallas", "model.norm_impl=pallas"),
     "1b selective b4 xla attention": (*L1B, "train.batch_size=4", "train.remat=selective",
                                       "model.attention_impl=xla"),
+    # packed documents masked (issue 51): `auto` runs the Hopper flash kernel with segment ids
+    "1b selective b4 document mask": (*L1B, "train.batch_size=4", "train.remat=selective",
+                                      "data.document_mask=true"),
     "3b full b2": (*L3B, "train.batch_size=2", "train.remat=full"),
     "3b selective b2": (*L3B, "train.batch_size=2", "train.remat=selective"),
     "8b-8L full b1": (*L8B, "train.batch_size=1", "train.remat=full"),

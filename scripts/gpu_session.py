@@ -12,7 +12,7 @@ There, one device-tool call per part, `carry: [".whl"]`:
   python3 scripts/gpu_session.py run memory  # issue 49: a layout the remat pass warned about (H100)
   python3 scripts/gpu_session.py run memory_h200  # the same on an H200 (measured 2026-11-28)
   python3 scripts/gpu_session.py run curves  # issue 18: FP8's 200-step loss curves
-  python3 scripts/gpu_session.py run long_context  # issue 52: 8B at 32k, attention at 16k-32k
+  python3 scripts/gpu_session.py run long_context  # issues 51/52: 8B at 32k, document mask
   python3 scripts/gpu_session.py plan        # every part's commands, runnable by hand
 A part installs the wheels into /tmp/site (no network there), runs its commands in order, each
 with what is left of --budget-s (default 540 s, under the tool's 600), logs to $OUT/<part>.log
@@ -154,7 +154,8 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
     ],
     # Issue 52: one GPU's slice of the 128k-on-8-H100s table (scripts/long_context.py): the
     # attention rates beyond seq 8192 that the predictor holds at 8192's, and the 8B shape at
-    # 32k tokens with cuDNN and with the Hopper flash kernel.
+    # 32k tokens with cuDNN and with the Hopper flash kernel. Issue 51: what the document mask
+    # costs (scripts/document_mask_cost.py predicts it).
     "long_context": [
         ("bench_kernels: attention at seq 16k and 32k, head 128",
          [PY, "scripts/bench_kernels.py", "--seq", "16384,32768", "--head-dim", "128",
@@ -166,6 +167,11 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
           "8b-8L full b1 32k,8b-8L full b1 32k pallas", "--out",
           "results/bench_train_long.md"], {},
          ["results/bench_train_long.md", "results/bench_train_long.csv"]),
+        ("bench_train: llama3_1b with packed documents masked (issue 51), and without",
+         [PY, "scripts/bench_train.py", "--exact", "--steps", "15", "--only",
+          "1b selective b4,1b selective b4 document mask", "--out",
+          "results/bench_train_documents.md"], {},
+         ["results/bench_train_documents.md", "results/bench_train_documents.csv"]),
     ],
     "fp8": [
         ("bench_fp8: FP8 gemms and llama3_1b rows", [PY, "scripts/bench_fp8.py", "--only",

@@ -14,6 +14,7 @@ from close import assert_close
 import deepseek_case
 from jscale.model import kv_cache, rope
 from jscale.model.mla import MLA, LATENT_EPS
+from jscale.model.positions import Positions
 from jscale.model.seam import LOCAL
 
 HI = jax.lax.Precision.HIGHEST
@@ -73,7 +74,7 @@ def test_mla_values_and_grads_equal_the_plain_reference(q_lora):
   # A non-trivial norm scale, so its gradient path is checked too.
   pure["kv_norm"]["scale"] = 1.0 + 0.1 * jnp.arange(cfg.mla.kv_lora_rank, dtype=jnp.float32)
   h = jnp.asarray(np.random.default_rng(0).normal(size=(2, 12, cfg.d_model)), jnp.float32)
-  pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
+  pos = Positions(jnp.broadcast_to(jnp.arange(12), (2, 12)))
   inv = rope.for_model(cfg)
 
   def ours(pure, h):
@@ -120,7 +121,7 @@ def test_absorbed_decode_equals_expanded_attention():
   h = jnp.asarray(np.random.default_rng(1).normal(size=(2, 12, cfg.d_model)), jnp.float32)
   pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
   inv = rope.for_model(cfg)
-  want = mla(h, pos, inv, LOCAL)
+  want = mla(h, Positions(pos), inv, LOCAL)
   cache = kv_cache.init(dataclasses.replace(cfg, n_layers=1), 2, 16)
   assert cache.latent.shape == (1, 2, 16, 32) and cache.rope.shape == (1, 2, 16, 16)
   step = jax.jit(lambda h, p, c, prefill: mla.cached(h, p, inv, c, 0, prefill),

@@ -120,8 +120,8 @@ class ZeroAttention(nnx.Module):
     self.scale = nnx.Param(jnp.zeros((cfg.d_model,)), out_sharding=("embed",),
                            eager_sharding=False)
 
-  def __call__(self, h_BLD, positions_BL, inv_freq, comms):
-    del positions_BL, inv_freq, comms
+  def __call__(self, h_BLD, positions, inv_freq, comms):
+    del positions, inv_freq, comms
     return h_BLD * self.scale[...]
 
 
