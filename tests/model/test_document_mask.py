@@ -110,6 +110,8 @@ LAYOUTS = {
     "xla_ulysses_cp4": CP4 + ULYSSES,
     "manual_ulysses_cp2_tp2": ("mesh.sequence=2", "mesh.tensor=2", "mesh.data=2") + ULYSSES +
                               MANUAL,
+    "xla_ulysses_cp2_flash": ("mesh.sequence=2", "mesh.data=4", "model.attention_impl=pallas",
+                              "model.kernel_interpret=true") + ULYSSES,
     "xla_tp2_sp_dp4": ("mesh.tensor=2", "mesh.data=4", "parallel.sequence_parallel=true"),
     "pipeline_1f1b": ("mesh.stage=2", "mesh.data=1", "pipeline.microbatches=4"),
 }

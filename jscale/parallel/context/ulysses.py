@@ -20,7 +20,6 @@ chunks, `to_sequence_order`) for index-causal kernels, and back before the retur
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax
@@ -133,16 +132,18 @@ class XlaUlysses:
     if impl not in attn_lib.KERNEL_IMPLS:
       return lambda q, k, v, p: attn_lib.attention(
           q, k, v, impl, positions=None if p.start_BL is None else (p, p))
-    fn = attn_lib.cudnn_attention
-    if impl == "pallas":
-      fn = functools.partial(attn_lib.pallas_attention, interpret=interpret,
-                             device=self.kernel_device())  # type: ignore[attr-defined]
+    device = self.kernel_device()  # type: ignore[attr-defined]
+
+    def kernel(q, k, v, docs=None):
+      if impl == "pallas":
+        return attn_lib.pallas_attention(q, k, v, interpret=interpret, device=device,
+                                         segment_ids=docs)
+      return attn_lib.cudnn_attention(q, k, v)  # (documents: refused by `validate`)
 
     def attend(q, k, v, p: Positions):
       if p.start_BL is None:
-        return self._shard_map(fn, (q_spec, kv_spec, kv_spec), q_spec)(q, k, v)
-      with_docs = lambda q, k, v, d: fn(q, k, v, segment_ids=d)
-      return self._shard_map(with_docs, (q_spec, kv_spec, kv_spec, docs_spec), q_spec)(
+        return self._shard_map(kernel, (q_spec, kv_spec, kv_spec), q_spec)(q, k, v)
+      return self._shard_map(kernel, (q_spec, kv_spec, kv_spec, docs_spec), q_spec)(
           q, k, v, p.start_BL)
     return attend
 
