@@ -296,9 +296,11 @@ class TrainConfig:
 class DataConfig:
   """What the model reads: the corpus, its tokenizer, the validation split."""
   # stdlib: the Python standard library's sources (no download) | bin: pre-tokenized ids |
-  # text: plain-text files
-  source: Literal["stdlib", "bin", "text"] = "stdlib"
-  path: str | None = None  # bin: .bin/.npy file; text: file, directory or glob
+  # text: plain-text files | jsonl, parquet, arrow: records, one document per data.text_field
+  # (arrow: a datasets.save_to_disk directory too)
+  source: Literal["stdlib", "bin", "text", "jsonl", "parquet", "arrow"] = "stdlib"
+  path: str | None = None  # bin: .bin/.npy file; text and records: file, directory or glob
+  text_field: str = "text"  # jsonl / parquet / arrow: the field holding each document's text
   tokenizer: str = "byte"  # byte | path to a HF tokenizers tokenizer.json
   bin_dtype: Literal["uint16", "uint32"] = "uint16"  # for source=bin
   val_fraction: float = 0.01  # the corpus's share held out as the val split; 0: no eval

@@ -3,8 +3,10 @@
 - stdlib: this Python's standard-library .py files (no download), tokenized and cached.
 - text: text files (a file, a directory searched recursively, or a glob), tokenized and cached.
 - bin: pre-tokenized nanoGPT .bin (raw data.bin_dtype) or .npy, memory-mapped as is.
+- jsonl / parquet / arrow: records, one document per `data.text_field` (`jscale.data.records`),
+  tokenized and cached.
 
-Validation is the tail: the last `data.val_fraction` of the stream, for stdlib and text moved
+Validation is the tail: the last `data.val_fraction` of the stream, for tokenized sources moved
 forward to the next document boundary so no document straddles the split.
 """
 
@@ -20,7 +22,8 @@ import sysconfig
 import numpy as np
 
 from jscale.config import ConfigError, DataConfig, choices
-from jscale.data.corpus import Corpus, cached_corpus, tokenize_files
+from jscale.data import records
+from jscale.data.corpus import Corpus, cached_corpus, file_documents
 from jscale.data.tokenizer import Tokenizer, load_tokenizer
 
 TEXT_EXTENSIONS = (".txt", ".md", ".rst", ".py", ".tex", ".html", ".c", ".h", ".cc", ".cpp",
@@ -46,6 +49,8 @@ def load_splits(data_cfg: DataConfig) -> Splits:
     train, val = split_corpus(text_corpus(data_cfg, tok), data_cfg.val_fraction)
   elif data_cfg.source == "bin":
     train, val = bin_streams(data_cfg, tok)
+  elif data_cfg.source in records.EXTENSIONS:
+    train, val = split_corpus(record_corpus(data_cfg, tok), data_cfg.val_fraction)
   else:
     raise ConfigError(f"data.source={data_cfg.source!r}: choose one of "
                       f"{', '.join(choices(DataConfig, 'source'))}")
@@ -78,7 +83,7 @@ def stdlib_corpus(data_cfg: DataConfig, tok: Tokenizer) -> Corpus:
   root = sysconfig.get_paths()["stdlib"]
   where = hashlib.sha256(root.encode()).hexdigest()[:8]
   key = f"stdlib-py{platform.python_version()}-{where}-{tok.fingerprint}"
-  return cached_corpus(data_cfg, key, lambda: tokenize_files(stdlib_files(root), tok))
+  return cached_corpus(data_cfg, key, tok, lambda: file_documents(stdlib_files(root)))
 
 
 def text_files(path: str) -> list[str]:
@@ -108,15 +113,38 @@ def text_corpus(data_cfg: DataConfig, tok: Tokenizer) -> Corpus:
   if not data_cfg.path:
     raise ConfigError("data.source=text needs data.path (a text file, directory or glob)")
   files = text_files(data_cfg.path)
-  h = hashlib.sha256(tok.fingerprint.encode())
-  for f in files:
-    st = os.stat(f)
-    h.update(f"{os.path.abspath(f)}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
-  key = f"text-{tok.fingerprint}-{h.hexdigest()[:16]}"
-  corpus = cached_corpus(data_cfg, key, lambda: tokenize_files(files, tok))
+  key = f"text-{tok.fingerprint}-{_files_key(files, tok.fingerprint)}"
+  corpus = cached_corpus(data_cfg, key, tok, lambda: file_documents(files))
   if len(corpus.tokens) < 2:
     raise ConfigError(f"data.path={data_cfg.path!r}: the files are empty; add text")
   return corpus
+
+
+def record_corpus(data_cfg: DataConfig, tok: Tokenizer) -> Corpus:
+  """The records of data.path (jsonl / parquet / arrow), each `data.text_field` a document,
+  tokenized (cached until a file, the field or the tokenizer changes)."""
+  fmt = data_cfg.source
+  if not data_cfg.path:
+    raise ConfigError(f"data.source={fmt} needs data.path (a {fmt} file, directory or glob)")
+  files = records.record_files(data_cfg.path, fmt)
+  key = (f"{fmt}-{tok.fingerprint}-"
+         f"{_files_key(files, tok.fingerprint + chr(0) + data_cfg.text_field)}")
+  corpus = cached_corpus(data_cfg, key, tok,
+                         lambda: records.documents(data_cfg.path or "", fmt,
+                                                   data_cfg.text_field))
+  if len(corpus.tokens) < 2:
+    raise ConfigError(f"data.path={data_cfg.path!r}: every {data_cfg.text_field!r} is empty; "
+                      "give records with text")
+  return corpus
+
+
+def _files_key(files: list[str], salt: str) -> str:
+  """A short hash of the files' paths, sizes and modification times, and `salt`."""
+  h = hashlib.sha256(salt.encode())
+  for f in files:
+    st = os.stat(f)
+    h.update(f"{os.path.abspath(f)}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+  return h.hexdigest()[:16]
 
 
 def bin_streams(data_cfg: DataConfig, tok: Tokenizer) -> tuple[np.ndarray, np.ndarray]:

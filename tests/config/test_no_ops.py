@@ -31,6 +31,8 @@ EXAMPLES = {
     "fp8.margin": (["fp8.margin=1"], ["fp8.enabled=true"], {}),
     "fp8.targets": (["fp8.targets=mlp"], ["fp8.enabled=true"], {}),
     "data.path": (["data.path=corpus.txt"], ["data.source=text"], {}),
+    "data.text_field": (["data.text_field=body"], ["data.source=jsonl", "data.path=d.jsonl"],
+                        {}),
     "data.bin_dtype": (["data.bin_dtype=uint32"], ["data.source=bin", "data.path=ids.bin"], {}),
     "model.moe.capacity_factor": ([*MOE, "model.moe.capacity_factor=2"],
                                   ["model.moe.dispatch=capacity"], {}),
