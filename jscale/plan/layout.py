@@ -172,8 +172,6 @@ def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
                                                  accum) is not None:
               continue
             for remat in REMATS:
-              if remat == "offload" and stage > 1:  # refused by `validate` (pipelines)
-                continue
               for context in _contexts(model, sequence, tensor):
                 yield Layout(data, stage, fsdp, expert, sequence, tensor, zero, sp,
                              pipe[0], pipe[1], remat, mbs, accum, moments, context)

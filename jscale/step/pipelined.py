@@ -37,6 +37,12 @@ class Settings(NamedTuple):
   def of(cls, cfg: Config) -> "Settings":
     return cls(cfg.model, cfg.pipeline, cfg.train.remat, cfg.train.logits_chunk_mb)
 
+  @property
+  def chunk_remat(self) -> str:
+    """A chunk's layers' policy: `offload` keeps selective's residuals, and the executor moves
+    the chunk's stored residuals to host memory until its B (`executor.run(offload=...)`)."""
+    return "selective" if self.remat == "offload" else self.remat
+
 
 @functools.lru_cache(maxsize=64)
 def _program(name: str, p: int, m: int, v: int, train: bool) -> prog_lib.Program:
@@ -71,7 +77,7 @@ def stage_fns(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
 
   def layers(chunk, dots, x_bLD, positions):
     y, stats = llama.run_layers(block_graphdef, chunk, x_bLD, positions, s.model, comms,
-                                s.remat, with_stats=True, dot_state=dots or None,
+                                s.chunk_remat, with_stats=True, dot_state=dots or None,
                                 unroll=unroll)
     if moe is None:
       return y, {}
@@ -136,7 +142,7 @@ def grads_and_codes(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: A
     fns = stage_fns(s, graphdef, inner, params, {"blocks": dots} if dots else {},
                     unroll=program.has_pairs)
     run = executor.run(program, fns, blocks, shared, mbs, scale, dots=dots,
-                       shard_grads=inner.stage_grads)
+                       shard_grads=inner.stage_grads, offload=s.remat == "offload")
     # Embedding and head gradients come from the first and the last stage (both to a tied
     # embedding); every stage keeps the shared weights, so they are summed over stages.
     dshared = jax.lax.psum(run.dshared, "stage")

@@ -124,10 +124,6 @@ def _check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
   if sizes["sequence"] > 1:
     raise ConfigError(f"mesh.sequence={sizes['sequence']} with mesh.stage={p}: context "
                       "parallelism inside pipeline stages is not supported; set one of them to 1")
-  if t.remat == "offload":
-    raise ConfigError(f"train.remat=offload with mesh.stage={p}: the pipeline's executor keeps "
-                      "each chunk's residuals in its own device buffers between ticks, which "
-                      "host-memory residuals cannot join; use train.remat=selective or full")
   if cfg.parallel.zero_stage > 2:
     raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage} with mesh.stage={p}: ZeRO-3 "
                       "would all-gather every chunk's weights again at each of its forward and "

@@ -88,14 +88,15 @@ def test_every_candidate_passes_jscale_validation(preset):
   seen = set()
   for lay in lays:
     key = (lay.data, lay.stage, lay.fsdp, lay.expert, lay.sequence, lay.tensor, lay.schedule,
-           lay.sequence_parallel, lay.zero_stage)
+           lay.sequence_parallel, lay.zero_stage, lay.context, lay.remat == "offload")
     if key in seen:
       continue
     seen.add(key)
     cfg = load_config(None, [f"model.preset={preset}", *SMALL, *lay.overrides(SEQ, 8)])
     validate.check_mesh(cfg, make_mesh(cfg.mesh))
-  # remat=offload is refused under a pipeline (the key above leaves remat out)
-  assert not [lay for lay in lays if lay.remat == "offload" and lay.stage > 1]
+  # offload is a lever under pipelines too, and Ulysses where the heads divide
+  assert [lay for lay in lays if lay.remat == "offload" and lay.stage > 1]
+  assert [lay for lay in lays if lay.ulysses]
   if model.moe:
     return
   # ... and it refuses the layouts that aborted the compile, before it

@@ -65,6 +65,16 @@ def _f32(tree: Tree) -> Tree:
   return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
 
 
+def _placed(x: jax.Array, space: jax.memory.Space) -> jax.Array:
+  """`x` moved to memory `space` (a no-op where it is already; XLA's host offloader makes a
+  move between device and host an asynchronous copy)."""
+  return x if space == jax.memory.Space.Device and not _on_host(x) else jax.device_put(x, space)
+
+
+def _on_host(x: jax.Array) -> bool:
+  return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
 def _forward_with_residuals(fns: StageFns, chunk: Tree, dots: Tree, x, pos):
   """((y, stats), stored residuals, where-map, pullback treedef) of the chunk's layers."""
   y, pullback = jax.vjp(lambda c, d, x: fns.layers(c, d, x, pos), chunk, dots, x)
@@ -96,16 +106,19 @@ class _Side(NamedTuple):
 
 def run(program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
         microbatches: dict[str, jax.Array], scale: jax.Array, stage_axis: str = "stage",
-        shard_grads: Callable[[Tree], Tree] = lambda g: g, dots: Tree = None) -> Run:
+        shard_grads: Callable[[Tree], Tree] = lambda g: g, dots: Tree = None,
+        offload: bool = False) -> Run:
   """Executes `program` on this stage. `blocks`: this stage's layers [v * k, ...] (its chunks
   in order); `shared`: the other weights; `microbatches`: tokens, labels, loss_mask, positions
   as [m, b, L]; `scale` multiplies the loss (1 / global token count). `shard_grads` puts each
   gradient a branch computes ({"blocks": chunk grads} or the shared grads) in the
   accumulators' layout (ZeRO-2: its fsdp shard), so only that layout is accumulated. `dots`:
-  the layers' product state, stacked like `blocks` ({} or None without).
+  the layers' product state, stacked like `blocks` ({} or None without). `offload`: keep the
+  stored residuals in host memory between their F and their B (`train.remat=offload`): each
+  goes out when F stores it and comes back when B reads it.
   """
   stage = _Stage(program, fns, blocks, shared, microbatches, scale, stage_axis, shard_grads,
-                 dots or {})
+                 dots or {}, offload)
   s = jax.lax.axis_index(stage_axis)
   cols = {name: jnp.asarray(getattr(program, name))[:, s] for name in
           ("code", "mb", "local", "mb_b", "local_b", "res_write", "res_read", "stash_write",
@@ -123,8 +136,10 @@ class _Stage:
 
   def __init__(self, program: prog_lib.Program, fns: StageFns, blocks: Tree, shared: Tree,
                microbatches: dict[str, jax.Array], scale: jax.Array, stage_axis: str,
-               shard_grads: Callable[[Tree], Tree], dots: Tree):
+               shard_grads: Callable[[Tree], Tree], dots: Tree, offload: bool):
     self.program, self.fns, self.shared, self.microbatches = program, fns, shared, microbatches
+    # Where stored residuals wait for their B: host memory under `train.remat=offload`.
+    self.res_space = jax.memory.Space.Host if offload else jax.memory.Space.Device
     self.scale, self.stage_axis, self.shard_grads = scale, stage_axis, shard_grads
     self.v, self.train = program.table.v, program.table.backward
     self.own_f = bool((program.self_f != program.n_in_f).any())  # the V's turn: F files its own
@@ -164,7 +179,7 @@ class _Stage:
     buffer = lambda n, a: jnp.zeros((n + 1, *a.shape), a.dtype)  # + the scratch slot
     return dict(
         inbox_f=buffer(program.n_in_f, act), inbox_b=buffer(program.n_in_b, act),
-        res=[buffer(program.n_res, r) for r in self.res_shapes],
+        res=[_placed(buffer(program.n_res, r), self.res_space) for r in self.res_shapes],
         stash=buffer(program.n_res if program.table.split else 0, act),
         dblocks=jax.tree.map(lambda a: jnp.zeros((self.v, *a.shape), a.dtype), self.acc_chunk),
         dshared=_zeros(self.acc_shared), ddots=jax.tree.map(jnp.zeros_like, self.chunk_dots),
@@ -291,7 +306,8 @@ class _Stage:
         inbox_b = inbox_b.at[col["file_b"][k]].set(msg)
     fside = self.side(col["mb"], col["local"])
     bside = self.side(col["mb_b"], col["local_b"]) if program.has_pairs else fside
-    stored = [r[col["res_read"]] for r in carry["res"]]
+    stored = [_placed(jax.lax.dynamic_index_in_dim(r, col["res_read"], keepdims=False),
+                      jax.memory.Space.Device) for r in carry["res"]]
     out = jax.lax.switch(col["code"], self.branches(
         fside, bside, inbox_f[col["read_f"]], inbox_b[col["read_b"]], stored,
         carry["stash"][col["res_read"]], carry["dblocks"], carry["dshared"], carry["ddots"]))
@@ -299,7 +315,9 @@ class _Stage:
       inbox_f = inbox_f.at[col["self_f"]].set(out["out_f"])
     new = dict(carry, inbox_f=inbox_f, loss=carry["loss"] + out["loss"],
                stats=jax.tree.map(jnp.add, carry["stats"], out["stats"]))
-    new["res"] = [r.at[col["res_write"]].set(o) for r, o in zip(carry["res"], out["res"])]
+    new["res"] = [jax.lax.dynamic_update_index_in_dim(r, _placed(o, self.res_space),
+                                                      col["res_write"], 0)
+                  for r, o in zip(carry["res"], out["res"])]
     if self.train:
       # The last chunk's own head gradient is filed like a received one (the F's out_b), as
       # is the V's turn's gradient.
