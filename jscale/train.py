@@ -131,7 +131,8 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
       kernels = startup.kernel_lines(rt.kernels, cfg.model.moe is not None)
       print(startup.summary(cfg, rt.mesh, start, ckptr.directory,
                             (len(splits.train), len(splits.val)),
-                            load_tokenizer(cfg.data).vocab_size, kernels), flush=True)
+                            load_tokenizer(cfg.data).vocab_size, kernels,
+                            splits.documents_longer_than(t.seq_len)), flush=True)
     writer = metrics_lib.MetricsWriter(t.output_dir, start, tensorboard=cfg.logging.tensorboard)
     console = console_lib.Console(t.steps, start, progress=cfg.logging.progress,
                                   active=distributed.is_main())

@@ -38,23 +38,36 @@ class Splits:
   train: np.ndarray  # 1-D token ids (often a read-only memmap)
   val: np.ndarray
   eos_id: int  # document separator, also the padding id
+  # The train documents' offsets in `train` (None for pre-tokenized ids: not indexed)
+  train_doc_starts: np.ndarray | None = None
+
+  def documents_longer_than(self, n: int) -> tuple[int, int] | None:
+    """(train documents of more than `n` tokens, EOS included: a window splits them; all
+    train documents), or None where the documents are not indexed."""
+    starts = self.train_doc_starts
+    if starts is None:
+      return None
+    lengths = np.diff(np.append(starts, len(self.train)))
+    return int((lengths > n).sum()), len(lengths)
 
 
 def load_splits(data_cfg: DataConfig) -> Splits:
   """Train and validation token streams for `data.source`."""
   tok = load_tokenizer(data_cfg)
-  if data_cfg.source == "stdlib":
-    train, val = split_corpus(stdlib_corpus(data_cfg, tok), data_cfg.val_fraction)
-  elif data_cfg.source == "text":
-    train, val = split_corpus(text_corpus(data_cfg, tok), data_cfg.val_fraction)
-  elif data_cfg.source == "bin":
+  if data_cfg.source == "bin":
     train, val = bin_streams(data_cfg, tok)
+    return Splits(train, val, tok.eos_id)
+  if data_cfg.source == "stdlib":
+    corpus = stdlib_corpus(data_cfg, tok)
+  elif data_cfg.source == "text":
+    corpus = text_corpus(data_cfg, tok)
   elif data_cfg.source in records.EXTENSIONS:
-    train, val = split_corpus(record_corpus(data_cfg, tok), data_cfg.val_fraction)
+    corpus = record_corpus(data_cfg, tok)
   else:
     raise ConfigError(f"data.source={data_cfg.source!r}: choose one of "
                       f"{', '.join(choices(DataConfig, 'source'))}")
-  return Splits(train, val, tok.eos_id)
+  train, val = split_corpus(corpus, data_cfg.val_fraction)
+  return Splits(train, val, tok.eos_id, corpus.doc_starts[corpus.doc_starts < len(train)])
 
 
 def split_corpus(corpus: Corpus, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:

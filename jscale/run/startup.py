@@ -75,10 +75,23 @@ def write_run_info(rt: runtime.Runtime, meta: dict[str, Any]) -> None:
   os.replace(path + ".tmp", path)
 
 
+def _documents(long_docs: tuple[int, int] | None, seq_len: int, masked: bool) -> str:
+  """The data line's words on documents: how many a window splits, whether they are masked."""
+  mask = "; documents masked apart" if masked else ""
+  if long_docs is None:
+    return mask
+  long, total = long_docs
+  split = (f"; {long:,} of {total:,} documents longer than a window ({seq_len} tokens) are "
+           "split across windows" if long else f"; {total:,} documents, each fits a window")
+  return split + mask
+
+
 def summary(cfg: Config, mesh: jax.sharding.Mesh, start_step: int, checkpoint_dir: str,
-            data_tokens: tuple[int, int], tokenizer_vocab: int, impls: list[str]) -> str:
+            data_tokens: tuple[int, int], tokenizer_vocab: int, impls: list[str],
+            long_docs: tuple[int, int] | None = None) -> str:
   """The startup summary. `data_tokens`: (train, val) token counts; `impls`: lines of the
-  kernels the runtime chose (attention, flash, MoE experts), each "<what>: <choice (why)>"."""
+  kernels the runtime chose (attention, flash, MoE experts), each "<what>: <choice (why)>";
+  `long_docs`: (train documents longer than a window, all of them), if known."""
   t, m, p = cfg.train, cfg.model, cfg.parallel
   device = mesh.devices.flat[0]
   kind = getattr(device, "device_kind", "") or device.platform
@@ -112,7 +125,8 @@ def summary(cfg: Config, mesh: jax.sharding.Mesh, start_step: int, checkpoint_di
       f"norm {m.norm_impl}, remat {t.remat}{fp8}",
       *[("kernels   " if i == 0 else "          ") + line for i, line in enumerate(impls)],
       f"data      {source}, tokenizer {cfg.data.tokenizer} (vocab {tokenizer_vocab}): "
-      f"{count_text(train_tokens)} train / {count_text(val_tokens)} val tokens",
+      f"{count_text(train_tokens)} train / {count_text(val_tokens)} val tokens"
+      f"{_documents(long_docs, t.seq_len, cfg.data.document_mask)}",
       f"batch     {t.batch_size} x {t.seq_len} = {step_tokens:,} tokens per step x {t.steps} "
       f"steps = {count_text(step_tokens * t.steps)} tokens ({epochs:.2g} epochs)",
       f"output    {os.path.abspath(t.output_dir)} (metrics.jsonl, "

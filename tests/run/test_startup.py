@@ -13,6 +13,7 @@ from flax import nnx
 from conftest import small_config
 from jscale import metrics, mesh as mesh_lib
 from jscale.config_load import load_config
+from jscale.data.sources import Splits
 from jscale.presets import PRESETS
 from jscale.run import startup
 from jscale.model import llama
@@ -92,3 +93,19 @@ def test_resume_and_init_from_are_named(tmp_path):
   plot = small_config(tmp_path, "logging.plot=true")
   text = startup.summary(plot, mesh, None, "/ck", (1000, 10), 256, ["attention: xla"])
   assert "(metrics.jsonl, metrics.png, run.json)" in text
+
+
+def test_the_data_line_says_how_many_documents_a_window_splits(tmp_path):
+  """Documents longer than a window are split across windows, and the summary says so (and
+  whether documents are masked apart); the train split counts them from its index."""
+  cfg = small_config(tmp_path, "data.document_mask=true")
+  mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1])
+  text = startup.summary(cfg, mesh, None, "/ck", (1000, 10), 256, ["attention: xla"], (3, 10))
+  assert ("3 of 10 documents longer than a window (32 tokens) are split across windows; "
+          "documents masked apart") in text
+  assert "10 documents, each fits a window" in startup.summary(
+      cfg, mesh, None, "/ck", (1000, 10), 256, ["attention: xla"], (0, 10))
+  splits = Splits(np.arange(100), np.arange(5), 0, np.array([0, 10, 60]))
+  assert splits.documents_longer_than(30) == (2, 3)  # lengths 10, 50, 40
+  assert splits.documents_longer_than(45) == (1, 3)
+  assert Splits(np.arange(100), np.arange(5), 0).documents_longer_than(30) is None
