@@ -20,8 +20,8 @@ from jscale.data.windows import Windows
 
 # One reader thread overlaps loading with the train step; no worker processes, so the
 # pipeline stays deterministic and its state checkpointable. Batches are memmap slices:
-# cheap, so a short buffer suffices.
-_READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)
+# cheap, so a short buffer suffices (scripts/bench_data.py: far above what a host consumes).
+_PREFETCH = 4
 
 Batch = dict[str, np.ndarray]
 
@@ -31,11 +31,12 @@ Transform = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 def make_train_iterator(data_cfg: DataConfig, seq_len: int, global_batch: int,
                         process_index: int = 0, process_count: int = 1,
-                        transform: Transform | None = None) -> grain.DatasetIterator:
+                        transform: Transform | None = None,
+                        read_threads: int = 1) -> grain.DatasetIterator:
   """Infinite iterator of this process's train batches (leading dim global_batch // count).
 
   `transform` maps each example before batching (context parallelism's token order,
-  `jscale.runtime.Runtime.reorder`).
+  `jscale.runtime.Runtime.reorder`); `read_threads`: grain's reader threads.
 
   Deterministic for `data.seed`; `get_state()` / `set_state()` resume it exactly (checkpoint
   it with jscale.data.checkpoint_save / checkpoint_restore).
@@ -49,7 +50,8 @@ def make_train_iterator(data_cfg: DataConfig, seq_len: int, global_batch: int,
   if transform is not None:
     ds = ds.map(transform)
   ds = ds.batch(local, drop_remainder=True)
-  return iter(ds.to_iter_dataset(_READ_OPTIONS))
+  options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=_PREFETCH)
+  return iter(ds.to_iter_dataset(options))
 
 
 def make_eval_batches(data_cfg: DataConfig, seq_len: int, global_batch: int, num_batches: int,
