@@ -293,6 +293,22 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
+class MixSource:
+  """One source of data.mixture: its keys as data.*'s; drawn with weight / (sum of weights)."""
+  source: Literal["stdlib", "bin", "text", "jsonl", "parquet", "arrow"] = "text"
+  path: str | None = None
+  text_field: str = "text"
+  bin_dtype: Literal["uint16", "uint32"] = "uint16"
+  weight: float = 1.0
+  name: str | None = None  # its eval loss is val_loss/<name> (default: the source's kind)
+
+  @property
+  def label(self) -> str:
+    """The source's name in the metrics: `name`, or its kind."""
+    return self.name or self.source
+
+
+@dataclasses.dataclass
 class DataConfig:
   """What the model reads: the corpus, its tokenizer, the validation split."""
   # stdlib: the Python standard library's sources (no download) | bin: pre-tokenized ids |
@@ -311,6 +327,12 @@ class DataConfig:
   # found it changes little, and cuDNN's fused attention has no document mask (on a GPU,
   # attention_impl=auto then runs the flash kernel); turn it on for long context.
   document_mask: bool = False
+  # Several sources mixed by weight, e.g. [{source: jsonl, path: code.jsonl, weight: 0.7},
+  # {source: text, path: prose/, weight: 0.3}] (each: source, path, text_field, bin_dtype,
+  # weight, name): the run's tokenizer, seed and val_fraction; each source keeps its own
+  # validation split, and eval reports val_loss/<name> for each. Replaces data.source / path /
+  # text_field / bin_dtype.
+  mixture: list[MixSource] | None = None
 
 
 @dataclasses.dataclass

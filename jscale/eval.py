@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from jscale import config_cli, distributed, runtime, validate
 from jscale.ckpt import model_source
+from jscale.config import ConfigError
 from jscale.config_load import from_overrides
 from jscale.data import Windows, load_splits, make_eval_batches
 from jscale.infer import evaluate, setup
@@ -96,6 +97,10 @@ def run(args) -> dict:
     print(config_cli.to_yaml(cfg), end="")
     return {}
   validate.check_runtime(cfg)
+  if cfg.data.mixture is not None:  # (a run's `val_loss/<source>` already covers each)
+    raise ConfigError("python -m jscale.eval reads one source, and this config mixes "
+                      f"{len(cfg.data.mixture)}: add data.mixture=null data.source=<kind> "
+                      "data.path=<path> for the one to evaluate")
   tokenizer = setup.load_tokenizer_at(cfg.data.tokenizer)
   setup.check_vocab(tokenizer, cfg.model, f"data.tokenizer={cfg.data.tokenizer}")
   source = model_source.describe(args.model, args.step)

@@ -29,7 +29,7 @@ from jscale.ckpt import checkpoint as ckpt_lib
 from jscale.ckpt import init_from
 from jscale.config import Config, ConfigError
 from jscale.config_load import load_config
-from jscale.data import load_splits, load_tokenizer, make_eval_batches, make_train_iterator
+from jscale.data import components, load_splits, load_tokenizer, make_eval_sets, make_train_iterator
 from jscale.infer import sampling
 from jscale.optim import make_optimizer
 from jscale.run import console as console_lib
@@ -120,25 +120,27 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
     startup.write_run_info(rt, meta)
     reorder = rt.reorder()  # context parallelism's token order, applied once at load
     train_iter = make_train_iterator(cfg.data, t.seq_len, t.batch_size, pi, pc, reorder)
-    eval_batches = (make_eval_batches(cfg.data, t.seq_len, t.batch_size, t.eval_batches, pi, pc,
-                                      reorder) if cfg.data.val_fraction > 0 else [])
+    eval_sets = (make_eval_sets(cfg.data, t.seq_len, t.batch_size, t.eval_batches, pi, pc,
+                                reorder) if cfg.data.val_fraction > 0 else {})
     ckptr = ckpt_lib.Checkpointer(cfg, meta)
     state, start = _initial_state(rt, ckptr, train_iter, plan)
     if distributed.is_main():
       for line in validate.no_op_warnings(cfg, rt.mesh):
         print(line, file=sys.stderr, flush=True)
-      splits = load_splits(cfg.data)
+      splits = [load_splits(part.cfg) for part in components(cfg.data)]
       kernels = startup.kernel_lines(rt.kernels, cfg.model.moe is not None)
+      long_docs = [s.documents_longer_than(t.seq_len) for s in splits]
       print(startup.summary(cfg, rt.mesh, start, ckptr.directory,
-                            (len(splits.train), len(splits.val)),
+                            (sum(len(s.train) for s in splits), sum(len(s.val) for s in splits)),
                             load_tokenizer(cfg.data).vocab_size, kernels,
-                            splits.documents_longer_than(t.seq_len)), flush=True)
+                            None if None in long_docs else
+                            tuple(map(sum, zip(*long_docs)))), flush=True)
     writer = metrics_lib.MetricsWriter(t.output_dir, start, tensorboard=cfg.logging.tensorboard)
     console = console_lib.Console(t.steps, start, progress=cfg.logging.progress,
                                   active=distributed.is_main())
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     try:
-      out = loop.train(cfg, rt, state, start, end, train_iter, eval_batches, ckptr, writer,
+      out = loop.train(cfg, rt, state, start, end, train_iter, eval_sets, ckptr, writer,
                        console, signals)
       if out.stopped is None:
         signals.phase = "reading the last checkpoint back"

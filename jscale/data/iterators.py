@@ -15,7 +15,7 @@ import grain
 import numpy as np
 
 from jscale.config import ConfigError, DataConfig
-from jscale.data.sources import load_splits
+from jscale.data.sources import components, load_splits
 from jscale.data.windows import Windows
 
 # One reader thread overlaps loading with the train step; no worker processes, so the
@@ -42,11 +42,17 @@ def make_train_iterator(data_cfg: DataConfig, seq_len: int, global_batch: int,
   it with jscale.data.checkpoint_save / checkpoint_restore).
   """
   local = _local_batch(global_batch, process_index, process_count)
-  splits = load_splits(data_cfg)
-  windows = _windows(splits.train, seq_len, splits.eos_id, "train", data_cfg.document_mask)
-  ds = grain.MapDataset.source(windows).shuffle(seed=_shuffle_seed(data_cfg.seed))
-  # MapDataset.repeat folds the epoch into the shuffle seed: a fresh order every epoch.
-  ds = ds.repeat()[process_index::process_count]
+  sources = []
+  for i, part in enumerate(components(data_cfg)):
+    splits = load_splits(part.cfg)
+    windows = _windows(splits.train, seq_len, splits.eos_id, "train", data_cfg.document_mask)
+    ds = grain.MapDataset.source(windows).shuffle(seed=_shuffle_seed(data_cfg.seed, i))
+    # MapDataset.repeat folds the epoch into the shuffle seed: a fresh order every epoch.
+    sources.append((ds.repeat(), part.weight))
+  # A mixture interleaves its sources deterministically in proportion to their weights.
+  ds = (sources[0][0] if len(sources) == 1 else
+        grain.MapDataset.mix([d for d, _ in sources], [w for _, w in sources]))
+  ds = ds[process_index::process_count]
   if transform is not None:
     ds = ds.map(transform)
   ds = ds.batch(local, drop_remainder=True)
@@ -54,11 +60,22 @@ def make_train_iterator(data_cfg: DataConfig, seq_len: int, global_batch: int,
   return iter(ds.to_iter_dataset(options))
 
 
+def make_eval_sets(data_cfg: DataConfig, seq_len: int, global_batch: int, num_batches: int,
+                   process_index: int = 0, process_count: int = 1,
+                   transform: Transform | None = None) -> dict[str, list[Batch]]:
+  """`make_eval_batches` of each source's own validation split, by its label ("" for a single
+  source: `sources.components`)."""
+  return {part.label: make_eval_batches(part.cfg, seq_len, global_batch, num_batches,
+                                        process_index, process_count, transform)
+          for part in components(data_cfg)}
+
+
 def make_eval_batches(data_cfg: DataConfig, seq_len: int, global_batch: int, num_batches: int,
                       process_index: int = 0, process_count: int = 1,
                       transform: Transform | None = None, split: str = "val") -> list[Batch]:
-  """`num_batches` of this process's batches of a split ("val" or "train"), in order, cycling
-  if too few; `num_batches=0`: every full batch of the split, once (`jscale.eval`)."""
+  """`num_batches` of this process's batches of a split ("val" or "train") of one source, in
+  order, cycling if too few; `num_batches=0`: every full batch of the split, once
+  (`jscale.eval`)."""
   local = _local_batch(global_batch, process_index, process_count)
   splits = load_splits(data_cfg)
   stream = splits.val if split == "val" else splits.train
@@ -106,8 +123,10 @@ def _local_batch(global_batch: int, process_index: int, process_count: int) -> i
   return global_batch // process_count
 
 
-def _shuffle_seed(seed: int) -> int:
+def _shuffle_seed(seed: int, source: int = 0) -> int:
   if seed < 0:
     raise ConfigError(f"data.seed={seed} must be >= 0")
-  # grain shuffles epoch e with seed + e; hashing keeps seed 1 from replaying seed 0's epoch 1.
-  return int(np.random.SeedSequence(seed).generate_state(1)[0])
+  # grain shuffles epoch e with seed + e; hashing keeps seed 1 from replaying seed 0's epoch 1
+  # (and a mixture's sources from sharing an order). Source 0 keeps a single source's seed.
+  entropy = seed if source == 0 else (seed, source)
+  return int(np.random.SeedSequence(entropy).generate_state(1)[0])

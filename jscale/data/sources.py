@@ -51,8 +51,31 @@ class Splits:
     return int((lengths > n).sum()), len(lengths)
 
 
+@dataclasses.dataclass(frozen=True)
+class Component:
+  """One source of the data: its label in the metrics ("" for a single source), its share of
+  the draws, and its config (as `data.*`, no mixture)."""
+  label: str
+  weight: float
+  cfg: DataConfig
+
+
+def components(data_cfg: DataConfig) -> list[Component]:
+  """The run's sources: `data.mixture`'s, each with the run's tokenizer, seed, validation
+  fraction, cache and document mask; or `data.*`'s one source."""
+  if data_cfg.mixture is None:
+    return [Component("", 1.0, data_cfg)]
+  total = sum(m.weight for m in data_cfg.mixture)
+  return [Component(m.label, m.weight / total, dataclasses.replace(
+      data_cfg, source=m.source, path=m.path, text_field=m.text_field, bin_dtype=m.bin_dtype,
+      mixture=None)) for m in data_cfg.mixture]
+
+
 def load_splits(data_cfg: DataConfig) -> Splits:
-  """Train and validation token streams for `data.source`."""
+  """Train and validation token streams for `data.source` (one source: `components` gives a
+  mixture's)."""
+  if data_cfg.mixture is not None:
+    raise ValueError("data.mixture has a split per source: load each of components(data_cfg)")
   tok = load_tokenizer(data_cfg)
   if data_cfg.source == "bin":
     train, val = bin_streams(data_cfg, tok)

@@ -51,7 +51,10 @@ def covered(row: dict[str, Any]) -> str:
 
 def eval_line(step: int, total: int, row: dict[str, Any]) -> str:
   width = len(str(total))
-  return f"eval {step:>{width}}/{total}  val_loss {row['val_loss']:.4f}  ({covered(row)})"
+  sources = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in row.items()
+                      if k.startswith("val_loss/"))
+  return (f"eval {step:>{width}}/{total}  val_loss {row['val_loss']:.4f}"
+          f"{f' ({sources})' if sources else ''}  ({covered(row)})")
 
 
 class Console:

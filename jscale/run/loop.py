@@ -106,9 +106,11 @@ class StepClock:
 
 
 def train(cfg: Config, rt: runtime.Runtime, state: Any, start: int, end: int, train_iter,
-          eval_batches: list, ckptr: ckpt_lib.Checkpointer, writer: metrics_lib.MetricsWriter,
-          console: console_lib.Console, signals: preemption.StopSignals) -> Outcome:
-  """Runs steps `start`..`end` (exclusive of `start`: the state is after step `start`)."""
+          eval_sets: dict[str, list], ckptr: ckpt_lib.Checkpointer,
+          writer: metrics_lib.MetricsWriter, console: console_lib.Console,
+          signals: preemption.StopSignals) -> Outcome:
+  """Runs steps `start`..`end` (exclusive of `start`: the state is after step `start`).
+  `eval_sets`: each source's validation batches by its label (`data.make_eval_sets`)."""
   train_step, eval_step, batch_sharding = rt.train_step(), rt.eval_step(), rt.layouts.batch()
   timer, stopper = preemption.SaveTimer(cfg.checkpoint.every_minutes), preemption.StopStep(signals)
   multi = jax.process_count() > 1
@@ -130,7 +132,7 @@ def train(cfg: Config, rt: runtime.Runtime, state: Any, start: int, end: int, tr
     previous = m
     profile.after(step, m)
     console.advance()
-    log, evals = log_due(cfg, done, end), eval_due(cfg, done, bool(eval_batches))
+    log, evals = log_due(cfg, done, end), eval_due(cfg, done, bool(eval_sets))
     check = log or evals or ckptr.due(done) or done == end  # the host syncs here anyway
     if check and nonfinite.settle():
       out.stopped, out.message = "nonfinite", nonfinite.message(_last(ckptr))
@@ -138,7 +140,7 @@ def train(cfg: Config, rt: runtime.Runtime, state: Any, start: int, end: int, tr
     if log:
       _log(cfg, rt, done, m, clock.per_step(done), nonfinite.total, out, writer, console)
     if evals:
-      _evaluate(eval_step, batch_sharding, state, eval_batches, done, out, writer, console)
+      _evaluate(eval_step, batch_sharding, state, eval_sets, done, out, writer, console)
       clock.restart(done)  # step times leave the eval out
     # Read after the log and the eval: a signal during them counts at this step. The last step
     # saves and ends the run anyway.
@@ -182,14 +184,20 @@ def _log(cfg: Config, rt: runtime.Runtime, done: int, m: dict, step_time: float 
   console.write(done, row)
 
 
-def _evaluate(eval_step, batch_sharding, state: Any, eval_batches: list, done: int,
+def _evaluate(eval_step, batch_sharding, state: Any, eval_sets: dict[str, list], done: int,
               out: Outcome, writer: metrics_lib.MetricsWriter,
               console: console_lib.Console) -> None:
-  """The validation loss after step `done`, recorded in `out`, the metrics and the console."""
-  result = evaluate.mean_loss(eval_step, state["params"], eval_batches, batch_sharding,
-                              state.get("dot_state"))
-  out.val_loss, out.val_tokens, out.val_batches = result.loss, result.tokens, len(eval_batches)
-  row = {"val_loss": result.loss, "val_batches": len(eval_batches), "val_tokens": result.tokens}
+  """The validation loss after step `done` (over every source's tokens; a mixture's sources
+  each as val_loss/<label> too), recorded in `out`, the metrics and the console."""
+  results = {label: evaluate.mean_loss(eval_step, state["params"], batches, batch_sharding,
+                                       state.get("dot_state"))
+             for label, batches in eval_sets.items()}
+  tokens = sum(r.tokens for r in results.values())
+  loss = sum(r.loss * r.tokens for r in results.values()) / max(tokens, 1)
+  batches = sum(len(b) for b in eval_sets.values())
+  out.val_loss, out.val_tokens, out.val_batches = loss, tokens, batches
+  row = {"val_loss": loss, "val_batches": batches, "val_tokens": tokens,
+         **{f"val_loss/{label}": r.loss for label, r in results.items() if label}}
   writer.write(done, row)
   console.write(done, row)
 

@@ -75,6 +75,16 @@ def write_run_info(rt: runtime.Runtime, meta: dict[str, Any]) -> None:
   os.replace(path + ".tmp", path)
 
 
+def _source(d) -> str:
+  """The data line's source: `data.source` and its path, or a mixture's sources and shares."""
+  if d.mixture is None:
+    return d.source + (f" {d.path}" if d.path else "")
+  total = sum(m.weight for m in d.mixture)
+  return "mixture of " + ", ".join(
+      f"{m.label} {m.weight / total:.0%} ({m.source}{f' {m.path}' if m.path else ''})"
+      for m in d.mixture)
+
+
 def _documents(long_docs: tuple[int, int] | None, seq_len: int, masked: bool) -> str:
   """The data line's words on documents: how many a window splits, whether they are masked."""
   mask = "; documents masked apart" if masked else ""
@@ -106,7 +116,7 @@ def summary(cfg: Config, mesh: jax.sharding.Mesh, start_step: int, checkpoint_di
   train_tokens, val_tokens = data_tokens
   step_tokens = t.batch_size * t.seq_len
   epochs = t.steps * step_tokens / max(train_tokens, 1)
-  source = cfg.data.source + (f" {cfg.data.path}" if cfg.data.path else "")
+  source = _source(cfg.data)
   if start_step:
     start = f"resuming from step {start_step} ({checkpoint_dir})"
   elif cfg.checkpoint.init_from:  # the model is the checkpoint's, but for the keys listed

@@ -19,6 +19,10 @@ def check_choices(section: Any, prefix: str = "") -> None:
     if dataclasses.is_dataclass(value):
       check_choices(value, key + ".")
       continue
+    if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+      for i, item in enumerate(value):  # data.mixture's sources
+        check_choices(item, f"{key}[{i}].")
+      continue
     allowed = literal_values(hints[field.name])
     if allowed is not None and value not in allowed:
       raise ConfigError(f"{key}={value!r}: choose one of {', '.join(map(str, allowed))}")

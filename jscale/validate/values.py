@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jscale import distributed
-from jscale.config import Config, ConfigError, ModelConfig
+from jscale.config import Config, ConfigError, DataConfig, ModelConfig
 from jscale.fp8 import linears as fp8_linears
 from jscale.validate import deepseek, experts
 from jscale.validate.choices import check_choices
@@ -138,8 +138,27 @@ def _check_checkpoint_and_data(cfg: Config) -> None:
                       "checkpoint.resume=false as well")
   if not 0.0 <= d.val_fraction < 1.0:
     raise ConfigError(f"data.val_fraction={d.val_fraction} must lie in [0, 1)")
-  if d.source in ("bin", "text") and not d.path:
+  if d.mixture is not None:
+    _check_mixture(d)
+  elif d.source != "stdlib" and not d.path:
     raise ConfigError(f"data.source={d.source} needs data.path (a file, directory or glob)")
+
+
+def _check_mixture(d: DataConfig) -> None:
+  if not d.mixture:
+    raise ConfigError("data.mixture is empty: list its sources, or set data.mixture=null")
+  if d.path is not None:
+    raise ConfigError(f"data.path={d.path!r} with data.mixture: each of the mixture's sources "
+                      "names its own path; drop data.path")
+  names = [m.label for m in d.mixture]
+  for i, m in enumerate(d.mixture):
+    if not m.weight > 0:
+      raise ConfigError(f"data.mixture[{i}].weight={m.weight} must be > 0")
+    if m.source != "stdlib" and not m.path:
+      raise ConfigError(f"data.mixture[{i}].source={m.source} needs data.mixture[{i}].path")
+    if names.count(names[i]) > 1:
+      raise ConfigError(f"data.mixture[{i}]: two sources are named {names[i]!r} (their eval "
+                        f"losses would share val_loss/{names[i]}): give each a name")
 
 
 def _check_layout(cfg: Config) -> None:

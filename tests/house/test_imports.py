@@ -284,8 +284,10 @@ def test_pip_install_dot_is_enough_to_run():
   deps = {re.split(r"[<>=\[ ;]", d)[0] for d in project["dependencies"]}
   installed = {_DIST_MODULES.get(d, d.replace("-", "_")) for d in deps} | _WITH_JAX
   # The `triton` extra (jax-triton, which brings triton): pallas_kernels/rms_norm/triton_kernel.py
-  # only, imported explicitly by the kernel benchmark on a GPU.
-  optional = {"jax_triton", "triton"}
+  # only, imported explicitly by the kernel benchmark on a GPU. The `datasets` extra:
+  # jscale/data/records.py reads a saved `datasets` directory through it when installed (pyarrow
+  # alone otherwise), importing it only on that path.
+  optional = {"jax_triton", "triton", "datasets"}
   used = {}
   for path in MODULES.values():
     for name in _third_party(path) - installed - optional:
