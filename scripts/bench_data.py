@@ -24,6 +24,8 @@ import sysconfig
 import tempfile
 import time
 
+from jscale.analysis import tables
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "results", "bench_data.md")
 SOURCES = ("text", "jsonl", "parquet", "arrow")
@@ -104,8 +106,7 @@ def main() -> None:
   if args.one:
     print(json.dumps(measure(args.one[0], args.one[1], int(args.one[2]))))
     return
-  head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                        text=True, check=False).stdout.strip()
+  head = tables.head_commit()
   rows = []
   with tempfile.TemporaryDirectory() as root:
     build_corpus(root)
@@ -131,10 +132,7 @@ def main() -> None:
            "", "Tokenizing happens once per corpus (the cache); training reads memory-mapped "
            "windows. Workers: the tokenizer's threads for the first, grain's reader threads for "
            "the second."]
-  text = "\n".join(lines) + "\n"
-  with open(OUT, "w", encoding="utf-8") as f:
-    f.write(text)
-  print(text)
+  tables.write_markdown(lines, OUT)
 
 
 if __name__ == "__main__":

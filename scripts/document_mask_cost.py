@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -27,6 +26,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jscale import predict, runtime  # noqa: E402
+from jscale.analysis import tables  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
 from jscale.data.windows import doc_starts  # noqa: E402
 
@@ -78,8 +78,7 @@ def gpu_step_ms(extra: list[str]) -> float:
 
 
 def main() -> None:
-  head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                        text=True, check=False).stdout.strip()
+  head = tables.head_commit()
   cpu = {mask: cpu_step_ms(mask) for mask in (False, True)}
   gpu = {name: gpu_step_ms(extra) for name, extra in GPU_ROWS.items()}
   base = gpu["no mask (cuDNN)"]
@@ -98,10 +97,7 @@ def main() -> None:
       "cuDNN to the flash kernel shows, the mask's compares inside the kernel do not. "
       "`python3 scripts/gpu_session.py run long_context` measures the masked row on a lent GPU.",
   ]
-  text = "\n".join(lines) + "\n"
-  with open(OUT, "w", encoding="utf-8") as f:
-    f.write(text)
-  print(text)
+  tables.write_markdown(lines, OUT)
 
 
 if __name__ == "__main__":

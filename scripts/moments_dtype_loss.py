@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -21,6 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # pylint: disable=wrong-import-position
 from jscale import train as train_lib  # noqa: E402
+from jscale.analysis import tables  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,8 +43,7 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--seeds", type=int, default=8)
   args = p.parse_args()
-  head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                        text=True, check=False).stdout.strip()
+  head = tables.head_commit()
   rows = []
   with tempfile.TemporaryDirectory() as out:
     for seed in range(args.seeds):
@@ -62,10 +61,7 @@ def main() -> None:
            f"| mean | {fp32_mean:.4f} | {bf16_mean:.4f} | {bf16_mean / fp32_mean - 1:+.2%} |",
            "", f"Per-seed difference: mean {statistics.mean(ratios):+.2%}, standard deviation "
            f"{statistics.stdev(ratios):.2%}, range {min(ratios):+.2%} to {max(ratios):+.2%}."]
-  text = "\n".join(lines) + "\n"
-  with open(OUT, "w", encoding="utf-8") as f:
-    f.write(text)
-  print(text)
+  tables.write_markdown(lines, OUT)
 
 
 if __name__ == "__main__":
