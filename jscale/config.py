@@ -324,7 +324,7 @@ class DataConfig:
   cache_dir: str | None = None  # tokenized corpora; None: ~/.cache/jscale
   # Packed documents attend only to themselves and RoPE restarts at each (windows carry
   # doc_starts; jscale.model.positions). Off by default: at the playbook's 4k windows Llama 3
-  # found it changes little, and cuDNN's fused attention has no document mask (on a GPU,
+  # found it changes little, and cuDNN takes documents only as a dense L x L mask (on a GPU,
   # attention_impl=auto then runs the flash kernel); turn it on for long context.
   document_mask: bool = False
   # Several sources mixed by weight, e.g. [{source: jsonl, path: code.jsonl, weight: 0.7},

@@ -17,13 +17,16 @@ from jscale.metrics import param_counts
 
 
 def abstract_batch(cfg: Config) -> dict[str, jax.ShapeDtypeStruct]:
-  """Shapes of one global batch (with `positions` under context parallelism)."""
+  """Shapes of one global batch (with `positions` under context parallelism, `doc_starts`
+  with `data.document_mask`)."""
   b, l = cfg.train.batch_size, cfg.train.seq_len
   out = {"tokens": jax.ShapeDtypeStruct((b, l), jnp.int32),
          "labels": jax.ShapeDtypeStruct((b, l), jnp.int32),
          "loss_mask": jax.ShapeDtypeStruct((b, l), jnp.float32)}
   if cfg.mesh.sequence * cfg.mesh.dcn_sequence != 1:  # the context split, across nodes too
     out["positions"] = jax.ShapeDtypeStruct((b, l), jnp.int32)
+  if cfg.data.document_mask:
+    out["doc_starts"] = jax.ShapeDtypeStruct((b, l), jnp.int32)
   return out
 
 

@@ -73,9 +73,12 @@ def with_v_padded(attend: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
 
 
 def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGV: jax.Array,
-                    causal: bool = True, positions=None) -> jax.Array:
+                    causal: bool = True, positions=None,
+                    segment_ids: jax.Array | None = None) -> jax.Array:
   """cuDNN fused attention (GPU only; GQA handled by the kernel; index-causal only; a V head
-  size below Q's, MLA's, through `with_v_padded`)."""
+  size below Q's, MLA's, through `with_v_padded`). `segment_ids` [B, L] (documents) mask
+  across documents through a dense [B, 1, L, L] mask, which cuDNN reads as a bias: memory
+  quadratic in L, unlike the flash kernel's segment ids (`auto` prefers those)."""
   if positions is not None:
     raise ValueError("cudnn attention masks by index, not by token positions: with "
                      "mesh.sequence > 1 use model.attention_impl=ring or xla")
@@ -83,8 +86,18 @@ def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGV: jax.Array,
     raise ValueError(f"cudnn attention needs V's head size at most K's, got "
                      f"{v_BSGV.shape[-1]} and {k_BSGK.shape[-1]}: use "
                      f"model.attention_impl=xla, pallas or ring")
-  return with_v_padded(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+  return with_v_padded(functools.partial(nn_attention, causal=causal, segment_ids=segment_ids,
                                          implementation="cudnn"))(q_BLHK, k_BSGK, v_BSGV)
+
+
+def nn_attention(q_BLHK, k_BSGK, v_BSGV, causal: bool, segment_ids: jax.Array | None,
+                 implementation: str) -> jax.Array:
+  """`jax.nn.dot_product_attention` with documents (`segment_ids` [B, L]) as its boolean
+  [B, 1, L, S] mask (tests run the same call with implementation="xla" on CPU)."""
+  mask = (None if segment_ids is None else
+          segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+  return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGV, mask=mask, is_causal=causal,
+                                      implementation=implementation)
 
 
 def pallas_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
@@ -182,11 +195,9 @@ def auto_impl(platform: str, dtype, head_dim: int, context_parallel: bool = Fals
       return "pallas", "mesh.sequence > 1 on GPU: ring attention, flash-kernel blocks"
     return "ring", "mesh.sequence > 1: ring attention" + (
         ", plain blocks (the flash kernel does not tile them)" if platform == "gpu" else "")
-  if platform == "gpu" and documents:
-    if flash_tiles:
-      return "pallas", "data.document_mask on GPU: the flash kernel (cuDNN has no document mask)"
-    return "xla", ("data.document_mask on GPU: plain XLA (cuDNN has no document mask and the "
-                   "flash kernel does not tile these shapes)")
+  if platform == "gpu" and documents and flash_tiles:
+    return "pallas", ("data.document_mask on GPU: the flash kernel's segment ids (cuDNN would "
+                      "read the documents as a dense L x L mask)")
   if platform == "gpu":
     why_not = cudnn_applies(dtype, head_dim, compute_capability, v_head_dim)
     if why_not is None:

@@ -35,6 +35,10 @@ def _pallas(q_BLHK, k_BSGK, v_BSGK, docs_BL=None, *, interpret: bool, device):
                                    segment_ids=docs_BL)
 
 
+def _cudnn(q_BLHK, k_BSGK, v_BSGK, docs_BL=None):
+  return attn_lib.cudnn_attention(q_BLHK, k_BSGK, v_BSGK, segment_ids=docs_BL)
+
+
 class EntersTensorParallel:
   """Marks a block module that enters and leaves the tensor-parallel region itself, through
   `Seam.tp_column` / `Seam.tp_row` (so a layout may fuse the collectives with its matmuls):
@@ -121,10 +125,10 @@ class Seam:
       # per-device work, so it gets the same per-shard dispatch as the Pallas kernel)
       names = [attn_lib.Q_NAMES, attn_lib.KV_NAMES, attn_lib.KV_NAMES]
       args = [q_BLHK, k_BSGK, v_BSGK]
-      if docs_BL is not None:  # `validate` refuses cuDNN here (it has no document mask)
+      if docs_BL is not None:
         names, args = names + [("batch", "seq")], args + [docs_BL]
       fn = (functools.partial(_pallas, interpret=interpret, device=self.kernel_device())
-            if impl == "pallas" else attn_lib.cudnn_attention)
+            if impl == "pallas" else _cudnn)
       # Not named "attn_ctx": the policy saves the kernel's outputs (`attn_lib.KERNEL_IMPLS`).
       return self.kernel(fn, args, names, attn_lib.Q_NAMES)
     return attn_lib.attention(q_BLHK, k_BSGK, v_BSGK, impl,

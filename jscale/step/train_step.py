@@ -56,7 +56,11 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
   return loss_fn
 
 
-def _check_positions(batch: Batch, batch_sharding: Any) -> None:
+def _check_positions(batch: Batch, batch_sharding: Any, documents: bool) -> None:
+  # Documents unmarked would train across them silently.
+  if documents and "doc_starts" not in batch:
+    raise ValueError("data.document_mask needs batches with 'doc_starts' (the windows' "
+                     "document starts: jscale.data's iterators add them)")
   # Split over `sequence`, a device cannot tell its tokens' positions from their index.
   if (batch_sharding is not None and batch_sharding.mesh.shape["sequence"] > 1
       and "positions" not in batch):
@@ -78,7 +82,7 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
   balance = router_bias.balanced(cfg.model.moe)
 
   def step(state: State, batch: Batch):
-    _check_positions(batch, batch_sharding)
+    _check_positions(batch, batch_sharding, cfg.data.document_mask)
     params = state["params"]
     if comms.stages > 1:
       out = pipelined.grads(stages, graphdef, comms, params, batch, state.get("dot_state"))
@@ -131,7 +135,7 @@ def make_eval_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
   stages = pipelined.Settings.of(cfg)
 
   def evaluate(params, batch: Batch, dot_state: Any = None):
-    _check_positions(batch, batch_sharding)
+    _check_positions(batch, batch_sharding, cfg.data.document_mask)
     if comms.stages > 1:
       return pipelined.loss_sums(stages, graphdef, comms, params, batch, dot_state)
     loss_sum, count, _ = loss_fn(params, batch, dot_state=dot_state)

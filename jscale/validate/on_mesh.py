@@ -48,10 +48,6 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
       raise ConfigError(f"model.mtp with mesh.sequence={cp}: multi-token prediction shifts the "
                         "labels along the sequence, which context parallelism splits; set "
                         "mesh.sequence=1 or model.mtp=null")
-  if cfg.data.document_mask and m.attention_impl == "cudnn":
-    raise ConfigError("data.document_mask with model.attention_impl=cudnn: cuDNN's fused "
-                      "attention has no document mask; use model.attention_impl=auto (the "
-                      "flash kernel on a GPU), pallas or xla, or data.document_mask=false")
   capability = getattr(mesh.devices.flat[0], "compute_capability", None)
   if m.attention_impl == "cudnn" and m.v_head_dim != m.qk_head_dim and (why := (
       attn_lib.cudnn_applies(m.dtype, m.qk_head_dim, capability, m.v_head_dim))) is not None:

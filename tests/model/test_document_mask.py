@@ -2,7 +2,8 @@
 packed batch equals each document run alone (logits and gradients; plain XLA and the flash
 kernel, GQA and MLA); every parallel layout's steps equal one device's with the same documents
 (context parallelism splits documents across shards: the ring, the K/V all-gather and Ulysses,
-in both modes; TP + SP; a pipeline); cuDNN is refused and `auto` runs the flash kernel on a GPU.
+in both modes; TP + SP; a pipeline); cuDNN's mask is the reference mask, and `auto` runs the
+flash kernel on a GPU.
 """
 
 import jax
@@ -13,10 +14,10 @@ from flax import nnx
 
 import deepseek_case
 from conftest import small_config
-from jscale import runtime
+from jscale import predict, runtime
 from jscale.analysis import gpu_target
-from jscale.config import ConfigError
 from jscale.data.windows import Windows
+from jscale.model import attention as attn_lib
 from jscale.model import llama
 from jscale.model.positions import Positions
 from jscale.parallel.context.order import Reorder
@@ -128,17 +129,37 @@ def test_documents_change_the_loss():
   assert not np.allclose(reference(*DOCS), reference(), rtol=1e-3)
 
 
-def test_cudnn_refused():
-  with pytest.raises(ConfigError, match="data.document_mask with model.attention_impl=cudnn"):
-    runtime.build(small_config(None, *BASE, *DOCS, "model.attention_impl=cudnn",
-                               "model.dtype=bfloat16"), jax.devices()[:1])
+def test_cudnns_document_mask_is_the_reference_mask():
+  """cuDNN reads documents as `jax.nn.dot_product_attention`'s boolean mask
+  (`attention.nn_attention`); the same call with XLA's implementation, on CPU, equals plain
+  attention within documents, values and gradients."""
+  rng = np.random.default_rng(2)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, L, 4, 16)), jnp.float32) for _ in range(3))
+  docs = jnp.asarray(doc_starts(rng, 2, L))
+  p = Positions(jnp.broadcast_to(jnp.arange(L), (2, L)), docs)
+  ours = lambda q, k, v: attn_lib.nn_attention(q, k, v, True, docs, "xla")
+  ref = lambda q, k, v: attn_lib.xla_attention(q, k, v, positions=(p, p))
+  np.testing.assert_allclose(ours(q, k, v), ref(q, k, v), atol=1e-5)
+  g = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), (0, 1, 2))(q, k, v)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g(ours), g(ref))
+
+
+H100_DOCS = (*DOCS, "model.dtype=bfloat16", "model.d_model=128", "model.n_heads=2",
+             "model.n_kv_heads=2", "train.seq_len=256", "mesh.data=1")
 
 
 @pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
-def test_auto_is_the_flash_kernel_on_a_gpu():
-  cfg = small_config(None, *DOCS, "model.dtype=bfloat16", "model.d_model=128",
-                     "model.n_heads=2", "model.n_kv_heads=2", "train.seq_len=256",
-                     "mesh.data=1")
-  rt = runtime.build(cfg, gpu_target.devices("h100x1"))
+def test_on_a_gpu_auto_is_the_flash_kernel_and_cudnn_takes_a_mask():
+  rt = runtime.build(small_config(None, *H100_DOCS), gpu_target.devices("h100x1"))
   assert rt.cfg.model.attention_impl == "pallas"
   assert "document" in rt.kernels.attention_why
+  cfg = small_config(None, *H100_DOCS, "model.attention_impl=cudnn", "checkpoint.every=0")
+  text = predict.compile_for(cfg, "h100x1")[0]
+  assert "__cudnn$fmhaScaleBiasSoftmax" in text and "__cudnn$fmhaSoftmax\"" not in text
+
+
+def test_a_batch_without_document_starts_is_an_error():
+  rt = runtime.build(small_config(None, *BASE, *DOCS), jax.devices()[:1])
+  b = {k: np.zeros((16, 32), np.int32) for k in ("tokens", "labels", "loss_mask")}
+  with pytest.raises(ValueError, match="doc_starts"):
+    rt.train_step()(rt.init_state(), jax.device_put(b, rt.layouts.batch()))

@@ -138,7 +138,7 @@ class XlaUlysses:
       if impl == "pallas":
         return attn_lib.pallas_attention(q, k, v, interpret=interpret, device=device,
                                          segment_ids=docs)
-      return attn_lib.cudnn_attention(q, k, v)  # (documents: refused by `validate`)
+      return attn_lib.cudnn_attention(q, k, v, segment_ids=docs)
 
     def attend(q, k, v, p: Positions):
       if p.start_BL is None:
