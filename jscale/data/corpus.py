@@ -42,13 +42,27 @@ def token_dtype(vocab_size: int) -> np.dtype:
   return np.dtype(np.int64)
 
 
-def file_documents(files: Sequence[str]) -> Iterator[bytes]:
-  """Each file's bytes, in order (empty files skipped): one document per file."""
+def file_documents(files: Sequence[str], utf8: bool = False) -> Iterator[bytes]:
+  """Each file's bytes, in order (empty files skipped): one document per file. `utf8`: a file
+  that is not UTF-8 stops with a ConfigError naming it, its line and the fix (a text tokenizer
+  would otherwise replace the bytes silently)."""
   for path in files:
     with open(path, "rb") as f:
       data = f.read()
+    if utf8:
+      _check_utf8(path, data)
     if data:
       yield data
+
+
+def _check_utf8(path: str, data: bytes) -> None:
+  try:
+    data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = data.count(b"\n", 0, e.start) + 1
+    raise ConfigError(f"data.path: {path} line {line} is not UTF-8 ({e.reason} at byte "
+                      f"{e.start}): re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                      ) from None
 
 
 def token_batches(documents: Iterable[Document], tok: Tokenizer) -> Iterator[list[np.ndarray]]:

@@ -24,7 +24,7 @@ import numpy as np
 from jscale.config import ConfigError, DataConfig, choices
 from jscale.data import records
 from jscale.data.corpus import Corpus, cached_corpus, file_documents
-from jscale.data.tokenizer import Tokenizer, load_tokenizer
+from jscale.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 TEXT_EXTENSIONS = (".txt", ".md", ".rst", ".py", ".tex", ".html", ".c", ".h", ".cc", ".cpp",
                    ".js", ".ts", ".rs", ".go", ".java")
@@ -150,7 +150,9 @@ def text_corpus(data_cfg: DataConfig, tok: Tokenizer) -> Corpus:
     raise ConfigError("data.source=text needs data.path (a text file, directory or glob)")
   files = text_files(data_cfg.path)
   key = f"text-{tok.fingerprint}-{_files_key(files, tok.fingerprint)}"
-  corpus = cached_corpus(data_cfg, key, tok, lambda: file_documents(files))
+  # A text tokenizer decodes the bytes: invalid UTF-8 is named, not replaced silently.
+  utf8 = not isinstance(tok, ByteTokenizer)
+  corpus = cached_corpus(data_cfg, key, tok, lambda: file_documents(files, utf8))
   if len(corpus.tokens) < 2:
     raise ConfigError(f"data.path={data_cfg.path!r}: the files are empty; add text")
   return corpus

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from tokenizers import Tokenizer, models
 
 from conftest import ROOT
 from jscale.config import ConfigError, DataConfig
@@ -145,3 +146,20 @@ def test_the_docs_example_runs(tmp_path, child_env, data_cache):
   losses = [r["loss"] for r in rows if "loss" in r]
   assert len(losses) >= 2 and losses[-1] < losses[0]
   assert any("val_loss" in r for r in rows)
+
+
+def test_a_text_file_that_is_not_utf8_is_named(tmp_path):
+  """With a text tokenizer (which decodes), bytes that are not UTF-8 stop the run with the
+  file and line; the byte tokenizer reads bytes as ids and takes them as they are."""
+  (tmp_path / "a.txt").write_bytes(b"the cat\nsat on\nthe m\xe0t\n")
+  tok = Tokenizer(models.WordLevel({"[UNK]": 0, "<|endoftext|>": 1}, unk_token="[UNK]"))
+  tok.save(str(tmp_path / "tokenizer.json"))
+  cfg = DataConfig(source="text", path=str(tmp_path / "a.txt"),
+                   tokenizer=str(tmp_path / "tokenizer.json"), cache_dir=str(tmp_path / "c"),
+                   val_fraction=0.0)
+  with pytest.raises(ConfigError, match=r"a.txt line 3 is not UTF-8 .*re-encode the file"):
+    load_splits(cfg)
+  assert not list((tmp_path / "c").glob("*.npy"))  # nothing cached
+  byte = DataConfig(source="text", path=str(tmp_path / "a.txt"), cache_dir=str(tmp_path / "c"),
+                    val_fraction=0.0)
+  assert list(load_splits(byte).train[-4:]) == [0xE0, ord("t"), ord("\n"), 0]  # and EOS
