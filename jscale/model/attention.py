@@ -20,7 +20,7 @@ interpreter), index-causal only; under a mesh the model's seam runs it on each d
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +91,7 @@ def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGV: jax.Array,
 
 
 def nn_attention(q_BLHK, k_BSGK, v_BSGV, causal: bool, segment_ids: jax.Array | None,
-                 implementation: str) -> jax.Array:
+                 implementation: Literal["xla", "cudnn"]) -> jax.Array:
   """`jax.nn.dot_product_attention` with documents (`segment_ids` [B, L]) as its boolean
   [B, 1, L, S] mask (tests run the same call with implementation="xla" on CPU)."""
   mask = (None if segment_ids is None else
@@ -236,6 +236,24 @@ def attention(q_BLHK, k_BSGK, v_BSGK, impl: str = "xla", causal: bool = True,
 # Context parallelism's exchanged attention operands and output (Ulysses' all-to-alls' results):
 # kept by `remat: selective`, so the backward does not exchange them again.
 CP_EXCHANGED = "attn_cp_exchanged"
+
+
+def kernel_fn(impl: str, interpret: bool = False, device: jax.Device | None = None
+              ) -> Callable[..., jax.Array]:
+  """A fused kernel impl ("pallas", "cudnn") as `fn(q, k, v, docs_BL=None)`: index-causal
+  attention of tokens in sequence order, within documents if `docs_BL` [B, L] is given (what
+  the model's seam and Ulysses run per device's shards)."""
+  if impl == "pallas":
+    return lambda q, k, v, docs_BL=None: pallas_attention(
+        q, k, v, interpret=interpret, device=device, segment_ids=docs_BL)
+  return lambda q, k, v, docs_BL=None: cudnn_attention(q, k, v, segment_ids=docs_BL)
+
+
+def in_order(q_BLHK, k_BSGK, v_BSGK, impl: str, positions: Positions) -> jax.Array:
+  """A non-kernel impl on tokens in sequence order: masked by index, and by document when
+  `positions` carries documents."""
+  pair = None if positions.start_BL is None else (positions, positions)
+  return attention(q_BLHK, k_BSGK, v_BSGK, impl, positions=pair)
 
 
 def named(ctx_BLHK: jax.Array) -> jax.Array:

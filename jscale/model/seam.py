@@ -13,7 +13,6 @@ shards. The train step's own operations (gradients, optimizer, program) are a se
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -28,15 +27,6 @@ Names = Sequence[str | None]
 # checkpoint_name of whole weights gathered for ZeRO-3: never saved for the backward (which
 # gathers again), or the forward would keep every layer's full weights alive, undoing ZeRO-3.
 GATHERED = "zero3_gathered_params"
-
-
-def _pallas(q_BLHK, k_BSGK, v_BSGK, docs_BL=None, *, interpret: bool, device):
-  return attn_lib.pallas_attention(q_BLHK, k_BSGK, v_BSGK, interpret=interpret, device=device,
-                                   segment_ids=docs_BL)
-
-
-def _cudnn(q_BLHK, k_BSGK, v_BSGK, docs_BL=None):
-  return attn_lib.cudnn_attention(q_BLHK, k_BSGK, v_BSGK, segment_ids=docs_BL)
 
 
 class EntersTensorParallel:
@@ -127,12 +117,10 @@ class Seam:
       args = [q_BLHK, k_BSGK, v_BSGK]
       if docs_BL is not None:
         names, args = names + [("batch", "seq")], args + [docs_BL]
-      fn = (functools.partial(_pallas, interpret=interpret, device=self.kernel_device())
-            if impl == "pallas" else _cudnn)
+      fn = attn_lib.kernel_fn(impl, interpret, self.kernel_device())
       # Not named "attn_ctx": the policy saves the kernel's outputs (`attn_lib.KERNEL_IMPLS`).
       return self.kernel(fn, args, names, attn_lib.Q_NAMES)
-    return attn_lib.attention(q_BLHK, k_BSGK, v_BSGK, impl,
-                              positions=None if docs_BL is None else (positions, positions))
+    return attn_lib.in_order(q_BLHK, k_BSGK, v_BSGK, impl, positions)
 
   # ---------------------------------------------------------------- tensor parallelism
 

@@ -130,15 +130,9 @@ class XlaUlysses:
     """Index-causal attention within documents on head-split operands: a kernel per device's
     heads (GSPMD cannot split a custom call), plain XLA as global math."""
     if impl not in attn_lib.KERNEL_IMPLS:
-      return lambda q, k, v, p: attn_lib.attention(
-          q, k, v, impl, positions=None if p.start_BL is None else (p, p))
-    device = self.kernel_device()  # type: ignore[attr-defined]
-
-    def kernel(q, k, v, docs=None):
-      if impl == "pallas":
-        return attn_lib.pallas_attention(q, k, v, interpret=interpret, device=device,
-                                         segment_ids=docs)
-      return attn_lib.cudnn_attention(q, k, v, segment_ids=docs)
+      return lambda q, k, v, p: attn_lib.in_order(q, k, v, impl, p)
+    kernel = attn_lib.kernel_fn(impl, interpret,
+                                self.kernel_device())  # type: ignore[attr-defined]
 
     def attend(q, k, v, p: Positions):
       if p.start_BL is None:
