@@ -38,7 +38,7 @@ from jscale import hardware  # noqa: E402
 from jscale.analysis import gpu_target  # noqa: E402
 from jscale.analysis.tables import write_table  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
-from jscale.plan import busy, cost  # noqa: E402
+from jscale.plan import busy, cost, memory  # noqa: E402
 from jscale.plan.__main__ import COMPILED_TOP  # noqa: E402
 from jscale.plan.layout import Layout  # noqa: E402
 from jscale.plan.rank import evaluate, rank  # noqa: E402
@@ -142,38 +142,70 @@ def _relative_nnls(features: np.ndarray, fixed: np.ndarray, target: np.ndarray,
   return nnls(features / scale[:, None], (target - fixed) / scale)[0]
 
 
+# `cost.Exposure`'s prefetch window and the memory share past which XLA re-gathers, searched on
+# a grid (the shares are linear given them)
+WINDOWS = np.round(np.arange(0.0, 0.76, 0.01), 2)
+REGATHER_FROM = np.round(np.arange(0.5, 0.96, 0.05), 2)
+# fitted on a grid or outside the sweep (`cost.Exposure`)
+NOT_SHARES = ("zero3_window", "regather_from", "host_offload", "pipeline_pace")
+
+
+def _fit_shares(flat: list, passes: busy.Fit, window: float, regather_from: float
+                ) -> tuple[cost.Exposure, float]:
+  """(`cost.Exposure`'s shares fitted on the pipeline-free rows `flat` — (row, layout,
+  transfers, busy seconds, memory share) — with the prefetched gathers hiding behind `window`
+  of the busy time and gathered again past `regather_from` of the memory, the fit's relative
+  residual)."""
+  shares = [f.name for f in dataclasses.fields(cost.Exposure) if f.name not in NOT_SHARES]
+  grid = dict(zero3_window=window, regather_from=regather_from)
+  none = cost.Exposure(**dict.fromkeys(shares, 0.0), **grid)
+  feats, fixed = [], []
+  for _, lay, ts, busy_s, share in flat:
+    inside = cost.prefetch_inside(ts, window * busy_s)
+    feats.append([cost.regathered(ts, share, regather_from) if n == "zero3_regather" else
+                  sum(t.seconds() * (inside if t.overlap == "prefetch" else 1.0)
+                      for t in ts if t.share == n) for n in shares])
+    fixed.append(cost.exposed(ts, busy_s, lay.accum, none, share))
+  step = np.array([r["step_compiled"] for r, *_ in flat])
+  exposed = np.array([r["exposed_compiled"] for r, *_ in flat])
+  feats, fixed = np.array(feats), np.array(fixed)
+  share = _relative_nnls(feats, fixed, exposed, step)
+  residual = float(np.sum(((fixed + feats @ share - exposed) / step) ** 2))
+  return cost.Exposure(**dict(zip(shares, share)), **grid, pipeline_pace=1.0), residual
+
+
 def fit(rows: list[dict]) -> tuple[busy.Fit, cost.Exposure]:
   """`busy.Fit` and `cost.Exposure` fitted on `rows` (non-negative least squares, relative):
   the passes on the pipeline-free layouts' busy time (the compiled step less its exposed
-  collectives), the exposed shares on their exposed time (relative to the step), the pace on
-  the pipelined layouts' steps."""
+  collectives), the exposed shares on their exposed time (relative to the step) at the grid's
+  window and memory threshold that fit it best, the pace on the pipelined layouts' steps."""
   gpu = hardware.GPUS["h100"]
   names = [f.name for f in dataclasses.fields(busy.Fit)]
-  # (the pace is fitted below; host_offload on programs outside the sweep, `cost.Exposure`)
-  shares = [f.name for f in dataclasses.fields(cost.Exposure)
-            if f.name not in ("pipeline_pace", "host_offload")]
   flat, piped = [], []
   for r, model, lay in fitting(rows):
     (piped if lay.stage > 1 else flat).append((r, model, lay, busy.terms(model, lay, SEQ, gpu)))
-  step = np.array([r["step_compiled"] for r, *_ in flat])
   held = np.array([r["step_compiled"] - r["exposed_compiled"] for r, *_ in flat])
   coef = _relative_nnls(np.array([[p[n] for n in names] for *_, p in flat]),
                         np.array([sum(p[k] for k in busy.FIXED) for *_, p in flat]), held, held)
   passes = busy.Fit(*coef)
-  none = cost.Exposure(**dict.fromkeys(shares, 0.0))
-  feats, fixed = [], []
-  for r, model, lay, p in flat:
+
+  def prepared(r, model, lay, p):
+    share = memory.estimate(model, lay, SEQ).total / memory.usable_bytes(gpu)
     ts = cost.transfers(model, lay, SEQ, gpu.gpus_per_node)
-    feats.append([sum(t.seconds() for t in ts if t.share == n and not t.overlap) for n in shares])
-    fixed.append(cost.exposed(ts, busy.seconds(p, passes), lay.accum, none))
-  exposed = np.array([r["exposed_compiled"] for r, *_ in flat])
-  share = _relative_nnls(np.array(feats), np.array(fixed), exposed, step)
-  exposure = cost.Exposure(**dict(zip(shares, share)), pipeline_pace=1.0)
-  a, e, y = (np.array(x) for x in zip(*[
-      (busy.seconds(p, passes) * cost.pipeline_pace(model, lay, SEQ, exposure),
-       cost.exposed(cost.transfers(model, lay, SEQ, gpu.gpus_per_node),
-                    busy.seconds(p, passes), lay.accum, exposure), r["step_compiled"])
-      for r, model, lay, p in piped]))
+    return r, lay, ts, busy.seconds(p, passes), share
+
+  # The shares on the layouts without a ring: its hops are priced by a rule, not a share, and
+  # its misfit at 8-64-way splits would bias the shares of the transfers it runs beside.
+  unringed = [prepared(*x) for x in flat if x[2].sequence == 1 or x[2].ulysses]
+  exposure = min((_fit_shares(unringed, passes, w, m) for w in WINDOWS for m in REGATHER_FROM),
+                 key=lambda x: x[1])[0]
+  a, e, y = [], [], []
+  for r, model, lay, p in piped:
+    *_, ts, busy_s, share = prepared(r, model, lay, p)
+    a.append(busy_s * cost.pipeline_pace(model, lay, SEQ, exposure))
+    e.append(cost.exposed(ts, busy_s, lay.accum, exposure, share))
+    y.append(r["step_compiled"])
+  a, e, y = np.array(a), np.array(e), np.array(y)
   pace = float(np.sum(a / y * (1 - e / y)) / np.sum((a / y) ** 2)) if len(y) else 1.0
   return passes, dataclasses.replace(exposure, pipeline_pace=pace)
 

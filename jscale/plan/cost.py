@@ -8,9 +8,10 @@ and a pipeline's pace.
 - communication: the playbook volumes (`jscale.analysis.volume`'s conventions) per mesh axis,
   each over the link its groups span (`Layout.nodes`), at the playbook's measured bus
   bandwidths (`hardware.busbw`). Gradient reductions overlap the backward (XLA's async
-  collectives), so only what exceeds that window is exposed; ZeRO-3's weight gathers and TP's
-  activation collectives sit on the critical path, a fitted share of them exposed in the
-  compiled programs (`Exposure`); EP and pipeline transfers whole; the context-parallel ring
+  collectives), so only what exceeds that window is exposed; ZeRO-3's weight gathers are
+  prefetched behind a fitted share of the busy time, their reduce-scatters and TP's
+  activation collectives sit on the critical path (`Exposure`: the shares the compiled
+  programs leave exposed); EP and pipeline transfers whole; the context-parallel ring
   overlaps its block attention.
 - pace: a pipelined step's executed ticks over its work (`pipeline_pace`).
 """
@@ -40,20 +41,32 @@ GRAD_BYTES = 4  # gradients are reduced in fp32
 @dataclasses.dataclass(frozen=True)
 class Exposure:
   """What the compiled programs leave exposed, fitted with `busy.Fit` on the same sweep
-  (`scripts/estimate_vs_compiled.py fit`): the share of each critical-path transfer's own time
-  (XLA:GPU's scheduler hides the rest behind independent kernels), and the pipelines' pace
+  (`scripts/estimate_vs_compiled.py fit`: the shares by least squares, the window and the
+  memory threshold on a grid): the share of each critical-path transfer's own time (XLA:GPU's
+  scheduler hides the rest behind independent kernels), and the pipelines' pace
   (jscale's executor runs the schedule's ticks in lockstep, each ending in a ppermute, a tick
   at the pace of the slowest op any stage runs in it: this many times the unit-op ticks)."""
-  zero3_gathers: float = 1.21
-  # full remat: each backward gather feeds the layer's forward again too, a longer window
-  zero3_gathers_full: float = 1.1
-  tensor_all_reduce: float = 0.631  # TP without SP: the backward's dW gemms hide some
-  sequence_parallel: float = 1.6  # SP's gather / scatter pairs: wholly, and then some
+  # ZeRO-3's weight gathers are prefetched a layer ahead: they hide behind `zero3_window` of
+  # the busy time but for a share of what fits in it (by remat policy: without remat each
+  # small micro-batch's layer gather shows most), and what exceeds it is exposed whole — as
+  # for Llama 3 70B's ZeRO-3 over 64 GPUs, link-bound across 8 nodes. Past `regather_from` of
+  # the device's memory, XLA's remat pass gathers weights again where they are used (the
+  # programs' `all-gather-start.N.remat`): `zero3_regather` of them per unit of memory share
+  # past it.
+  zero3_gathers: float = 0.192
+  zero3_gathers_full: float = 0.322
+  zero3_gathers_none: float = 0.756
+  zero3_window: float = 0.34
+  zero3_regather: float = 2.55
+  regather_from: float = 0.8
+  tensor_all_reduce: float = 0.554  # TP without SP: the backward's dW gemms hide some
+  sequence_parallel: float = 1.53  # SP's gather / scatter pairs: wholly, and then some
   # remat=offload's copies to the host and back: XLA:GPU starts each just before it is needed,
   # so little hides (0.86-0.89 of the link time exposed in four compiled H100 programs: llama3
-  # 1b b4, 3b b2, the 8b shape at b1 and b2; not in the fit: no sweep row offloads)
+  # 1b b4, 3b b2, the 8b shape at b1 and b2; not fitted on the sweep, whose two pipeline-free
+  # offload rows also run ZeRO-3 and TP)
   host_offload: float = 0.87
-  pipeline_pace: float = 1.88
+  pipeline_pace: float = 1.92
 
 
 EXPOSURE = Exposure()
@@ -82,10 +95,11 @@ class Transfer:
     return self.bytes / hardware.busbw(self.kind, self.nodes)
 
   def exposed_seconds(self, exposure: Exposure = EXPOSURE) -> float:
-    """Its time on the critical path (0 for an overlapped one: see `exposed`)."""
-    if self.overlap:
-      return 0.0
-    return self.seconds() * (getattr(exposure, self.share) if self.share else 1.0)
+    """Its time on the critical path: its `share` of it, else all or, overlapped, none (what
+    exceeds its window: see `exposed`)."""
+    if self.share:
+      return self.seconds() * getattr(exposure, self.share)
+    return 0.0 if self.overlap else self.seconds()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,13 +132,14 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
   if f > 1:
     if lay.zero_stage == 3:  # layers gathered in the forward and again in the backward, the
       # embedding and head once (their backward follows at once), per micro-batch
-      # On the critical path: XLA:GPU's compiled steps show each layer's gather waiting on
-      # its start, a fitted share of the gathers' own time exposed (`Exposure`).
+      # Prefetched (`Exposure.zero3_window`); each layer's gradient reduce-scatter is waited
+      # for in its own loop iteration: on the critical path, whole.
       out.append(Transfer("fsdp", "ZeRO-3 weight all-gathers, forward and backward", "all-gather",
-                          (2 * layer_psi + other_psi) * c * lay.accum, nodes("fsdp"), "",
-                          "zero3_gathers_full" if lay.remat == "full" else "zero3_gathers"))
+                          (2 * layer_psi + other_psi) * c * lay.accum, nodes("fsdp"), "prefetch",
+                          {"full": "zero3_gathers_full", "none": "zero3_gathers_none"}.get(
+                              lay.remat, "zero3_gathers")))
       out.append(Transfer("fsdp", "ZeRO-3 gradient reduce-scatter (the gather's transpose)",
-                          "reduce-scatter", psi * c * lay.accum, nodes("fsdp"), "backward"))
+                          "reduce-scatter", psi * c * lay.accum, nodes("fsdp"), ""))
     else:
       two = lay.zero_stage == 2  # ZeRO-2 reduces each micro-batch's gradient in its backward
       out.append(Transfer("fsdp", f"ZeRO-{lay.zero_stage} gradient reduce-scatter",
@@ -211,16 +226,31 @@ def pipeline_pace(model: ModelConfig, lay: Layout, seq: int,
   return exposure.pipeline_pace * ticks / (3 * m * v) * ((1 - head) + head * p * v)
 
 
+def prefetch_inside(ts: list[Transfer], window_s: float) -> float:
+  """The share of the prefetched transfers' time that fits in their window of `window_s`."""
+  pre = sum(t.seconds() for t in ts if t.overlap == "prefetch")
+  return min(1.0, window_s / pre) if pre else 1.0
+
+
+def regathered(ts: list[Transfer], memory_share: float, start: float) -> float:
+  """The prefetched transfers' seconds per unit of `memory_share` past `start`."""
+  return max(0.0, memory_share - start) * sum(t.seconds() for t in ts if t.overlap == "prefetch")
+
+
 def exposed(ts: list[Transfer], busy_s: float, accum: int,
-            exposure: Exposure = EXPOSURE) -> float:
+            exposure: Exposure = EXPOSURE, memory_share: float = 0.0) -> float:
   """Seconds of `ts` on the critical path: the exposed share of each critical-path transfer,
   and what the overlapped ones need beyond their window (the step, the backward — a third of
   the busy time is the forward —, the last backward: the backward with one micro-batch, none
-  after an accumulation loop)."""
+  after an accumulation loop, ZeRO-3's prefetch: `Exposure`), with `memory_share` of the
+  device's usable memory taken (XLA's remat pass near the limit)."""
   backward = busy_s * 2 / 3
-  windows = {"step": busy_s, "backward": backward,
+  windows = {"step": busy_s, "backward": backward, "prefetch": busy_s * exposure.zero3_window,
              "last backward": backward if accum == 1 else 0.0}
-  out = sum(t.exposed_seconds(exposure) for t in ts)
+  inside = prefetch_inside(ts, windows["prefetch"])
+  out = sum(t.exposed_seconds(exposure) * (inside if t.overlap == "prefetch" else 1.0)
+            for t in ts)
+  out += exposure.zero3_regather * regathered(ts, memory_share, exposure.regather_from)
   for name, window in windows.items():
     out += max(0.0, sum(t.seconds() for t in ts if t.overlap == name) - window)
   return out
@@ -237,10 +267,11 @@ def estimate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu,
     raise ValueError(f"{gpu.name}: no measured HBM bandwidth (jscale/hardware.py)")
   tokens = lay.mbs * lay.accum * lay.batch_ways * seq  # global tokens per step
   model_flops = flops_per_token(model, seq) * tokens / lay.devices
+  mem = mem or memory.estimate(model, lay, seq)
   parts = busy.terms(model, lay, seq, gpu, mem)
   busy_s = busy.seconds(parts, fit)
   ts = transfers(model, lay, seq, gpu.gpus_per_node)
-  exposed_s = exposed(ts, busy_s, lay.accum, exposure)
+  exposed_s = exposed(ts, busy_s, lay.accum, exposure, mem.total / memory.usable_bytes(gpu))
   step = busy_s * pipeline_pace(model, lay, seq, exposure) + exposed_s
   weights = {f.name: getattr(fit, f.name) for f in dataclasses.fields(fit)}
   mfu = model_flops / (step * peak)

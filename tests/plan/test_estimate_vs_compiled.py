@@ -28,16 +28,15 @@ H100 = hardware.GPUS["h100"]
 def test_the_stored_sweep_ranks_as_compiled():
   """Spearman >= 0.9 pooled and >= 0.85 per case, also with the constants fitted on the other
   cases only (held out); `--rank compiled` (the estimate's top 10 compiled) picks the compiled
-  best, and so does the estimate's own #1 within 3%, but for Llama 3 70B on 64 H100s, where
-  the compiled programs hide ZeRO-3's gathers across 8 nodes better than the estimate's
-  exposed share says (its #1 is the compiled #3, 14% slower than fsdp64's ZeRO-3)."""
+  best, and so does the estimate's own #1 within 3% — for Llama 3 70B on 64 H100s too, whose
+  ZeRO-3 gathers are link-bound across 8 nodes (`cost.Exposure`'s prefetch window)."""
   rows = sweep.load()
   cases, table, pooled = sweep.score(rows)
   assert len(table) >= 60 and pooled >= 0.9
   for c in cases:
     assert min(c["spearman"], c["held_spearman"]) >= 0.85, c
     assert c["top10_over_best"] <= 0.03, c
-    assert c["first_over_best"] <= (0.15 if c["case"] == "70b64" else 0.03), c
+    assert c["first_over_best"] <= 0.03, c
 
 
 # llama3_1b on 8 H100s at 1M tokens: the compiled best, a ZeRO-3 layout of 32 micro-batches
