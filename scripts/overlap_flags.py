@@ -1,7 +1,7 @@
 """The launcher's XLA:GPU overlap flags (`jscale/xla_flags.py`), measured on the compiled
-program rather than guessed (issue 49): for ZeRO-3 and TP layouts on 8 H100s, the step
-compiled with every flag, and with each one turned off, timed by `jscale.predict`
-(predictions, not measurements).
+program rather than guessed (issue 49): for ZeRO-2, ZeRO-3 and TP layouts on 8 H100s, the step
+compiled with every flag, with each one turned off, and with each combine threshold at the
+other values of `THRESHOLDS`, timed by `jscale.predict` (predictions, not measurements).
 
     python scripts/overlap_flags.py [--out results/overlap_flags_h100x8.md]
 """
@@ -31,11 +31,18 @@ LAYOUTS = {  # name -> overrides (8 H100s)
     "8B fsdp8 ZeRO-3 manual, 2 x 8": (*B8, "mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3",
                                       "train.batch_size=128", "train.microbatches=8",
                                       "parallel.collectives=manual"),
+    "8B fsdp8 ZeRO-2, 2 x 8 micro-batches": (*B8, "mesh.data=1", "mesh.fsdp=8",
+                                            "parallel.zero_stage=2", "train.batch_size=128",
+                                            "train.microbatches=8"),
     "8B fsdp4 ZeRO-1 tensor2+SP, 4 x 4": (*B8, "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2",
-                                          "parallel.zero_stage=1", "parallel.sequence_parallel=true",
+                                          "parallel.zero_stage=1",
+                                          "parallel.sequence_parallel=true",
                                           "train.batch_size=64", "train.microbatches=4"),
 }
 BOOL_FLAGS = [f[2:].split("=")[0] for f in xla_flags.GPU_OVERLAP_FLAGS if f.endswith("=true")]
+# the combine thresholds, each also tried at these values (0: no combining)
+THRESHOLDS = {f"xla_gpu_{kind}_combine_threshold_bytes": (0, 8 * 2**20, 128 * 2**20)
+              for kind in ("all_gather", "reduce_scatter", "all_reduce")}
 COLUMNS = [("layout", lambda r: r["layout"]), ("flags", lambda r: r["flags"]),
            ("predicted step (ms)", lambda r: f"{1e3 * r['step']:.0f}"),
            ("vs all on", lambda r: f"{r['vs']:+.1%}"),
@@ -67,8 +74,18 @@ def main() -> None:
       rows.append({"layout": name, "flags": f"{flag}=false", **r,
                    "vs": r["step"] / base["step"] - 1})
       print(rows[-1], flush=True)
+    launched = xla_flags.compiler_options(cfg)
+    for flag, values in THRESHOLDS.items():
+      for value in values:
+        if value == launched[flag]:
+          continue
+        r = predicted(cfg, {flag: value})
+        rows.append({"layout": name, "flags": f"{flag}={value}", **r,
+                     "vs": r["step"] / base["step"] - 1})
+        print(rows[-1], flush=True)
   print(write_predicted_table(rows, COLUMNS, args.out, "The launcher's overlap flags on 8 "
-                              "H100s, each turned off in turn", "scripts/overlap_flags.py"))
+                              "H100s, each turned off in turn, and each combine threshold at "
+                              "other values", "scripts/overlap_flags.py"))
 
 
 if __name__ == "__main__":

@@ -47,26 +47,25 @@ class Exposure:
   (jscale's executor runs the schedule's ticks in lockstep, each ending in a ppermute, a tick
   at the pace of the slowest op any stage runs in it: this many times the unit-op ticks)."""
   # ZeRO-3's weight gathers are prefetched a layer ahead: they hide behind `zero3_window` of
-  # the busy time but for a share of what fits in it (by remat policy: without remat each
-  # small micro-batch's layer gather shows most), and what exceeds it is exposed whole — as
-  # for Llama 3 70B's ZeRO-3 over 64 GPUs, link-bound across 8 nodes. Past `regather_from` of
-  # the device's memory, XLA's remat pass gathers weights again where they are used (the
-  # programs' `all-gather-start.N.remat`): `zero3_regather` of them per unit of memory share
-  # past it.
-  zero3_gathers: float = 0.192
-  zero3_gathers_full: float = 0.322
-  zero3_gathers_none: float = 0.756
-  zero3_window: float = 0.34
-  zero3_regather: float = 2.55
+  # the busy time — wholly under remat, but for a share of what fits without it (each small
+  # micro-batch's layer gather shows) — and what exceeds it is exposed whole, as for Llama 3
+  # 70B's ZeRO-3 over 64 GPUs, link-bound across 8 nodes. Past `regather_from` of the device's
+  # memory, XLA's remat pass gathers weights again where they are used (the programs'
+  # `all-gather-start.N.remat`): `zero3_regather` of them per unit of memory share past it.
+  zero3_gathers: float = 0.0
+  zero3_gathers_full: float = 0.0
+  zero3_gathers_none: float = 0.554
+  zero3_window: float = 0.37
+  zero3_regather: float = 2.92
   regather_from: float = 0.8
-  tensor_all_reduce: float = 0.554  # TP without SP: the backward's dW gemms hide some
-  sequence_parallel: float = 1.53  # SP's gather / scatter pairs: wholly, and then some
+  tensor_all_reduce: float = 0.528  # TP without SP: the backward's dW gemms hide some
+  sequence_parallel: float = 1.52  # SP's gather / scatter pairs: wholly, and then some
   # remat=offload's copies to the host and back: XLA:GPU starts each just before it is needed,
   # so little hides (0.86-0.89 of the link time exposed in four compiled H100 programs: llama3
   # 1b b4, 3b b2, the 8b shape at b1 and b2; not fitted on the sweep, whose two pipeline-free
   # offload rows also run ZeRO-3 and TP)
   host_offload: float = 0.87
-  pipeline_pace: float = 1.92
+  pipeline_pace: float = 1.93
 
 
 EXPOSURE = Exposure()

@@ -22,7 +22,7 @@ if not gpu_target.available():
 from flax import nnx  # noqa: E402
 
 from jscale import mesh as mesh_lib  # noqa: E402
-from jscale import runtime, xla_flags  # noqa: E402
+from jscale import predict, runtime, xla_flags  # noqa: E402
 from jscale.analysis import dots, hlo, introspect  # noqa: E402
 from jscale.config import MeshConfig, ModelConfig  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
@@ -238,6 +238,28 @@ def test_accumulation_leaves_out_the_pipelined_all_gather(zero):
   temp = lambda o: lowered.compile(compiler_options=o).memory_analysis().temp_size_in_bytes
   assert "xla_gpu_enable_pipelined_all_gather" not in xla_flags.compiler_options(cfg)
   assert temp(xla_flags.compiler_options()) > 1.4 * temp(xla_flags.compiler_options(cfg))
+
+
+def test_xla_zero3_reduce_scatters_start_as_their_gradients_are_ready():
+  """xla mode's ZeRO-3 compiles with the launcher's 8 MiB reduce-scatter combine threshold: each
+  layer's gradient reduce-scatters stay apart, so they start before the layer's backward ends
+  and the predicted exposed collectives fall (8B's layer on 8 H100s; scripts/overlap_flags.py).
+  At 128 MiB they merge into one per layer, waited for at the end of the loop iteration."""
+  cfg = load_config(None, ["model.preset=llama3_8b", "model.n_layers=8", "model.dtype=bfloat16",
+                           "train.seq_len=4096", "train.remat=selective", "mesh.data=1",
+                           "mesh.fsdp=8", "parallel.zero_stage=3", "train.batch_size=16",
+                           "train.microbatches=2", "checkpoint.every=0"])
+  assert xla_flags.compiler_options(cfg)["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 2**23
+  rt = runtime.build(cfg, gpu_target.devices("h100x8"))
+  lowered = rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(cfg))
+  texts = {t: lowered.compile(compiler_options={
+      **xla_flags.compiler_options(cfg), **predict.AUTOTUNED_GEMMS,
+      "xla_gpu_reduce_scatter_combine_threshold_bytes": t}).as_text() for t in (2**23, 2**27)}
+  starts = {t: text.count("reduce-scatter-start(") for t, text in texts.items()}
+  assert starts[2**23] > 2 * starts[2**27], starts
+  exposed = {t: predict.predict_config(cfg, "h100x8", text).exposed_collectives_s
+             for t, text in texts.items()}
+  assert exposed[2**23] < 0.8 * exposed[2**27], exposed
 
 
 def test_collectives_parse_from_xla_gpu():

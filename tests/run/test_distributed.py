@@ -333,6 +333,12 @@ def test_launcher_xla_flags_exist_in_this_jaxlib():
     assert "--xla_gpu_enable_pipelined_all_gather=true" not in xla_flags.with_overlap_flags("", acc)
   assert "--xla_gpu_enable_pipelined_all_gather=true" in xla_flags.overlap_flags()
   assert xla_flags.compiler_options()["xla_gpu_all_gather_combine_threshold_bytes"] == 2**27
+  # xla mode's ZeRO-3 keeps each weight's gradient reduce-scatter apart (8 MiB), manual 128 MiB
+  rs = "xla_gpu_reduce_scatter_combine_threshold_bytes"
+  for mode, want in (("xla", 2**23), ("manual", 2**27)):
+    z3 = load_config(None, ["parallel.zero_stage=3", "mesh.fsdp=2",
+                            f"parallel.collectives={mode}"])
+    assert xla_flags.compiler_options(z3)[rs] == want, mode
   # The allocator's share: the planner's budget unless the user gave one.
   code = ("import os; from jscale import xla_flags; xla_flags.apply(); "
           "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])")
