@@ -252,9 +252,9 @@ def test_xla_zero3_reduce_scatters_start_as_their_gradients_are_ready():
   assert xla_flags.compiler_options(cfg)["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 2**23
   rt = runtime.build(cfg, gpu_target.devices("h100x8"))
   lowered = rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(cfg))
-  texts = {t: lowered.compile(compiler_options={
-      **xla_flags.compiler_options(cfg), **predict.AUTOTUNED_GEMMS,
-      "xla_gpu_reduce_scatter_combine_threshold_bytes": t}).as_text() for t in (2**23, 2**27)}
+  texts = {t: introspect.compile_as_launched(lowered, rt, {
+      **predict.AUTOTUNED_GEMMS, "xla_gpu_reduce_scatter_combine_threshold_bytes": t}).as_text()
+      for t in (2**23, 2**27)}
   starts = {t: text.count("reduce-scatter-start(") for t, text in texts.items()}
   assert starts[2**23] > 2 * starts[2**27], starts
   exposed = {t: predict.predict_config(cfg, "h100x8", text).exposed_collectives_s
