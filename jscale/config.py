@@ -212,6 +212,10 @@ class ParallelConfig:
   # exchange in this many slices, one slice's all-to-alls under another's expert matmuls
   # (DeepSeek-V3's two-micro-batch overlap inside the MoE layer; jscale.parallel.expert_exchange)
   expert_chunks: int = 1
+  # What XLA:GPU's latency-hiding scheduler takes each kernel to cost: default (its own
+  # approximate model) | predicted (jscale.predict's times for this step on this GPU; the step
+  # compiles twice: jscale.predict.schedule_costs)
+  schedule_costs: Literal["default", "predicted"] = "default"
   # Overrides of the logical-axis -> mesh-axes table (jscale.sharding.RULES), e.g.
   # {mlp: tensor, embed: null}; a value is a mesh axis, a list of axes, or null (replicated).
   rules: dict | None = None

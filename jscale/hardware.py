@@ -73,6 +73,13 @@ def of_device_kind(device_kind: str) -> Gpu | None:
   return next((g for g in GPUS.values() if g.kind.upper() in device_kind.upper()), None)
 
 
+def predictable(device_kind: str) -> str | None:
+  """The predictor's name for a device kind ("NVIDIA H200" -> "h200"); None for a device whose
+  copy bandwidth jscale has not measured."""
+  gpu = of_device_kind(device_kind)
+  return gpu.name if gpu is not None and gpu.hbm_bytes_s else None
+
+
 def _loglog(table: dict[int, float], nodes: int) -> float:
   xs = sorted(table)
   nodes = min(max(nodes, xs[0]), xs[-1])

@@ -35,7 +35,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jscale import predict, profile  # noqa: E402
+from jscale import hardware, predict, profile  # noqa: E402
 from jscale.predict import rates, summary  # noqa: E402
 from jscale.analysis.tables import write_table  # noqa: E402
 
@@ -150,7 +150,7 @@ def predicted(dump_dir: str, row: dict) -> dict:
   or no prediction for the device."""
   found = sorted(glob.glob(os.path.join(dump_dir, f"*{STEP_MODULE}*after_optimizations.txt")),
                  key=os.path.getsize)
-  gpu = rates.gpu_of(row.get("device") or "")
+  gpu = hardware.predictable(row.get("device") or "")
   if not found or gpu is None or not row.get("step_time_s"):
     return {}
   with open(found[-1], encoding="utf-8") as f:

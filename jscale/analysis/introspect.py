@@ -31,7 +31,7 @@ def abstract_batch(cfg: Config) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def compile_train_step(cfg: Config, devices: Sequence[jax.Device] | None = None,
-                       gpu_options: dict[str, bool | int] | None = None
+                       gpu_options: dict[str, bool | int | str] | None = None
                        ) -> tuple[jax.stages.Compiled, dict[str, float]]:
   """Lowers and compiles one train step of `cfg`'s layout on `devices` (default: all), on
   abstract inputs (nothing is allocated or run); returns it with what the compile took (s:
@@ -55,7 +55,7 @@ def compile_train_step(cfg: Config, devices: Sequence[jax.Device] | None = None,
 
 
 def compile_as_launched(lowered: jax.stages.Lowered, rt: runtime.Runtime,
-                        gpu_options: dict[str, bool | int] | None = None
+                        gpu_options: dict[str, bool | int | str] | None = None
                         ) -> jax.stages.Compiled:
   """Compiles `rt`'s lowered step as `python -m jscale.train` would: for GPUs with the overlap
   flags it runs with (they change the program's schedule and buffers), whatever this process's

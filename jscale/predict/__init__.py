@@ -12,7 +12,7 @@ from __future__ import annotations
 from jscale import mesh, metrics
 from jscale.analysis import compiler_log, gpu_target, introspect
 from jscale.config import Config
-from jscale.predict import launches, rates, summary, timing
+from jscale.predict import launches, rates, schedule_costs, summary, timing
 
 
 def predict(hlo_text: str, gpu: str, fit: rates.Fit = rates.FIT,
@@ -50,9 +50,19 @@ def compile_for(cfg: Config, target: str
                 ) -> tuple[str, int, compiler_log.RematShortfall | None]:
   """(optimised HLO text, per-device bytes, the remat pass's shortfall if it warned) of `cfg`'s
   train step compiled for `target` ("h100x8") as `python -m jscale.train` launches it, with
-  the gemms the GPU's autotuner would mostly pick."""
-  compiled, info = introspect.compile_train_step(cfg, gpu_target.devices(target),
-                                                 AUTOTUNED_GEMMS)
+  the gemms the GPU's autotuner would mostly pick (twice under parallel.schedule_costs=
+  predicted: `schedule_costs`)."""
+  devices = gpu_target.devices(target)
+
+  def compile_with(options):
+    return introspect.compile_train_step(cfg, devices, {**AUTOTUNED_GEMMS, **options})
+
+  if cfg.parallel.schedule_costs == "predicted":
+    gpu, n = gpu_target.parse(target)
+    compiled, info = schedule_costs.compile_guided(compile_with, lambda c: c[0].as_text(), gpu,
+                                                   routed_rows(cfg, n))
+  else:
+    compiled, info = compile_with({})
   text = compiled.as_text()
   if text is None:
     raise RuntimeError(f"XLA gave no HLO text for the step compiled for {target}")

@@ -46,13 +46,6 @@ class Chip:
   fit: Fit = FIT
 
 
-def gpu_of(device_kind: str) -> str | None:
-  """The predictor's name for a device kind ("NVIDIA H200" -> "h200"); None for a device whose
-  copy bandwidth jscale has not measured."""
-  gpu = hardware.of_device_kind(device_kind)
-  return gpu.name if gpu is not None and gpu.hbm_bytes_s else None
-
-
 def chip(gpu: str, fit: Fit = FIT) -> Chip:
   """The predictor's view of `gpu` ("h100", "h200": `jscale.analysis.gpu_target.TARGETS`)."""
   g = hardware.GPUS[gpu]

@@ -29,7 +29,7 @@ from jscale.ckpt import checkpoint as ckpt_lib
 from jscale.config import Config
 from jscale.infer import evaluate
 from jscale.run import console as console_lib
-from jscale.run import preemption
+from jscale.run import preemption, scheduled
 
 
 @dataclasses.dataclass
@@ -111,7 +111,8 @@ def train(cfg: Config, rt: runtime.Runtime, state: Any, start: int, end: int, tr
           signals: preemption.StopSignals) -> Outcome:
   """Runs steps `start`..`end` (exclusive of `start`: the state is after step `start`).
   `eval_sets`: each source's validation batches by its label (`data.make_eval_sets`)."""
-  train_step, eval_step, batch_sharding = rt.train_step(), rt.eval_step(), rt.layouts.batch()
+  train_step, eval_step = scheduled.train_step(cfg, rt), rt.eval_step()
+  batch_sharding = rt.layouts.batch()
   timer, stopper = preemption.SaveTimer(cfg.checkpoint.every_minutes), preemption.StopStep(signals)
   multi = jax.process_count() > 1
   out = Outcome({}, None, start, state)

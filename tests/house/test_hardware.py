@@ -35,5 +35,5 @@ def test_every_reader_takes_the_same_figures():
   assert chip.peak["bf16"] == h100.peak_flops["bf16"] == 989.5e12
   assert (chip.sms, chip.per_node, chip.hbm_bytes_s) == (132, 8, h100.hbm_bytes_s)
   assert memory.usable_bytes(h100) == pytest.approx(float(MEM_FRACTION) * 79.6 * 2**30)
-  assert rates.gpu_of("NVIDIA H100 PCIe") is None  # no copy bandwidth measured: no prediction
+  assert hardware.predictable("NVIDIA H100 PCIe") is None  # no copy bandwidth measured
   assert metrics.device_peak_flops(type("D", (), {"device_kind": "NVIDIA H100 PCIe"})()) == 756e12
