@@ -73,28 +73,36 @@ def peer_tok_s(p: Peer, flops_per_token: float) -> float:
   return flops / flops_per_token
 
 
-def predicted(p: Peer, pick, mode: str):
+def predicted(p: Peer, pick, mode: str, costs: str = "default"):
   cfg = load_config(None, [*p.model, "model.dtype=bfloat16", "checkpoint.every=0",
                            *pick.layout.overrides(p.seq, H100.gpus_per_node),
-                           f"parallel.collectives={mode}"])
+                           f"parallel.collectives={mode}", f"parallel.schedule_costs={costs}"])
   return predict.predict_config(cfg, f"h100x{p.gpus}")
 
 
-def row(p: Peer, top: int, modes: tuple[str, ...]) -> dict:
+def _order(t):  # a program that does not fit ranks after every one that does
+  return (not t[0].fits, t[0].step_s)
+
+
+def row(p: Peer, top: int, modes: tuple[str, ...], guided: int) -> dict:
   """The peer's figures and jscale's predicted ones for the planner's pick: its estimate's
   first layout, or with `top` > 1 the fastest compiled program of its first `top`, each in
   each of `modes` (what `python -m jscale.plan --rank compiled --verify top --collectives
-  both` picks)."""
+  both` picks); the `guided` fastest of those compiled again with the predicted kernel costs
+  given to XLA's scheduler (`parallel.schedule_costs=predicted`), the faster program counting."""
   model = load_config(None, [*p.model, "model.dtype=bfloat16"]).model
   fpt = metrics.flops_per_token(model, p.seq)
   rows = rank(model, p.gpus, p.seq, p.step_tokens, H100)[:top]
-  tried = [(predicted(p, x, mode), x, mode) for x in rows for mode in modes]
-  r, pick, mode = min(tried, key=lambda t: (not t[0].fits, t[0].step_s))
+  tried = sorted(((predicted(p, x, mode), x, mode, "") for x in rows for mode in modes),
+                 key=_order)
+  tried += [(predicted(p, x, mode, "predicted"), x, mode, ", predicted costs")
+            for _, x, mode, _ in tried[:guided]]
+  r, pick, mode, costs = min(tried, key=_order)
   peer = peer_tok_s(p, fpt)
   ours = r.tokens_per_s / p.gpus
   peak = H100.peak_flops["bf16"]
   return {"peer": p.what, "source": p.source, "peer_tok_s": peer, "peer_mfu": peer * fpt / peak,
-          "pick": f"{pick.layout.describe()} ({mode})", "planner_mfu": pick.cost.mfu,
+          "pick": f"{pick.layout.describe()} ({mode}{costs})", "planner_mfu": pick.cost.mfu,
           "predicted_tok_s": ours, "predicted_mfu": r.mfu, "ratio": ours / peer,
           "memory": "fits" if r.fits else "does not fit"}
 
@@ -109,6 +117,9 @@ def main() -> None:
                   "estimate's first alone)")
   ap.add_argument("--collectives", choices=("xla", "manual", "both"), default="both",
                   help="the modes each layout is compiled in (both: the faster program counts)")
+  ap.add_argument("--guided", type=int, default=3, metavar="N",
+                  help="compile the N fastest programs again with parallel.schedule_costs="
+                  "predicted (0: XLA's own schedule only)")
   args = ap.parse_args()
   modes = ("xla", "manual") if args.collectives == "both" else (args.collectives,)
   keys = set(filter(None, args.only.split(",")))
@@ -119,14 +130,16 @@ def main() -> None:
            "compiled on a CPU machine, timed by `jscale.predict`; not measured). The pick: "
            + ("the estimate's first layout" if args.rank_compiled == 1 else
               f"`jscale.plan --rank compiled`'s, the fastest compiled program among the "
-              f"estimate's first {args.rank_compiled}") + f", in {' or '.join(modes)} mode.", "",
+              f"estimate's first {args.rank_compiled}") + f", in {' or '.join(modes)} mode"
+           + (f"; its {args.guided} fastest also with the predicted kernel costs given to XLA's "
+              "scheduler (`parallel.schedule_costs=predicted`)" if args.guided else "") + ".", "",
            "| configuration | peer tok/s/GPU | peer MFU | planner's pick | planner MFU | "
            "**predicted** tok/s/GPU | **predicted** MFU | predicted / peer | memory | source |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for p in PEERS:
     if keys and p.key not in keys:
       continue
-    r = row(p, args.rank_compiled, modes)
+    r = row(p, args.rank_compiled, modes, args.guided)
     lines.append(f"| {r['peer']} | {r['peer_tok_s']:,.0f} | {r['peer_mfu']:.1%} | {r['pick']} | "
                  f"{r['planner_mfu']:.1%} | {r['predicted_tok_s']:,.0f} | "
                  f"{r['predicted_mfu']:.1%} | {r['ratio']:.2f}x | {r['memory']} | "

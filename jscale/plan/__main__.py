@@ -70,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--collectives", choices=("xla", "manual", "both"), default="xla",
                  help="parallel.collectives of the --verify compiles (both: each layout in "
                  "each mode; with --rank compiled the faster program of the two ranks)")
+  p.add_argument("--schedule-costs", choices=("default", "predicted", "both"),
+                 default="default", help="parallel.schedule_costs of the --verify compiles "
+                 "for --target (predicted: XLA's scheduler told the predicted kernel times; "
+                 "both: each layout each way, and with --rank compiled the faster ranks)")
   p.add_argument("--target", default=None, metavar="GPUxN",
                  help="compile --verify's layouts with the real XLA:GPU compiler for N GPUs "
                  "(h100x8: N = --gpus) instead of on simulated CPU devices; needs JAX's CUDA "
@@ -122,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"of {', '.join(PLANNABLE)} only (jscale/hardware.py)")
     model = _model(args.model, args.overrides)
     gpu = hardware.GPUS[args.gpu]
+    if args.schedule_costs != "default" and not args.target:
+      raise ValueError("--schedule-costs tells XLA:GPU's scheduler the predicted kernel "
+                       "times: give --target (e.g. h100x8)")
     if args.rank == "compiled" and not args.target:
       raise ValueError("--rank compiled orders the compiled programs by their predicted step "
                        "time on GPUs: give --target (e.g. h100x8)")
@@ -154,23 +161,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 MODES = {"xla": ("xla",), "manual": ("manual",), "both": ("xla", "manual")}
+COSTS = {"default": ("default",), "predicted": ("predicted",), "both": ("default", "predicted")}
 
 
 def _compile(rows, args, gpu, devices) -> list[dict]:
-  """`verify.compare` of each row in order (in each of --collectives' modes), a progress line
-  each on stderr, until --compile-budget-s has gone (the rest are said to be left out)."""
+  """`verify.compare` of each row in order (in each of --collectives' modes and
+  --schedule-costs' schedules), a progress line each on stderr, until --compile-budget-s has
+  gone (the rest are said to be left out)."""
   from jscale.plan import verify
   start, out = time.monotonic(), []
-  todo = [(row, mode) for row in rows for mode in MODES[args.collectives]]
-  for i, (row, mode) in enumerate(todo):
+  todo = [(row, mode, costs) for row in rows for mode in MODES[args.collectives]
+          for costs in COSTS[args.schedule_costs]]
+  for i, (row, mode, costs) in enumerate(todo):
     if i and time.monotonic() - start > args.compile_budget_s:  # the first always compiles
       print(f"compile budget of {args.compile_budget_s:.0f} s spent: compiles {i + 1}-"
             f"{len(todo)} left out (raise --compile-budget-s)", file=sys.stderr, flush=True)
       break
     t0 = time.monotonic()
     out.append(verify.compare(args.model, args.overrides, row, args.seq, gpu, devices,
-                              collectives=mode))
-    print(f"compiled {i + 1}/{len(todo)}: {row.layout.describe()} ({mode}) in "
+                              collectives=mode, schedule_costs=costs))
+    print(f"compiled {i + 1}/{len(todo)}: {out[-1]['layout']} in "
           f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
   return out
 

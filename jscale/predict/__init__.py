@@ -9,7 +9,11 @@ against every measured GPU row: results/predict_vs_measured.md.
 
 from __future__ import annotations
 
-from jscale import mesh, metrics
+from typing import Sequence
+
+import jax
+
+from jscale import hardware, mesh, metrics
 from jscale.analysis import compiler_log, gpu_target, introspect
 from jscale.config import Config
 from jscale.predict import launches, rates, schedule_costs, summary, timing
@@ -46,23 +50,31 @@ def model_flops_per_device(cfg: Config, n_devices: int) -> float:
 AUTOTUNED_GEMMS = {"xla_gpu_enable_triton_gemm": False}
 
 
-def compile_for(cfg: Config, target: str
-                ) -> tuple[str, int, compiler_log.RematShortfall | None]:
-  """(optimised HLO text, per-device bytes, the remat pass's shortfall if it warned) of `cfg`'s
-  train step compiled for `target` ("h100x8") as `python -m jscale.train` launches it, with
-  the gemms the GPU's autotuner would mostly pick (twice under parallel.schedule_costs=
-  predicted: `schedule_costs`)."""
-  devices = gpu_target.devices(target)
+def compile_train_step(cfg: Config, devices: Sequence[jax.Device]
+                       ) -> tuple[jax.stages.Compiled, dict[str, float]]:
+  """`introspect.compile_train_step` of `cfg` on `devices` with, for GPUs, the gemms their
+  autotuner would mostly pick; under parallel.schedule_costs=predicted, compiled again with
+  the first program's predicted kernel costs (`schedule_costs`), as the trainer does."""
 
   def compile_with(options):
     return introspect.compile_train_step(cfg, devices, {**AUTOTUNED_GEMMS, **options})
 
-  if cfg.parallel.schedule_costs == "predicted":
-    gpu, n = gpu_target.parse(target)
-    compiled, info = schedule_costs.compile_guided(compile_with, lambda c: c[0].as_text(), gpu,
-                                                   routed_rows(cfg, n))
-  else:
-    compiled, info = compile_with({})
+  if cfg.parallel.schedule_costs == "default":
+    return compile_with({})
+  gpu = hardware.predictable(getattr(devices[0], "device_kind", ""))
+  if devices[0].platform != "gpu" or gpu is None:
+    raise ValueError(f"parallel.schedule_costs=predicted schedules for an H100 or H200, not "
+                     f"{devices[0].device_kind!r}: compile for such a target")
+  return schedule_costs.compile_guided(compile_with, lambda c: c[0].as_text(), gpu,
+                                       routed_rows(cfg, len(devices)))
+
+
+def compile_for(cfg: Config, target: str
+                ) -> tuple[str, int, compiler_log.RematShortfall | None]:
+  """(optimised HLO text, per-device bytes, the remat pass's shortfall if it warned) of `cfg`'s
+  train step compiled for `target` ("h100x8") as `python -m jscale.train` launches it
+  (`compile_train_step`)."""
+  compiled, info = compile_train_step(cfg, gpu_target.devices(target))
   text = compiled.as_text()
   if text is None:
     raise RuntimeError(f"XLA gave no HLO text for the step compiled for {target}")

@@ -178,6 +178,10 @@ def test_cli_json_plot_and_errors(capsys, tmp_path):
   assert main(["--model", "llama3_8b", "--gpus", "8", "--seq", "4096",
                "--global-batch-tokens", "1M", "--rank", "compiled"]) == 2
   assert "give --target (e.g. h100x8)" in capsys.readouterr().err
+  assert main(["--model", "llama3_8b", "--gpus", "8", "--seq", "4096",
+               "--global-batch-tokens", "1M", "--verify", "1",
+               "--schedule-costs", "predicted"]) == 2
+  assert "predicted kernel times: give --target" in capsys.readouterr().err
 
 
 def test_cli_plans_with_bf16_moments(capsys):
