@@ -240,7 +240,9 @@ class Fp8Config:
   amax_history: int = 16  # steps of amaxes delayed scaling keeps per tensor
   margin: int = 0  # scales leave 2**margin headroom below the format's max
   # Linear layers in FP8: groups (attention: wq wk wv wo; mlp: w_gate w_up w_down and the MoE
-  # shared expert's) or single weight names. Never the embedding, the head or the router.
+  # shared expert's) or single weight names; experts: the routed experts' grouped matmuls
+  # (tiled, current scaling per expert: jscale.fp8.grouped). Never the embedding, the head or
+  # the router.
   targets: tuple[str, ...] = ("attention", "mlp")
 
 

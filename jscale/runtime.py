@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from jscale import mesh as mesh_lib
 from jscale import validate
 from jscale.config import Config
+from jscale.fp8 import linears as fp8_linears
 from jscale.model import attention as attn_lib
 from jscale.model import moe_gemm as moe_gemm_lib
 from jscale.model.layers import norm_backend
@@ -142,6 +143,8 @@ def moe_gemm(cfg: Config, mesh: Mesh) -> tuple[str, str]:
     return m.moe.gemm, f"model.moe.gemm={m.moe.gemm}"
   if m.kernel_interpret:
     return "tiled", "model.kernel_interpret: auto runs the tiled XLA matmuls"
+  if cfg.fp8.enabled and fp8_linears.EXPERTS in cfg.fp8.targets:
+    return "tiled", "fp8.targets has experts: FP8 products in the tiled XLA matmuls"
   f = (m.moe.d_ff or m.d_ff) // mesh.shape["tensor"]
   return moe_gemm_lib.auto_gemm(m.dtype, m.d_model, f, m.moe.n_experts // mesh.shape["expert"],
                                 moe_gemm_lib.compute_capability(mesh.devices.flat[0]))

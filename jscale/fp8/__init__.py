@@ -2,5 +2,6 @@
 
 `scaling`: formats, power-of-two scales, quantisation, amax histories. `dot`: the FP8
 dot_general and its backward (a custom_vjp). `linears`: which layers take it, and the scale
-state they keep between steps.
+state they keep between steps. `grouped`: the routed experts' tiled products in FP8, scaled
+per expert.
 """

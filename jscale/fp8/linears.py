@@ -26,12 +26,14 @@ GROUPS = {
     "attention": ("wq", "wk", "wv", "wo"),
     "mlp": ("w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down"),
 }
+# The routed experts' grouped matmuls: a target of their own, current scaling per expert
+# whatever fp8.recipe says (`jscale.fp8.grouped`; no dot state).
+EXPERTS = "experts"
 # Matmuls FP8 never takes, with the reason `validate` gives.
 NEVER = {
     "embed": "the embedding is a lookup, not a matmul",
     "lm_head": "the head's logits feed the softmax of the loss: e4m3 logits lose the loss",
     "router": "the MoE router runs in fp32 on purpose (jscale.model.matmul.FP32_MATMULS)",
-    "experts": "the routed experts' grouped matmuls (ragged_dot) have no FP8 path yet",
 }
 
 
@@ -43,10 +45,12 @@ def target_names(targets) -> frozenset[str]:
       raise ValueError(f"{t!r} cannot be an FP8 target: {NEVER[t]}")
     if t in GROUPS:
       names.update(GROUPS[t])
+    elif t == EXPERTS:
+      names.add(t)
     elif any(t in g for g in GROUPS.values()):
       names.add(t)
     else:
-      known = list(GROUPS) + [n for g in GROUPS.values() for n in g]
+      known = list(GROUPS) + [EXPERTS] + [n for g in GROUPS.values() for n in g]
       raise ValueError(f"unknown FP8 target {t!r}: choose from {', '.join(known)}")
   return frozenset(names)
 
@@ -96,6 +100,12 @@ class Fp8Linears:
     if name in self.targets:
       return Fp8Dot(self.recipe, self.history)
     return jax.lax.dot_general
+
+
+def covers_experts(dot_general) -> bool:
+  """Whether the model's `dot_general` (an `Fp8Linears`, or a plain product) puts the routed
+  experts' grouped matmuls in FP8."""
+  return EXPERTS in getattr(dot_general, "targets", ())
 
 
 def from_config(fp8: Fp8Config) -> Fp8Linears | None:

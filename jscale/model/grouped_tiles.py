@@ -78,10 +78,11 @@ def _layout(sizes_E: jax.Array, rows: int, tile: int):
 
 
 def grouped_dot(x_AK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, dtype,
-                tile: int | None = None) -> jax.Array:
+                tile: int | None = None, products=None) -> jax.Array:
   """`jax.lax.ragged_dot(x_AK, w_EKN, sizes_E)` in `dtype` (operands, result and the
   backward's products): rows sorted by expert, sizes_E rows each; rows past sum(sizes_E) come
-  out zero. `tile`: rows per tile (default `tile_rows`)."""
+  out zero. `tile`: rows per tile (default `tile_rows`); `products`: the per-tile products
+  (default `tile_products`; FP8: `jscale.fp8.grouped.tile_products`)."""
   (rows, k), (e, _, n) = x_AK.shape, w_EKN.shape
   tile = tile or tile_rows(rows, e)
   with jax.named_scope("grouped_tiles"):  # profiles and op names show the products as such
@@ -89,7 +90,8 @@ def grouped_dot(x_AK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, dtype,
     n_tiles = expert_T.shape[0]
     x_TMK = gather_rows(x_AK.astype(dtype), src_P, valid_P, dest_A, valid_A).reshape(
         n_tiles, tile, k)
-    y_PN = tile_products(x_TMK, w_EKN.astype(dtype), expert_T).reshape(n_tiles * tile, n)
+    y_PN = (products or tile_products)(x_TMK, w_EKN.astype(dtype), expert_T).reshape(
+        n_tiles * tile, n)
     return gather_rows(y_PN, dest_A, valid_A, src_P, valid_P)
 
 

@@ -1,7 +1,8 @@
 """Which grouped matmul runs an MoE's experts (`model.moe.gemm`), and the call itself.
 
   * tiled: a batched matmul over tiles of each expert's rows, in plain XLA
-    (`jscale.model.grouped_tiles`; any backend, any dtype, ~1.1-1.3x the products' FLOPs).
+    (`jscale.model.grouped_tiles`; any backend, any dtype, ~1.1-1.3x the products' FLOPs);
+    the one FP8 experts run in (`jscale.fp8.grouped`).
   * ragged_dot: `jax.lax.ragged_dot`. XLA:GPU and XLA:CPU expand it into one dense dot
     against every expert's weights: E times the FLOPs (`tests/plan/test_gpu_compile.py`).
   * pallas: the Hopper Mosaic GPU kernels (`pallas_kernels.grouped_matmul`): persistent, warp
@@ -17,6 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jscale.fp8 import grouped as fp8_grouped
 from jscale.model import grouped_tiles
 from jscale.model.attention import compute_capability
 
@@ -51,6 +53,7 @@ class GroupedDot:
   """The experts' grouped matmul: rows sorted by expert (sizes_E each), weights [E, K, N]."""
   impl: str = "ragged_dot"  # tiled | ragged_dot | pallas (resolved: never auto)
   interpret: bool = False
+  fp8: bool = False  # tiled only: FP8 products scaled per expert (`jscale.fp8.grouped`)
 
   def __call__(self, x_AK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array,
                dtype) -> jax.Array:
@@ -60,14 +63,16 @@ class GroupedDot:
       from pallas_kernels.grouped_matmul import grouped_matmul
       return grouped_matmul(x, w, sizes_E, interpret=self.interpret)
     if self.impl == "tiled":
-      return grouped_tiles.grouped_dot(x, w, sizes_E, dtype)
+      return grouped_tiles.grouped_dot(x, w, sizes_E, dtype,
+                                       products=fp8_grouped.tile_products if self.fp8 else None)
     return jax.lax.ragged_dot(x, w, sizes_E)
 
 
 def for_model(gemm: str, dtype, d_model: int, d_ff: int, n_experts: int,
-              interpret: bool = False) -> GroupedDot:
-  """The GroupedDot `model.moe.gemm` asks for (auto: decided for this process's devices)."""
+              interpret: bool = False, fp8: bool = False) -> GroupedDot:
+  """The GroupedDot `model.moe.gemm` asks for (auto: decided for this process's devices; with
+  `fp8`, FP8 experts, tiled: the other impls take no FP8 operands)."""
   if gemm == "auto":
-    gemm = "tiled" if interpret else auto_gemm(dtype, d_model, d_ff, n_experts,
-                                               compute_capability())[0]
-  return GroupedDot(gemm, interpret and gemm == "pallas")
+    gemm = "tiled" if interpret or fp8 else auto_gemm(dtype, d_model, d_ff, n_experts,
+                                                      compute_capability())[0]
+  return GroupedDot(gemm, interpret and gemm == "pallas", fp8)

@@ -73,21 +73,47 @@ def _check_model(m: ModelConfig) -> None:
 
 def _check_fp8(cfg: Config) -> None:
   m, f = cfg.model, cfg.fp8
-  if cfg.parallel.collective_matmul:
+  try:
+    names = fp8_linears.target_names(f.targets)
+  except ValueError as e:
+    raise ConfigError(f"fp8.targets={list(f.targets)}: {e}") from None
+  linears = names - {fp8_linears.EXPERTS}
+  if linears and cfg.parallel.collective_matmul:
     raise ConfigError("fp8.enabled with parallel.collective_matmul: the ring would run each "
                       "FP8 product once per chunk, each with its own scale; set one of them "
                       "false")
-  if m.mla is not None or m.mtp is not None or m.first_dense:
-    raise ConfigError("fp8.enabled with model.mla, model.mtp or model.moe.first_dense: FP8 "
-                      "linears cover the Llama / Mixtral blocks only; set fp8.enabled=false")
-  try:
-    fp8_linears.target_names(f.targets)
-  except ValueError as e:
-    raise ConfigError(f"fp8.targets={list(f.targets)}: {e}") from None
+  if linears and (m.mla is not None or m.mtp is not None or m.first_dense):
+    raise ConfigError(f"fp8.targets={list(f.targets)} with model.mla, model.mtp or "
+                      "model.moe.first_dense: FP8 linears cover the Llama / Mixtral blocks "
+                      "only; set fp8.targets=[experts] (the routed experts alone) or "
+                      "fp8.enabled=false")
+  if fp8_linears.EXPERTS in names:
+    _check_fp8_experts(cfg)
   if f.amax_history < 1:
     raise ConfigError(f"fp8.amax_history={f.amax_history} must be >= 1 (steps of amaxes kept)")
   if f.margin < 0:
     raise ConfigError(f"fp8.margin={f.margin} must be >= 0 (powers of two of headroom)")
+
+
+def _check_fp8_experts(cfg: Config) -> None:
+  """FP8 experts run in the tiled grouped matmul of the dropless sort (`jscale.fp8.grouped`)."""
+  moe, mesh = cfg.model.moe, cfg.mesh
+  key = "fp8.targets=[experts]"
+  if moe is None:
+    raise ConfigError(f"{key} needs routed experts: set model.moe, or drop experts from "
+                      f"fp8.targets")
+  if moe.dispatch != "dropless":
+    raise ConfigError(f"{key} with model.moe.dispatch={moe.dispatch}: FP8 experts run in the "
+                      f"dropless grouped matmul; set model.moe.dispatch=dropless")
+  if moe.gemm not in ("auto", "tiled"):
+    raise ConfigError(f"{key} with model.moe.gemm={moe.gemm}: only the tiled grouped matmul "
+                      f"takes FP8 operands (the Pallas kernel is bf16 / fp16, ragged_dot costs "
+                      f"E times the FLOPs); set model.moe.gemm=tiled (or auto)")
+  split = mesh.expert * mesh.dcn_expert * mesh.tensor * mesh.dcn_tensor > 1
+  if split and cfg.parallel.collectives == "xla":
+    raise ConfigError(f"{key} with mesh.expert or mesh.tensor > 1 in xla mode: xla mode "
+                      f"dispatches split experts through a slot buffer, not the grouped "
+                      f"matmul; set parallel.collectives=manual")
 
 
 # The largest relative rounding error of bf16 (8 significant bits): a change smaller than this

@@ -1,0 +1,107 @@
+"""FP8 experts: the tiled grouped matmul's products (`jscale.model.grouped_tiles`) with e4m3
+operands forward and e5m2 output gradients backward, each expert scaled by its own current
+amax (`fp8.targets: [experts]`).
+
+For tile t, which holds rows of expert e = expert_T[t]:
+
+  forward    y_t  = (q(x_t) . q(w_e)) * sx_e * sw_e      q(x_t) = x_t / sx_e in e4m3
+  backward   dx_t = (q(g_t) . q(w_e)^T) * sg_e * sw_e    q(g_t) = g_t / sg_e in e5m2
+             dw_e = sum over e's tiles of (q(x_t)^T . q(g_t)) * sx_e * sg_e
+
+sx_e, sw_e and sg_e are powers of two (`scaling.scale_for`) from this step's amax of expert e's
+rows, weights and output gradients: one expert's outliers never coarsen another's values, which
+a tensor-wide scale would (an expert 10^4 times smaller than the largest falls into e4m3's
+subnormals). Each product is a batched `dot_general` of FP8 operands with fp32 accumulation;
+the per-tile scale multiplies its fp32 result, so the dequantisation is exact and rounding to
+the formats is the only error. XLA:GPU compiles the batched FP8 dot as a Triton gemm on FP8
+operands; its cuBLAS path would upcast them (cuBLASLt's FP8 gemm takes no batch of per-item
+scales).
+
+Not DeepSeek-V3's block scaling (1×128 activation tiles, 128×128 weight blocks): its scales
+change along the contraction, so each 128-wide slice of K needs its own fp32 partial product,
+scaled, before the sum — a kernel's inner loop (DeepGEMM promotes to fp32 every 128 of K in
+registers). As XLA ops that is K/128 separate products and an fp32 [K/128, M, N] buffer per
+tile: slower than bf16, so not offered.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jscale.fp8 import scaling
+from jscale.fp8.scaling import E4M3, E5M2
+from jscale.model import matmul
+
+_TMK_TKN = (((2,), (1,)), ((0,), (0,)))   # x_TMK . w_TKN -> TMN
+_TMN_TKN = (((2,), (2,)), ((0,), (0,)))   # g_TMN . w_TKN^T -> TMK
+_TMK_TMN = (((1,), (1,)), ((0,), (0,)))   # x_TMK^T . g_TMN -> TKN
+
+
+def expert_scales(x_T: jax.Array, expert_T: jax.Array, n_experts: int, fmt) -> jax.Array:
+  """[E] fp32 power-of-two scales from each expert's amax over its tiles (`x_T`: a tensor whose
+  leading dim is the tiles; tiles past the experts, expert_T = E, count for none)."""
+  amax_T = jnp.max(jnp.abs(x_T.astype(jnp.float32)), axis=tuple(range(1, x_T.ndim)))
+  amax_E = jax.ops.segment_max(amax_T, expert_T, num_segments=n_experts)
+  return scaling.scale_for(jnp.maximum(amax_E, 0.0), fmt)
+
+
+def _per_tile(v_E: jax.Array, expert_T: jax.Array) -> jax.Array:
+  """[T, 1, 1]: each tile's expert's entry (unused tiles: the last expert's; rows are zero)."""
+  return jnp.take(v_E, expert_T, axis=0, mode="clip")[:, None, None]
+
+
+def _quantize_tiles(x_T, scale_T, fmt):
+  return jnp.clip(x_T.astype(jnp.float32) / scale_T, -scaling.format_max(fmt),
+                  scaling.format_max(fmt)).astype(fmt)
+
+
+def _weights_per_tile(qw_EKN: jax.Array, expert_T: jax.Array) -> jax.Array:
+  # FP8 values gathered as their bytes (a gather moves bits; it need not know the format)
+  bytes_ = jnp.take(jax.lax.bitcast_convert_type(qw_EKN, jnp.uint8), expert_T, axis=0,
+                    mode="clip")
+  return jax.lax.bitcast_convert_type(bytes_, qw_EKN.dtype)
+
+
+@jax.custom_vjp
+def tile_products(x_TMK: jax.Array, w_EKN: jax.Array, expert_T: jax.Array) -> jax.Array:
+  """[T, M, N]: each tile's rows times its expert's weights in FP8 (module docstring), in
+  x's dtype; the drop-in for `grouped_tiles.tile_products`."""
+  return _forward(x_TMK, w_EKN, expert_T)[0]
+
+
+def _forward(x_TMK, w_EKN, expert_T):
+  e = w_EKN.shape[0]
+  sx_E = expert_scales(x_TMK, expert_T, e, E4M3)
+  sw_E = scaling.scale_for(jnp.max(jnp.abs(w_EKN.astype(jnp.float32)), axis=(1, 2)), E4M3)
+  qx_TMK = _quantize_tiles(x_TMK, _per_tile(sx_E, expert_T), E4M3)
+  qw_EKN = _quantize_tiles(w_EKN, sw_E[:, None, None], E4M3)
+  y_TMN = jax.lax.dot_general(qx_TMK, _weights_per_tile(qw_EKN, expert_T), _TMK_TKN,
+                              preferred_element_type=jnp.float32)
+  y_TMN = (y_TMN * _per_tile(sx_E * sw_E, expert_T)).astype(x_TMK.dtype)
+  # Saved as bytes: remat policies round saved floats with reduce_precision, which for e4m3fn
+  # (no infinities) turns its top binade into inf / NaN (`jscale.fp8.dot`).
+  as_bytes = lambda q: jax.lax.bitcast_convert_type(q, jnp.uint8)
+  w_dtype = jnp.zeros((0,), w_EKN.dtype)  # the weights' dtype, for their gradient
+  return y_TMN, (as_bytes(qx_TMK), as_bytes(qw_EKN), sx_E, sw_E, expert_T, w_dtype)
+
+
+def _bwd(res, g_TMN):
+  bx_TMK, bw_EKN, sx_E, sw_E, expert_T, w_dtype = res
+  qx_TMK = jax.lax.bitcast_convert_type(bx_TMK, E4M3)
+  qw_TKN = _weights_per_tile(jax.lax.bitcast_convert_type(bw_EKN, E4M3), expert_T)
+  e = sw_E.shape[0]
+  sg_E = expert_scales(g_TMN, expert_T, e, E5M2)
+  qg_TMN = _quantize_tiles(g_TMN, _per_tile(sg_E, expert_T), E5M2)
+  dx_TMK = jax.lax.dot_general(qg_TMN, qw_TKN, _TMN_TKN, preferred_element_type=jnp.float32)
+  dx_TMK = (dx_TMK * _per_tile(sg_E * sw_E, expert_T)).astype(g_TMN.dtype)
+  dw_TKN = jax.lax.dot_general(qx_TMK, qg_TMN, _TMK_TMN, preferred_element_type=jnp.float32)
+  dt = g_TMN.dtype  # the per-tile gradients in the compute dtype, as the bf16 path keeps them
+  dw_TKN = (dw_TKN * _per_tile(sx_E * sg_E, expert_T)).astype(dt)
+  onehot_TE = (expert_T[:, None] == jnp.arange(e)).astype(dt)
+  dw_EKN = matmul.einsum("TE,TKN->EKN", onehot_TE, dw_TKN, dt)  # sums each expert's tiles
+  return dx_TMK, dw_EKN.astype(w_dtype.dtype), np.zeros(expert_T.shape, jax.dtypes.float0)
+
+
+tile_products.defvjp(_forward, _bwd)

@@ -1,0 +1,145 @@
+"""FP8 experts (`fp8.targets: [experts]`, `jscale.fp8.grouped`): the tiled grouped matmul's
+products with e4m3 / e5m2 operands and a scale per expert, against the same products
+dequantised (exact), against the bf16-free reference (FP8's rounding only), per-expert
+scales against a tensor-wide one, FP8 operands in the lowered step of the tiny DeepSeek, and
+the refusals. The 200-step loss beside bf16: scripts/fp8_experts.py."""
+
+import deepseek_case
+import jax
+import jax.numpy as jnp
+import numpy as np
+import parity
+import pytest
+from conftest import small_config
+
+from jscale import runtime
+from jscale.analysis import dots, gpu_target, introspect
+from jscale.analysis.introspect import abstract_batch
+from jscale.config import ConfigError
+from jscale.config_load import load_config
+from jscale.fp8 import grouped, scaling
+from jscale.model import grouped_tiles
+
+A, K, N = 96, 64, 48
+SIZES = np.array([30, 20, 0, 40])  # expert 2 gets no rows; 6 rows past the groups
+STARTS = np.concatenate([[0], np.cumsum(SIZES)[:-1]])
+# Expert 1's weights 10^5 times smaller than expert 2's: a tensor-wide e4m3 scale flushes them.
+MAGNITUDE = np.array([1.0, 1e-4, 10.0, 1.0])
+TILE = 16
+
+
+@pytest.fixture(scope="module")
+def case():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(A, K)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(4, K, N)) * MAGNITUDE[:, None, None], jnp.float32)
+  return x, w, jnp.asarray(SIZES, jnp.int32), jnp.asarray(rng.normal(size=(A, N)), jnp.float32)
+
+
+def _dot(products):
+  return lambda x, w, sizes: grouped_tiles.grouped_dot(x, w, sizes, jnp.float32, tile=TILE,
+                                                       products=products)
+
+
+def _rel(a, b):
+  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def test_forward_is_the_dequantised_product_exactly(case):
+  x, w, sizes, _ = case
+  y = _dot(grouped.tile_products)(x, w, sizes)
+  for e, (s, n) in enumerate(zip(STARTS, SIZES)):
+    if n:
+      xe, we = x[s:s + n], w[e]
+      sx = scaling.scale_for(jnp.max(jnp.abs(xe)), scaling.E4M3)
+      sw = scaling.scale_for(jnp.max(jnp.abs(we)), scaling.E4M3)
+      want = (scaling.dequantize(scaling.quantize(xe, sx, scaling.E4M3), sx, jnp.float32) @
+              scaling.dequantize(scaling.quantize(we, sw, scaling.E4M3), sw, jnp.float32))
+      np.testing.assert_allclose(y[s:s + n], want, rtol=1e-5, atol=1e-6 * float(jnp.abs(
+          want).max()))
+  assert float(jnp.abs(y[SIZES.sum():]).max()) == 0.0  # rows past the groups
+
+
+def test_values_and_gradients_within_fp8_rounding_of_the_reference(case):
+  x, w, sizes, c = case
+  loss = lambda products: lambda x, w: jnp.sum(_dot(products)(x, w, sizes) * c)
+  (l8, (dx8, dw8)) = jax.value_and_grad(loss(grouped.tile_products), (0, 1))(x, w)
+  (l, (dx, dw)) = jax.value_and_grad(loss(None), (0, 1))(x, w)
+  y8, y = _dot(grouped.tile_products)(x, w, sizes), _dot(None)(x, w, sizes)
+  for e, (s, n) in enumerate(zip(STARTS, SIZES)):
+    if n:  # every expert alike, whatever its magnitude: e4m3 forward, e5m2 gradients
+      assert _rel(y8[s:s + n], y[s:s + n]) < 0.06
+      assert _rel(dx8[s:s + n], dx[s:s + n]) < 0.1
+      assert _rel(dw8[e], dw[e]) < 0.1
+  assert float(jnp.abs(dw8[2]).max()) == 0.0  # no rows, no gradient
+  assert abs(float(l8 - l)) < 0.06 * float(jnp.abs(y * c).sum())
+
+
+def test_a_scale_per_expert_keeps_what_a_tensor_wide_scale_flushes(case):
+  _, w, _, _ = case
+  per_expert = grouped.expert_scales(w, jnp.arange(4), 4, scaling.E4M3)
+  whole = scaling.scale_for(jnp.max(jnp.abs(w)), scaling.E4M3)
+  back = lambda s: scaling.dequantize(scaling.quantize(w[1], s, scaling.E4M3), s, jnp.float32)
+  assert _rel(back(per_expert[1]), w[1]) < 0.05
+  assert _rel(back(whole), w[1]) > 0.5  # mostly flushed to zero
+
+
+DEEPSEEK = ["model.dtype=bfloat16", "fp8.enabled=true", "fp8.targets=[experts]",
+            "train.seq_len=32", "train.batch_size=2", "model.n_layers=2"]
+
+
+def test_the_routed_experts_take_fp8_operands_in_the_lowered_step():
+  cfg = load_config("configs/deepseek_v3_tiny.yaml", DEEPSEEK)
+  rt = runtime.build(cfg, jax.devices()[:1])
+  found = dots.dot_generals(rt.train_step().lower(rt.abstract_state(), abstract_batch(cfg)))
+  f8 = [d for d in found if any(t.startswith("f8") for t in d.operands)]
+  # One MoE layer (the first is dense), main model and MTP module share the layer code:
+  # gate, up and down, each forward, dx and dw, in cuBLASLt's three FP8 pairs.
+  assert {d.operands for d in f8} == {("f8E4M3FN", "f8E4M3FN"), ("f8E5M2", "f8E4M3FN"),
+                                      ("f8E4M3FN", "f8E5M2")}
+  assert len(f8) % 9 == 0 and f8, found
+  assert all("grouped_tiles" in d.location for d in f8)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.moe.gemm=pallas"], "only the tiled grouped matmul takes FP8 operands"),
+    (["model.moe.dispatch=capacity"], "set model.moe.dispatch=dropless"),
+    (["mesh.expert=2", "mesh.data=1"], "set parallel.collectives=manual"),
+    (["fp8.targets=[experts,mlp]"], r"set fp8.targets=\[experts\]"),
+])
+def test_fp8_experts_refusals_name_the_key_and_the_fix(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    load_config("configs/deepseek_v3_tiny.yaml", [*DEEPSEEK, *overrides])
+
+
+def test_fp8_experts_need_experts():
+  with pytest.raises(ConfigError, match=r"fp8.targets=\[experts\] needs routed experts"):
+    small_config(None, "fp8.enabled=true", "fp8.targets=[experts]")
+
+
+def test_fp8_experts_under_expert_parallelism_match_one_device():
+  """Manual EP over 2 devices against one: each expert's rows all reach its device, so its
+  scales are the single device's (2 steps' loss and gradient norm, `tests/parity.py`)."""
+  ds = (*deepseek_case.DS, "train.batch_size=8", "train.seq_len=16", "fp8.enabled=true",
+        "fp8.targets=[experts]")
+  want = parity.losses((*ds, "mesh.data=1"), jax.devices()[:1], 2)
+  got = parity.losses((*ds, "mesh.data=1", "mesh.expert=2", "parallel.collectives=manual"),
+                      jax.devices()[:2], 2)
+  np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+@pytest.mark.skipif(not gpu_target.available(), reason="needs JAX's CUDA plugin and cuDNN to "
+                    "compile for GPUs: pip install -e '.[gpu-compile]' (.ci/run does)")
+def test_xla_gpu_keeps_the_expert_products_fp8_on_an_h100():
+  """The step compiled for an H100 as the trainer launches it: every routed-expert product a
+  gemm on FP8 operands (Triton's, in XLA's deviceless compile), none upcast."""
+  cfg = load_config("configs/deepseek_v3_tiny.yaml", DEEPSEEK)
+  compiled, _ = introspect.compile_train_step(cfg, gpu_target.devices("h100x1"))
+  # The tiles' products are batched (T, M, K); the 2-D one sums each expert's tiles' dW.
+  products = [d for d in dots.compiled_dots(compiled)
+              if "grouped_tiles" in d.location and d.lhs_shape.count("x") == 2]
+  assert len(products) >= 12 and all(d.lhs.startswith("f8") and d.rhs.startswith("f8")
+                                     for d in products), products
+  # XLA may swap a product's operands: e5m2 gradients against e4m3 weights or activations
+  assert {tuple(sorted((d.lhs, d.rhs))) for d in products} == {("f8e4m3fn", "f8e4m3fn"),
+                                                               ("f8e4m3fn", "f8e5m2")}
