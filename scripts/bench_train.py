@@ -80,6 +80,11 @@ ROWS: dict[str, tuple[str, ...]] = {
     "dsv3-16b-3L selective b2 bf16 moments": (
         "model.preset=deepseek_v3_16b", "model.n_layers=3", "train.batch_size=2",
         "train.remat=selective", "train.moments_dtype=bfloat16"),
+    # and its routed experts in FP8, current scaling per expert (tiled: jscale/fp8/grouped.py)
+    "dsv3-16b-3L selective b2 bf16 moments fp8 experts": (
+        "model.preset=deepseek_v3_16b", "model.n_layers=3", "train.batch_size=2",
+        "train.remat=selective", "train.moments_dtype=bfloat16", "fp8.enabled=true",
+        "fp8.targets=[experts]"),
 }
 # Rows run with these XLA flags added (XLA's Triton gemm fusions read the fp32 master weights
 # and cast inside the gemm; without them cuBLAS runs every gemm after a separate convert).

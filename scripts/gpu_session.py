@@ -145,10 +145,11 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
          ["results/bench_fp8_curves.md", "results/bench_fp8_curves.csv",
           "results/bench_fp8_curves_loss.png"]),
     ],
-    "deepseek": [  # issue 41: MFU of a DeepSeek-V3 16B-like shape on one GPU
+    "deepseek": [  # issue 41: MFU of a DeepSeek-V3 16B-like shape on one GPU; issue 50: FP8 experts
         ("bench_train: DeepSeek-V3 16B-like, 3 layers + MTP", [PY, "scripts/bench_train.py",
          "--exact", "--steps", "15", "--only",
-         "dsv3-16b-3L selective b2,dsv3-16b-3L selective b2 bf16 moments", "--out",
+         "dsv3-16b-3L selective b2,dsv3-16b-3L selective b2 bf16 moments,"
+         "dsv3-16b-3L selective b2 bf16 moments fp8 experts", "--out",
          "results/bench_train_deepseek.md"], {},
          ["results/bench_train_deepseek.md", "results/bench_train_deepseek.csv"]),
     ],

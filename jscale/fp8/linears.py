@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jscale.config import Fp8Config
+from jscale.fp8 import grouped
 from jscale.fp8.dot import Recipe, fp8_dot_general
 from jscale.model import matmul
 
@@ -101,11 +102,9 @@ class Fp8Linears:
       return Fp8Dot(self.recipe, self.history)
     return jax.lax.dot_general
 
-
-def covers_experts(dot_general) -> bool:
-  """Whether the model's `dot_general` (an `Fp8Linears`, or a plain product) puts the routed
-  experts' grouped matmuls in FP8."""
-  return EXPERTS in getattr(dot_general, "targets", ())
+  def for_experts(self):
+    """The routed experts' per-tile products in FP8 if `targets` has them, else None."""
+    return grouped.tile_products if EXPERTS in self.targets else None
 
 
 def from_config(fp8: Fp8Config) -> Fp8Linears | None:

@@ -74,6 +74,14 @@ def for_linear(dot_general: Any, name: str) -> Any:
   return build(name) if build is not None else dot_general
 
 
+def for_experts(dot_general: Any) -> Any:
+  """The routed experts' per-tile products (`grouped_tiles.tile_products`'s signature) if the
+  model's `dot_general` is a factory that gives them (`for_experts`, e.g. FP8 experts:
+  `jscale.fp8.grouped`), else None: the plain products."""
+  build = getattr(dot_general, "for_experts", None)
+  return build() if build is not None else None
+
+
 def on_seam(dot_general: Any, seam: Any) -> DotGeneral:
   """A layer's product as a plain dot_general for one call: a product that reduces over the
   devices holding its operands' shards (FP8's amaxes; it has `on(seam)`) is bound to the seam."""

@@ -24,7 +24,6 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jscale.config import ModelConfig
-from jscale.fp8 import linears as fp8_linears
 from jscale.model import matmul, moe_gemm, router
 from jscale.model.layers import einsum, param
 from jscale.model.moe_dispatch import ExpertWeights
@@ -92,7 +91,7 @@ class MoE(nnx.Module):
           matmul.for_linear(dot_general, n) for n in ("shared_gate", "shared_up", "shared_down"))
     self.cfg, self.dtype = m, cfg.dtype
     self.kernel_interpret = cfg.kernel_interpret
-    self.fp8_experts = fp8_linears.covers_experts(dot_general)
+    self.expert_products = matmul.for_experts(dot_general)
 
   def __call__(self, h_BLD: jax.Array, comms: Seam) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`h_BLD`: the normed input (inside the tensor-parallel region). Returns the experts'
@@ -120,7 +119,7 @@ class MoE(nnx.Module):
                         for x in (self.w_gate, self.w_up, self.w_down)))
     e, d, f = self.w_gate.shape  # this device's (under manual tensor parallelism: its slice)
     grouped = moe_gemm.for_model(self.cfg.gemm, self.dtype, d, f, e, self.kernel_interpret,
-                                 self.fp8_experts)
+                                 self.expert_products)
     y_GTD, dropped = comms.experts(h_GTD, ids_GTK, comms.expert_gates(gates_GTK), w, self.cfg,
                                    self.dtype, grouped)
     n = comms.token_sum(jnp.asarray(b * l * self.cfg.top_k, jnp.float32))

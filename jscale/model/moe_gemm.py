@@ -2,7 +2,7 @@
 
   * tiled: a batched matmul over tiles of each expert's rows, in plain XLA
     (`jscale.model.grouped_tiles`; any backend, any dtype, ~1.1-1.3x the products' FLOPs);
-    the one FP8 experts run in (`jscale.fp8.grouped`).
+    the one FP8 experts run in (its per-tile products from `jscale.fp8.grouped`).
   * ragged_dot: `jax.lax.ragged_dot`. XLA:GPU and XLA:CPU expand it into one dense dot
     against every expert's weights: E times the FLOPs (`tests/plan/test_gpu_compile.py`).
   * pallas: the Hopper Mosaic GPU kernels (`pallas_kernels.grouped_matmul`): persistent, warp
@@ -14,11 +14,11 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from jscale.fp8 import grouped as fp8_grouped
 from jscale.model import grouped_tiles
 from jscale.model.attention import compute_capability
 
@@ -53,7 +53,9 @@ class GroupedDot:
   """The experts' grouped matmul: rows sorted by expert (sizes_E each), weights [E, K, N]."""
   impl: str = "ragged_dot"  # tiled | ragged_dot | pallas (resolved: never auto)
   interpret: bool = False
-  fp8: bool = False  # tiled only: FP8 products scaled per expert (`jscale.fp8.grouped`)
+  # tiled only: the per-tile products (None: `grouped_tiles.tile_products`; FP8 experts:
+  # `jscale.fp8.grouped.tile_products`, from the model's `matmul.for_experts`)
+  products: Callable | None = None
 
   def __call__(self, x_AK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array,
                dtype) -> jax.Array:
@@ -63,16 +65,15 @@ class GroupedDot:
       from pallas_kernels.grouped_matmul import grouped_matmul
       return grouped_matmul(x, w, sizes_E, interpret=self.interpret)
     if self.impl == "tiled":
-      return grouped_tiles.grouped_dot(x, w, sizes_E, dtype,
-                                       products=fp8_grouped.tile_products if self.fp8 else None)
+      return grouped_tiles.grouped_dot(x, w, sizes_E, dtype, products=self.products)
     return jax.lax.ragged_dot(x, w, sizes_E)
 
 
 def for_model(gemm: str, dtype, d_model: int, d_ff: int, n_experts: int,
-              interpret: bool = False, fp8: bool = False) -> GroupedDot:
+              interpret: bool = False, products: Callable | None = None) -> GroupedDot:
   """The GroupedDot `model.moe.gemm` asks for (auto: decided for this process's devices; with
-  `fp8`, FP8 experts, tiled: the other impls take no FP8 operands)."""
+  other per-tile `products`, e.g. FP8's, tiled: the other impls take no such products)."""
   if gemm == "auto":
-    gemm = "tiled" if interpret or fp8 else auto_gemm(dtype, d_model, d_ff, n_experts,
-                                                      compute_capability())[0]
-  return GroupedDot(gemm, interpret and gemm == "pallas", fp8)
+    gemm = "tiled" if interpret or products else auto_gemm(dtype, d_model, d_ff, n_experts,
+                                                           compute_capability())[0]
+  return GroupedDot(gemm, interpret and gemm == "pallas", products)
