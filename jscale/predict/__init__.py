@@ -13,7 +13,7 @@ from typing import Sequence
 
 import jax
 
-from jscale import hardware, mesh, metrics
+from jscale import mesh, metrics
 from jscale.analysis import compiler_log, gpu_target, introspect
 from jscale.config import Config
 from jscale.predict import launches, rates, schedule_costs, summary, timing
@@ -61,11 +61,8 @@ def compile_train_step(cfg: Config, devices: Sequence[jax.Device]
 
   if cfg.parallel.schedule_costs == "default":
     return compile_with({})
-  gpu = hardware.predictable(getattr(devices[0], "device_kind", ""))
-  if devices[0].platform != "gpu" or gpu is None:
-    raise ValueError(f"parallel.schedule_costs=predicted schedules for an H100 or H200, not "
-                     f"{devices[0].device_kind!r}: compile for such a target")
-  return schedule_costs.compile_guided(compile_with, lambda c: c[0].as_text(), gpu,
+  return schedule_costs.compile_guided(compile_with, lambda c: c[0].as_text(),
+                                       schedule_costs.gpu_of(devices[0]),
                                        routed_rows(cfg, len(devices)))
 
 

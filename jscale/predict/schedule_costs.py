@@ -27,6 +27,7 @@ import re
 import tempfile
 from typing import Callable, TypeVar
 
+from jscale import hardware
 from jscale.predict import launches, rates, timing
 
 # The XLA:GPU option naming the profile: a ProfiledInstructionsProto, here in text form.
@@ -68,6 +69,16 @@ def profile_text(costs: dict[str, float]) -> str:
   """`costs` as a ProfiledInstructionsProto in protobuf text format."""
   return "".join(f'costs {{ name: "{name}" cost_us: {us:.4f} }}\n'
                  for name, us in sorted(costs.items()))
+
+
+def gpu_of(device) -> str:
+  """The predictor's name for `device`'s GPU ("h100"); ValueError for a device it has no rates
+  for (the trainer refuses such a run first: `validate.machine.check_schedule_costs`)."""
+  gpu = hardware.predictable(getattr(device, "device_kind", ""))
+  if device.platform != "gpu" or gpu is None:
+    raise ValueError(f"parallel.schedule_costs=predicted schedules for an H100 or H200, not "
+                     f"{getattr(device, 'device_kind', device.platform)!r}")
+  return gpu
 
 
 def compile_guided(compile_with: Callable[[dict], T], text_of: Callable[[T], str], gpu: str,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from jscale import hardware, predict, runtime
+from jscale import predict, runtime
 from jscale.analysis import introspect
 from jscale.config import Config
 from jscale.predict import schedule_costs
@@ -18,9 +18,7 @@ def train_step(cfg: Config, rt: runtime.Runtime, gpu: str | None = None) -> Call
   step = rt.train_step()
   if cfg.parallel.schedule_costs == "default":
     return step
-  gpu = gpu or hardware.predictable(rt.mesh.devices.flat[0].device_kind)
-  if gpu is None:
-    raise ValueError("parallel.schedule_costs=predicted needs an H100 or H200 (validate.machine)")
+  gpu = gpu or schedule_costs.gpu_of(rt.mesh.devices.flat[0])
   lowered = step.lower(rt.abstract_state(), introspect.abstract_batch(cfg))
   return schedule_costs.compile_guided(lambda options: lowered.compile(compiler_options=options),
                                        lambda compiled: compiled.as_text(), gpu,
