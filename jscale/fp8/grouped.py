@@ -11,11 +11,11 @@ For tile t, which holds rows of expert e = expert_T[t]:
 sx_e, sw_e and sg_e are powers of two (`scaling.scale_for`) from this step's amax of expert e's
 rows, weights and output gradients: one expert's outliers never coarsen another's values, which
 a tensor-wide scale would (an expert 10^4 times smaller than the largest falls into e4m3's
-subnormals). Each product is a batched `dot_general` of FP8 operands with fp32 accumulation;
-the per-tile scale multiplies its fp32 result, so the dequantisation is exact and rounding to
-the formats is the only error. XLA:GPU compiles the batched FP8 dot as a Triton gemm on FP8
-operands; its cuBLAS path would upcast them (cuBLASLt's FP8 gemm takes no batch of per-item
-scales).
+subnormals). Each product is a batched `dot_general` of FP8 operands with fp32 accumulation,
+its result in the compute dtype; the per-tile scale, a power of two, multiplies it exactly, so
+rounding to the formats (and the result to the compute dtype) is the only error. XLA:GPU
+compiles the batched FP8 dot as a Triton gemm on FP8 operands; its cuBLAS path would upcast
+them (cuBLASLt's FP8 gemm takes no batch of per-item scales).
 
 Not DeepSeek-V3's block scaling (1×128 activation tiles, 128×128 weight blocks): its scales
 change along the contraction, so each 128-wide slice of K needs its own fp32 partial product,

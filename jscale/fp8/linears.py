@@ -46,9 +46,7 @@ def target_names(targets) -> frozenset[str]:
       raise ValueError(f"{t!r} cannot be an FP8 target: {NEVER[t]}")
     if t in GROUPS:
       names.update(GROUPS[t])
-    elif t == EXPERTS:
-      names.add(t)
-    elif any(t in g for g in GROUPS.values()):
+    elif t == EXPERTS or any(t in g for g in GROUPS.values()):
       names.add(t)
     else:
       known = list(GROUPS) + [EXPERTS] + [n for g in GROUPS.values() for n in g]
