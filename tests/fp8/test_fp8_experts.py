@@ -1,8 +1,10 @@
 """FP8 experts (`fp8.targets: [experts]`, `jscale.fp8.grouped`): the tiled grouped matmul's
 products with e4m3 / e5m2 operands and a scale per expert, against the same products
 dequantised (exact), against the bf16-free reference (FP8's rounding only), per-expert
-scales against a tensor-wide one, FP8 operands in the lowered step of the tiny DeepSeek, and
-the refusals. The 200-step loss beside bf16: scripts/fp8_experts.py."""
+scales against a tensor-wide one, FP8 operands in the lowered step of the tiny DeepSeek and in
+XLA:GPU's H100 program, expert parallelism against one device, and the refusals. The 200-step
+loss beside bf16 (8 seeds; a CI test of one seed took 11 minutes here and would bound little:
+single seeds differ by up to 7%): scripts/fp8_experts.py -> results/fp8_experts_loss.md."""
 
 import deepseek_case
 import jax
@@ -143,3 +145,4 @@ def test_xla_gpu_keeps_the_expert_products_fp8_on_an_h100():
   # XLA may swap a product's operands: e5m2 gradients against e4m3 weights or activations
   assert {tuple(sorted((d.lhs, d.rhs))) for d in products} == {("f8e4m3fn", "f8e4m3fn"),
                                                                ("f8e4m3fn", "f8e5m2")}
+
