@@ -4,7 +4,7 @@ dequantised (exact), against the bf16-free reference (FP8's rounding only), per-
 scales against a tensor-wide one, FP8 operands in the lowered step of the tiny DeepSeek and in
 XLA:GPU's H100 program, expert parallelism against one device, and the refusals. The 200-step
 loss beside bf16 (8 seeds; a CI test of one seed took 11 minutes here and would bound little:
-single seeds differ by up to 7%): scripts/fp8_experts.py -> results/fp8_experts_loss.md."""
+single seeds' pairs differ by up to 7%): scripts/fp8_experts.py -> results/fp8_experts_loss.md."""
 
 import deepseek_case
 import jax
