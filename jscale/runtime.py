@@ -29,6 +29,7 @@ from jscale.parallel.xla import XlaComms
 from jscale.sharding import Layouts
 from jscale.step import state as state_lib
 from jscale.step import train_step as ts
+from jscale.validate import experts as validate_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +138,7 @@ def moe_gemm(cfg: Config, mesh: Mesh) -> tuple[str, str]:
     return "", ""
   if m.moe.dispatch != "dropless":
     return "", "capacity dispatch: batched dense matmuls over slot buffers"
-  if cfg.parallel.collectives == "xla" and (mesh.shape["expert"] > 1 or mesh.shape["tensor"] > 1):
+  if validate_experts.slot_buffers(cfg, dict(mesh.shape)):
     return "", "xla collectives, experts split: GShard slot buffers (dense batched matmuls)"
   if m.moe.gemm != "auto":
     return m.moe.gemm, f"model.moe.gemm={m.moe.gemm}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jscale import metrics
 from jscale.config import Config, ConfigError, MoeConfig
+from jscale.fp8 import linears as fp8_linears
 from jscale.validate import deepseek
 
 
@@ -26,6 +27,13 @@ def check_values(e: MoeConfig, n_layers: int) -> None:
   deepseek.check_routing(e, n_layers)
 
 
+def slot_buffers(cfg: Config, sizes: dict[str, int]) -> bool:
+  """Whether the experts run GShard slot buffers (batched dense matmuls) rather than the
+  grouped matmul: xla mode with the experts split over `expert` or `tensor` (`sizes`: the
+  mesh's axis sizes)."""
+  return cfg.parallel.collectives == "xla" and (sizes["expert"] > 1 or sizes["tensor"] > 1)
+
+
 def check_experts(cfg: Config, sizes: dict[str, int]) -> None:
   """What expert parallelism over mesh.expert needs."""
   moe, ep = cfg.model.moe, sizes["expert"]
@@ -37,6 +45,10 @@ def check_experts(cfg: Config, sizes: dict[str, int]) -> None:
                       "each device must hold the same number of experts")
   if moe.exchange == "node_limited" and ep > 1:
     deepseek.check_node_limited(moe, cfg.parallel.collectives, ep)
+  if cfg.fp8.enabled and fp8_linears.EXPERTS in cfg.fp8.targets and slot_buffers(cfg, sizes):
+    raise ConfigError("fp8.targets=[experts] with mesh.expert or mesh.tensor > 1 in xla mode: "
+                      "xla mode dispatches split experts through a slot buffer, not the grouped "
+                      "matmul; set parallel.collectives=manual")
   _check_chunks(cfg, sizes)
 
 

@@ -106,12 +106,19 @@ def test_the_routed_experts_take_fp8_operands_in_the_lowered_step():
 @pytest.mark.parametrize("overrides, message", [
     (["model.moe.gemm=pallas"], "only the tiled grouped matmul takes FP8 operands"),
     (["model.moe.dispatch=capacity"], "set model.moe.dispatch=dropless"),
-    (["mesh.expert=2", "mesh.data=1"], "set parallel.collectives=manual"),
     (["fp8.targets=[experts,mlp]"], r"set fp8.targets=\[experts\]"),
 ])
 def test_fp8_experts_refusals_name_the_key_and_the_fix(overrides, message):
   with pytest.raises(ConfigError, match=message):
     load_config("configs/deepseek_v3_tiny.yaml", [*DEEPSEEK, *overrides])
+
+
+@pytest.mark.parametrize("expert", ["2", "-1"])  # -1: the axis takes the devices left
+def test_fp8_experts_on_xla_split_experts_are_refused_on_the_mesh(expert):
+  cfg = load_config("configs/deepseek_v3_tiny.yaml", [*DEEPSEEK, "mesh.data=1",
+                                                       f"mesh.expert={expert}"])
+  with pytest.raises(ConfigError, match="slot buffer.*set parallel.collectives=manual"):
+    runtime.build(cfg, jax.devices()[:2])
 
 
 def test_fp8_experts_need_experts():
