@@ -80,6 +80,14 @@ def predictable(device_kind: str) -> str | None:
   return gpu.name if gpu is not None and gpu.hbm_bytes_s else None
 
 
+def predictable_device(device) -> str | None:
+  """`predictable` for a JAX device: its GPU's name if it is a GPU the predictor has rates for,
+  else None (a CPU, an unmeasured GPU)."""
+  if device.platform != "gpu":
+    return None
+  return predictable(getattr(device, "device_kind", ""))
+
+
 def _loglog(table: dict[int, float], nodes: int) -> float:
   xs = sorted(table)
   nodes = min(max(nodes, xs[0]), xs[-1])

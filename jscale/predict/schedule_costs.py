@@ -74,8 +74,8 @@ def profile_text(costs: dict[str, float]) -> str:
 def gpu_of(device) -> str:
   """The predictor's name for `device`'s GPU ("h100"); ValueError for a device it has no rates
   for (the trainer refuses such a run first: `validate.machine.check_schedule_costs`)."""
-  gpu = hardware.predictable(getattr(device, "device_kind", ""))
-  if device.platform != "gpu" or gpu is None:
+  gpu = hardware.predictable_device(device)
+  if gpu is None:
     raise ValueError(f"parallel.schedule_costs=predicted schedules for an H100 or H200, not "
                      f"{getattr(device, 'device_kind', device.platform)!r}")
   return gpu

@@ -30,7 +30,7 @@ def check_schedule_costs(cfg: Config, device) -> None:
   if cfg.parallel.schedule_costs == "default":
     return
   kind = getattr(device, "device_kind", device.platform)
-  if device.platform != "gpu" or hardware.predictable(kind) is None:
+  if hardware.predictable_device(device) is None:
     raise ConfigError(f"parallel.schedule_costs={cfg.parallel.schedule_costs} tells XLA:GPU's "
                       f"scheduler the predicted kernel times of an H100 or H200; this device is "
                       f"{kind!r}: set parallel.schedule_costs=default")
