@@ -122,6 +122,11 @@ class ModelConfig:
   # Run the Pallas kernels (attention_impl / norm_impl = pallas) in the Pallas interpreter:
   # slow, for CPU tests and debugging; without it they need a GPU.
   kernel_interpret: bool = False
+  # The layer stacks as a loop (lax.scan: one layer compiled) or, false, as straight-line code
+  # (MaxText's scan_layers): no stacked-residual buffers for the loop to zero-fill and copy
+  # into, and XLA schedules across layers; compiles take about n_layers times longer.
+  # Weights are stacked either way, so checkpoints are the same.
+  scan_layers: bool = True
   moe: MoeConfig | None = None  # None: dense SwiGLU MLPs
   mla: MlaConfig | None = None  # None: grouped-query attention
   mtp: MtpConfig | None = None  # None: next-token prediction only

@@ -1,7 +1,7 @@
 """Llama in Flax NNX: embedding, scanned stack of (attention + MLP) blocks, norm, head.
 
 Layers are created stacked along a leading `layers` axis (nnx.vmap) and run with `lax.scan`, so
-compile time does not grow with depth. Weights are stored in `param_dtype` (fp32 master) and
+compile time does not grow with depth (or unrolled into straight-line code, `model.scan_layers`). Weights are stored in `param_dtype` (fp32 master) and
 cast to `dtype` (bf16) at use. Communication goes through the model's seam (`jscale.model.seam`).
 The blocks' attention and MLP modules are swappable (`Block`; GQA, or MLA with `model.mla`, and
 SwiGLU or MoE by default), and every linear layer's product, the head's included, is
@@ -144,6 +144,7 @@ class MoeGroup(nnx.Module):
 
     self.dense = make_dense(rngs)
     self.dense_count = every - 1
+    self.scan_layers = cfg.scan_layers
     self.moe_block = Block(cfg, rngs, **modules)
 
   def __call__(self, x_BLD, positions: Positions, inv_freq, comms: Seam):
@@ -152,7 +153,7 @@ class MoeGroup(nnx.Module):
     def dense(x_BLD, state):
       return nnx.merge(graphdef, state)(x_BLD, positions, inv_freq, comms)[0], None
 
-    x_BLD, _ = jax.lax.scan(dense, x_BLD, stacked)
+    x_BLD, _ = jax.lax.scan(dense, x_BLD, stacked, unroll=not self.scan_layers)
     return self.moe_block(x_BLD, positions, inv_freq, comms)
 
   def cached(self, x_BLD, positions_BL, inv_freq, cache: kv_cache.Cache, group: jax.Array,
@@ -169,7 +170,8 @@ class MoeGroup(nnx.Module):
                                                prefill), None
 
     (x_BLD, cache), _ = jax.lax.scan(dense, (x_BLD, cache),
-                                     (stacked, jnp.arange(self.dense_count)))
+                                     (stacked, jnp.arange(self.dense_count)),
+                                     unroll=not self.scan_layers)
     return self.moe_block.cached(x_BLD, positions_BL, inv_freq, cache, first + every - 1,
                                  prefill)
 
@@ -272,7 +274,8 @@ class Llama(nnx.Module):
 
       n = jax.tree.leaves(weights)[0].shape[0]
       (x_BLD, cache), _ = jax.lax.scan(layer, (x_BLD, cache),
-                                       (weights, rest, first + jnp.arange(n)))
+                                       (weights, rest, first + jnp.arange(n)),
+                                       unroll=not self.cfg.scan_layers)
       first += n
     return x_BLD, cache
 
@@ -292,7 +295,8 @@ class Llama(nnx.Module):
 
     layer = remat_lib.checkpointed(layer, remat, self.cfg)
     with jax.named_scope("dense_prefix"):
-      return jax.lax.scan(layer, x_BLD, (weights, rest))[0]
+      return jax.lax.scan(layer, x_BLD, (weights, rest),
+                          unroll=not self.cfg.scan_layers)[0]
 
   def mtp_hidden(self, x_BLD: jax.Array, labels_BL: jax.Array,
                  positions: Positions | jax.Array | None = None, comms: Seam = LOCAL,
@@ -379,7 +383,8 @@ def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, position
   `with_stats`, also the blocks' MoE router statistics averaged over the layers. `dot_state`:
   the layers' `matmul.DotState` (stacked likewise; FP8's amax histories), scanned beside the
   weights but never gathered or cast. `unroll`: the layers as straight-line code, not a loop
-  (a pipeline's forward + backward pairs, whose halves XLA can only interleave so)."""
+  (a pipeline's forward + backward pairs, whose halves XLA can only interleave so), as
+  `model.scan_layers: false` asks of every stack."""
   dt = jnp.dtype(cfg.dtype)
   inv_freq = rope.for_model(cfg)
 
@@ -392,7 +397,7 @@ def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, position
   dots = () if dot_state is None else (dot_state,)
   with jax.named_scope("layers"):
     x_BLD, stats = jax.lax.scan(layer, x_BLD, (comms.layer_inputs(stacked), dots),
-                                unroll=unroll)
+                                unroll=unroll or not cfg.scan_layers)
   if not with_stats:
     return x_BLD
   return x_BLD, jax.tree.map(lambda v: jnp.mean(v, axis=0), stats)

@@ -99,7 +99,9 @@ def ordered_effects(cfg: ModelConfig) -> bool:
 
 def checkpointed(layer: Callable, remat: str, cfg: ModelConfig) -> Callable:
   """`layer` under `remat`'s policy (`remat_policy`), or as it is where it cannot be
-  rematerialised (`ordered_effects`)."""
+  rematerialised (`ordered_effects`). Inside the layer loop XLA cannot merge the backward's
+  recomputation with the forward; unrolled (`model.scan_layers: false`) it could, and would
+  keep what the policy drops, so there the recomputation is fenced off (`prevent_cse`)."""
   if ordered_effects(cfg):
     return layer
-  return jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
+  return jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=not cfg.scan_layers)
