@@ -73,10 +73,18 @@ def peer_tok_s(p: Peer, flops_per_token: float) -> float:
   return flops / flops_per_token
 
 
-def predicted(p: Peer, pick, mode: str, costs: str = "default"):
+# The programs the `guided` fastest are compiled again as: XLA's scheduler told the predicted
+# kernel costs, the layers unrolled into straight-line code, and both.
+VARIANTS = ((", predicted costs", ("parallel.schedule_costs=predicted",)),
+            (", unrolled", ("model.scan_layers=false",)),
+            (", unrolled, predicted costs", ("model.scan_layers=false",
+                                             "parallel.schedule_costs=predicted")))
+
+
+def predicted(p: Peer, pick, mode: str, variant: tuple[str, ...] = ()):
   cfg = load_config(None, [*p.model, "model.dtype=bfloat16", "checkpoint.every=0",
                            *pick.layout.overrides(p.seq, H100.gpus_per_node),
-                           f"parallel.collectives={mode}", f"parallel.schedule_costs={costs}"])
+                           f"parallel.collectives={mode}", *variant])
   return predict.predict_config(cfg, f"h100x{p.gpus}")
 
 
@@ -88,15 +96,15 @@ def row(p: Peer, top: int, modes: tuple[str, ...], guided: int) -> dict:
   """The peer's figures and jscale's predicted ones for the planner's pick: its estimate's
   first layout, or with `top` > 1 the fastest compiled program of its first `top`, each in
   each of `modes` (what `python -m jscale.plan --rank compiled --verify top --collectives
-  both` picks); the `guided` fastest of those compiled again with the predicted kernel costs
-  given to XLA's scheduler (`parallel.schedule_costs=predicted`), the faster program counting."""
+  both` picks); the `guided` fastest of those compiled again as each of `VARIANTS`
+  (`--schedule-costs both --scan-layers both`), the fastest program counting."""
   model = load_config(None, [*p.model, "model.dtype=bfloat16"]).model
   fpt = metrics.flops_per_token(model, p.seq)
   rows = rank(model, p.gpus, p.seq, p.step_tokens, H100)[:top]
   tried = sorted(((predicted(p, x, mode), x, mode, "") for x in rows for mode in modes),
                  key=_order)
-  tried += [(predicted(p, x, mode, "predicted"), x, mode, ", predicted costs")
-            for _, x, mode, _ in tried[:guided]]
+  tried += [(predicted(p, x, mode, variant), x, mode, name)
+            for _, x, mode, _ in tried[:guided] for name, variant in VARIANTS]
   r, pick, mode, costs = min(tried, key=_order)
   peer = peer_tok_s(p, fpt)
   ours = r.tokens_per_s / p.gpus
@@ -119,7 +127,8 @@ def main() -> None:
                   help="the modes each layout is compiled in (both: the faster program counts)")
   ap.add_argument("--guided", type=int, default=3, metavar="N",
                   help="compile the N fastest programs again with parallel.schedule_costs="
-                  "predicted (0: XLA's own schedule only)")
+                  "predicted, model.scan_layers=false and both (0: as scanned, XLA's own "
+                  "schedule only)")
   args = ap.parse_args()
   modes = ("xla", "manual") if args.collectives == "both" else (args.collectives,)
   keys = set(filter(None, args.only.split(",")))
@@ -132,7 +141,8 @@ def main() -> None:
               f"`jscale.plan --rank compiled`'s, the fastest compiled program among the "
               f"estimate's first {args.rank_compiled}") + f", in {' or '.join(modes)} mode"
            + (f"; its {args.guided} fastest also with the predicted kernel costs given to XLA's "
-              "scheduler (`parallel.schedule_costs=predicted`)" if args.guided else "") + ".", "",
+              "scheduler (`parallel.schedule_costs=predicted`), with the layers unrolled "
+              "(`model.scan_layers=false`), and both" if args.guided else "") + ".", "",
            "| configuration | peer tok/s/GPU | peer MFU | planner's pick | planner MFU | "
            "**predicted** tok/s/GPU | **predicted** MFU | predicted / peer | memory | source |",
            "|---|---|---|---|---|---|---|---|---|---|"]

@@ -1,8 +1,9 @@
 """Llama in Flax NNX: embedding, scanned stack of (attention + MLP) blocks, norm, head.
 
 Layers are created stacked along a leading `layers` axis (nnx.vmap) and run with `lax.scan`, so
-compile time does not grow with depth (or unrolled into straight-line code, `model.scan_layers`). Weights are stored in `param_dtype` (fp32 master) and
-cast to `dtype` (bf16) at use. Communication goes through the model's seam (`jscale.model.seam`).
+compile time does not grow with depth (or unrolled into straight-line code,
+`model.scan_layers`). Weights are stored in `param_dtype` (fp32 master) and cast to `dtype`
+(bf16) at use. Communication goes through the model's seam (`jscale.model.seam`).
 The blocks' attention and MLP modules are swappable (`Block`; GQA, or MLA with `model.mla`, and
 SwiGLU or MoE by default), and every linear layer's product, the head's included, is
 `dot_general`'s (`jscale.model.matmul`). With `model.moe.first_dense` = k the first k layers

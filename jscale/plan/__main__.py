@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
                  default="default", help="parallel.schedule_costs of the --verify compiles "
                  "for --target (predicted: XLA's scheduler told the predicted kernel times; "
                  "both: each layout each way, and with --rank compiled the faster ranks)")
+  p.add_argument("--scan-layers", choices=("true", "false", "both"), default="true",
+                 help="model.scan_layers of the --verify compiles (false: the layers unrolled "
+                 "into straight-line code; both: each layout each way, and with --rank compiled "
+                 "the faster ranks)")
   p.add_argument("--target", default=None, metavar="GPUxN",
                  help="compile --verify's layouts with the real XLA:GPU compiler for N GPUs "
                  "(h100x8: N = --gpus) instead of on simulated CPU devices; needs JAX's CUDA "
@@ -162,24 +166,25 @@ def main(argv: list[str] | None = None) -> int:
 
 MODES = {"xla": ("xla",), "manual": ("manual",), "both": ("xla", "manual")}
 COSTS = {"default": ("default",), "predicted": ("predicted",), "both": ("default", "predicted")}
+SCANS = {"true": (True,), "false": (False,), "both": (True, False)}
 
 
 def _compile(rows, args, gpu, devices) -> list[dict]:
   """`verify.compare` of each row in order (in each of --collectives' modes and
-  --schedule-costs' schedules), a progress line each on stderr, until --compile-budget-s has
-  gone (the rest are said to be left out)."""
+  --schedule-costs' schedules, --scan-layers' loops), a progress line each on stderr, until
+  --compile-budget-s has gone (the rest are said to be left out)."""
   from jscale.plan import verify
   start, out = time.monotonic(), []
-  todo = [(row, mode, costs) for row in rows for mode in MODES[args.collectives]
-          for costs in COSTS[args.schedule_costs]]
-  for i, (row, mode, costs) in enumerate(todo):
+  todo = [(row, mode, costs, scan) for row in rows for mode in MODES[args.collectives]
+          for costs in COSTS[args.schedule_costs] for scan in SCANS[args.scan_layers]]
+  for i, (row, mode, costs, scan) in enumerate(todo):
     if i and time.monotonic() - start > args.compile_budget_s:  # the first always compiles
       print(f"compile budget of {args.compile_budget_s:.0f} s spent: compiles {i + 1}-"
             f"{len(todo)} left out (raise --compile-budget-s)", file=sys.stderr, flush=True)
       break
     t0 = time.monotonic()
     out.append(verify.compare(args.model, args.overrides, row, args.seq, gpu, devices,
-                              collectives=mode, schedule_costs=costs))
+                              collectives=mode, schedule_costs=costs, scan_layers=scan))
     print(f"compiled {i + 1}/{len(todo)}: {out[-1]['layout']} in "
           f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
   return out

@@ -29,7 +29,8 @@ from jscale.predict import summary
 
 
 def _config(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
-            gpu: hardware.Gpu, collectives: str = "xla", schedule_costs: str = "default"):
+            gpu: hardware.Gpu, collectives: str = "xla", schedule_costs: str = "default",
+            scan_layers: bool = True):
   lay = row.layout
   run = [o for o in lay.overrides(seq, gpu.gpus_per_node) if ".dcn_" not in o]
   # One simulated host: each axis gets its full size inside it.
@@ -38,20 +39,24 @@ def _config(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
                                                           "sequence", "tensor")]
   base = [] if os.path.isfile(model_spec) else [f"model.preset={model_spec}"]
   return load_config(model_spec if os.path.isfile(model_spec) else None,
-                     [*base, *model_overrides, *run, "checkpoint.every=0",
+                     [*base, *model_overrides, f"model.scan_layers={scan_layers}", *run,
+                      "checkpoint.every=0",
                       f"parallel.collectives={collectives}",
                       f"parallel.schedule_costs={schedule_costs}"])
 
 
 def compare(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
             gpu: hardware.Gpu, devices: Sequence[jax.Device] | None = None,
-            collectives: str = "xla", schedule_costs: str = "default") -> dict:
+            collectives: str = "xla", schedule_costs: str = "default",
+            scan_layers: bool = True) -> dict:
   """Estimate vs compiled, per device: model state (params + optimizer: the step's arguments
   less the batch), the rest (gradients, activations, workspace vs XLA's temporaries), and the
   communication volume by collective kind, compiled in `collectives` mode (manual: the
   collectives jscale writes by hand, which XLA:CPU keeps as written), and for GPUs scheduled
-  with `schedule_costs` (`parallel.schedule_costs`)."""
-  cfg = _config(model_spec, model_overrides, row, seq, gpu, collectives, schedule_costs)
+  with `schedule_costs` (`parallel.schedule_costs`), its layers in a loop or unrolled
+  (`model.scan_layers`)."""
+  cfg = _config(model_spec, model_overrides, row, seq, gpu, collectives, schedule_costs,
+                scan_layers)
   devices = list(devices or jax.devices())[:row.layout.devices]
   # On GPUs, the gemms as the autotuner picks them (`predict.AUTOTUNED_GEMMS`): the program
   # whose time and memory came closest to the measured ones.
@@ -74,7 +79,8 @@ def compare(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
                   exposed_compiled=p.exposed_collectives_s, fits_compiled=bool(p.fits),
                   by_category_compiled=p.by_category,
                   memory_lines=summary.memory_lines(p))
-  how = collectives + (", predicted costs" if schedule_costs == "predicted" else "")
+  how = (collectives + ("" if scan_layers else ", unrolled") +
+         (", predicted costs" if schedule_costs == "predicted" else ""))
   return {"layout": row.layout.describe() + f" ({how})", **timing,
           "state_estimate": est.params + est.optimizer, "state_compiled": state,
           "rest_estimate": est.grads + est.activations + est.workspace,
