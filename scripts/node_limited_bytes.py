@@ -85,7 +85,7 @@ def compiled_bytes(devices, native: bool) -> dict[str, int]:
                            sds(c["e"], c["f"], c["d"])))
   exchanges = {
       "flat": lambda x, i, g, w: ex.dropless_exchange(x, i, g, w, dt, ex.Peers.whole("expert", n),
-                                                      native),
+                                                      native)[0],
       "node_limited": lambda x, i, g, w: ex.node_limited_exchange(x, i, g, w, dt, "expert", n, 2,
                                                                   native)}
   out = {}

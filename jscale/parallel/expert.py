@@ -116,14 +116,15 @@ class ManualExpert:
     if moe.dispatch == "dropless":
       gpu = self.mesh.devices.flat[0].platform == "gpu"  # native ragged_all_to_all there
       if moe.exchange == "node_limited":
-        exchange = lambda x, i, g: ex.node_limited_exchange(x, i, g, w, dtype, "expert", n_ep,
-                                                            moe.n_group, gpu, gemm)
+        exchange = lambda x, i, g: (ex.node_limited_exchange(x, i, g, w, dtype, "expert", n_ep,
+                                                             moe.n_group, gpu, gemm),
+                                    jnp.zeros((), jnp.int32))
       else:
         exchange = lambda x, i, g: ex.dropless_exchange(x, i, g, w, dtype,
                                                         ex.Peers.whole("expert", n_ep), gpu,
-                                                        gemm)
-      y_TD = ex.in_chunks(exchange, self.expert_chunks, x_TD, ids_TK, gates_TK)
-      return y_TD[None], jnp.zeros((), jnp.int32)
+                                                        gemm, moe.receive_factor)
+      y_TD, dropped = ex.in_chunks(exchange, self.expert_chunks, x_TD, ids_TK, gates_TK)
+      return y_TD[None], dropped
     y_TD, dropped = ex.capacity_exchange(x_TD, ids_TK, gates_TK, w, dtype,
                                          moe.capacity_factor, "expert", n_ep)
     return y_TD[None], dropped

@@ -11,7 +11,13 @@ Device j of the n_ep devices on the expert axis holds experts [j·E_l, (j+1)·E_
     the most a device can receive (T·min(K, E_l) rows per source: a token picks an expert at
     most once); the receiver regroups them by local expert for one grouped matmul. On GPU it
     is `ragged_all_to_all`, which moves only the real rows; it has no CPU implementation, so
-    there the same semantics run as padded blocks through `all_to_all`.
+    there the same semantics run as padded blocks through `all_to_all`. XLA's buffers have
+    static sizes, so that room is allocated whatever arrives: n·T·min(K, E_l) rows, up to n
+    times the rows an even routing sends (DeepSeek-V3 671B on 32 expert devices: ~60 GB a
+    buffer). With `model.moe.receive_factor` f > 0 each source's block holds f times its even
+    share, ⌈f·T·K / n⌉ rows (`receive_rows`): a sender clips what it sends each device to
+    that (cutting its rows for that device's last experts), and the clipped rows count as
+    dropped, as capacity dispatch's overflow does.
   * `in_chunks`: any of the dropless exchanges on equal slices of the tokens, one after another
     (`parallel.expert_chunks`): each slice's all-to-alls hide under another's expert matmuls.
   * `node_limited_exchange`: DeepSeek-V3's two hops for group-limited routing (playbook:
@@ -30,6 +36,7 @@ C slots, N peers, R received rows, G groups.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -152,35 +159,54 @@ def _transposed(bind: Callable, peers: Peers, shape, dtype) -> Callable:
   return exchange
 
 
+def receive_rows(t: int, k: int, e_l: int, n: int, factor: float) -> int:
+  """Rows of a receive buffer's block per source: the most one device can send another (T
+  tokens, each to at most min(K, E_l) of its E_l experts), or with `factor` > 0 that many
+  times the even share T·K / n, if smaller (`model.moe.receive_factor`)."""
+  most = t * min(k, e_l)
+  return most if factor <= 0 else min(most, math.ceil(factor * t * k / n))
+
+
 def round_trip(rows, s: md.Sorted, per_device: int, peers: Peers, cap: int, native: bool,
-               compute: Callable) -> jax.Array:
+               compute: Callable) -> tuple[jax.Array, jax.Array]:
   """Sends the sorted assignment rows (a pytree of [A, ...] arrays in `s`'s order; row r goes to
   peer s.expert_A[r] // per_device, ids past the peers' experts nowhere) out, runs
-  `compute(received, sizes_NE)` on each peer and brings its [N·cap, D] result back: [A, D] in
-  sorted order, zero for the rows that went nowhere.
+  `compute(received, sizes_NE)` on each peer and brings its [N·cap, D] result back: ([A, D] in
+  sorted order, zero for the rows that went nowhere; how many rows did not fit).
 
   Both directions land in a padded [N·cap, ...] layout: source (or destination) j's rows at
   j·cap, sorted by local expert (`sizes_NE`: how many per source and local expert), so the
-  receiver never needs the senders' offsets. `cap`: the most rows one peer sends another."""
+  receiver never needs the senders' offsets. `cap`: the rows of a block; a sender's rows for
+  one peer past it (the last of them in sorted order) are not sent."""
   n = peers.size
+  sent_NE = _clipped(s.sizes_E.reshape(n, per_device), cap)
   per_dev_N = s.sizes_E.reshape(n, per_device).sum(axis=1)
   start_N = jnp.cumsum(per_dev_N) - per_dev_N  # sorted rows are contiguous per destination
+  send_N = sent_NE.sum(axis=1)
   sizes_NE = checkpoint_name(  # kept by `remat: selective`: the backward exchanges no counts
-      peers.all_to_all(s.sizes_E.reshape(n, per_device)), "moe_counts")
+      peers.all_to_all(sent_NE), "moe_counts")
   recv_N = sizes_NE.sum(axis=1)
   mine_N = jnp.full((n,), peers.index() * cap, jnp.int32)
   block_N = jnp.arange(n, dtype=jnp.int32) * cap
   exchange = lambda x, in_off, send, recv: ragged_all_to_all(
       x, jnp.zeros((n * cap,) + x.shape[1:], x.dtype), in_off, send, mine_N, recv, peers, cap,
       native)
-  got = jax.tree.map(lambda x: exchange(x, start_N, per_dev_N, recv_N), rows)
-  back_NRD = exchange(compute(got, sizes_NE), block_N, recv_N, per_dev_N).reshape(n, cap, -1)
-  # Sorted row r went to peer j = expert // per_device as its row r - start_N[j].
+  got = jax.tree.map(lambda x: exchange(x, start_N, send_N, recv_N), rows)
+  back_NRD = exchange(compute(got, sizes_NE), block_N, recv_N, send_N).reshape(n, cap, -1)
+  # Sorted row r went to peer j = expert // per_device as its row r - start_N[j], if < cap.
   dev_A = s.expert_A // per_device
-  sent_A = dev_A < n
   j_A = jnp.minimum(dev_A, n - 1)
-  out_AD = back_NRD[j_A, jnp.clip(jnp.arange(dev_A.shape[0]) - start_N[j_A], 0, cap - 1)]
-  return jnp.where(sent_A[:, None], out_AD, 0)
+  at_A = jnp.arange(dev_A.shape[0]) - start_N[j_A]
+  sent_A = (dev_A < n) & (at_A < cap)
+  out_AD = back_NRD[j_A, jnp.clip(at_A, 0, cap - 1)]
+  return jnp.where(sent_A[:, None], out_AD, 0), jnp.sum(per_dev_N - send_N)
+
+
+def _clipped(sizes_NE: jax.Array, cap: int) -> jax.Array:
+  """Per-destination expert counts with each destination's total cut to `cap`, from its last
+  experts first (the rows are sent in sorted order, so a prefix of each destination's)."""
+  kept_NE = jnp.minimum(jnp.cumsum(sizes_NE, axis=1), cap)
+  return jnp.diff(kept_NE, axis=1, prepend=0).astype(sizes_NE.dtype)
 
 
 def _received_by_expert(x_RD, sizes_NE, cap: int, w: md.ExpertWeights, dtype,
@@ -197,24 +223,28 @@ def _received_by_expert(x_RD, sizes_NE, cap: int, w: md.ExpertWeights, dtype,
 
 
 def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, peers: Peers,
-                      native_ragged: bool = False, gemm: GroupedDot = GroupedDot()):
-  """Dropless experts among `peers`: output [T, D] (nothing is dropped). Expert ids index the
-  peers' experts (peer j holds [j·E_l, (j+1)·E_l)); ids >= size·E_l mean "none here" and need
-  gate 0. `native_ragged`: the backend's ragged_all_to_all (GPU), else its padded emulation.
-  `gemm`: the grouped matmul of the received rows."""
+                      native_ragged: bool = False, gemm: GroupedDot = GroupedDot(),
+                      receive_factor: float = 0.0) -> tuple[jax.Array, jax.Array]:
+  """Experts among `peers`, sorted rows through a ragged all-to-all: (output [T, D], dropped
+  assignments: none unless `receive_factor` > 0 bounds the receive buffer, `receive_rows`).
+  Expert ids index the peers' experts (peer j holds [j·E_l, (j+1)·E_l)); ids >= size·E_l
+  mean "none here" and need gate 0. `native_ragged`: the backend's ragged_all_to_all (GPU),
+  else its padded emulation. `gemm`: the grouped matmul of the received rows."""
   e_l = w.gate_EDF.shape[0]
   t, k = ids_TK.shape
   s = md.sort_by_expert(ids_TK, e_l * peers.size)
-  cap = t * min(k, e_l)  # the most rows one device can be sent by this one
+  cap = receive_rows(t, k, e_l, peers.size, receive_factor)
   ffn = lambda got, sizes_NE: _received_by_expert(got, sizes_NE, cap, w, dtype, gemm)
-  out_AD = round_trip(md.dispatch_sorted(x_TD.astype(dtype), s), s, e_l, peers, cap,
-                      native_ragged, ffn)
-  return md.combine_sorted(out_AD, s, gates_TK)
+  out_AD, dropped = round_trip(md.dispatch_sorted(x_TD.astype(dtype), s), s, e_l, peers, cap,
+                               native_ragged, ffn)
+  return md.combine_sorted(out_AD, s, gates_TK), dropped
 
 
-def in_chunks(exchange: Callable, chunks: int, x_TD, ids_TK, gates_TK) -> jax.Array:
-  """`exchange(x, ids, gates)` on `chunks` equal slices of the T tokens, its [T/chunks, D]
-  outputs joined in order: equal to one call (dropless: every row is computed alone).
+def in_chunks(exchange: Callable, chunks: int, x_TD, ids_TK, gates_TK
+              ) -> tuple[jax.Array, jax.Array]:
+  """`exchange(x, ids, gates)` -> (output, dropped) on `chunks` equal slices of the T tokens:
+  the [T/chunks, D] outputs joined in order, the dropped counts summed; equal to one call
+  (dropless: every row is computed alone).
 
   DeepSeek-V3's two-micro-batch overlap inside the MoE layer: a slice's dispatch and combine
   depend on its own rows only, so XLA:GPU's latency-hiding scheduler can run them (async
@@ -225,8 +255,9 @@ def in_chunks(exchange: Callable, chunks: int, x_TD, ids_TK, gates_TK) -> jax.Ar
   if chunks == 1:
     return exchange(x_TD, ids_TK, gates_TK)
   split = lambda a: jnp.split(a, chunks)
-  return jnp.concatenate([exchange(*c) for c in zip(split(x_TD), split(ids_TK),
-                                                     split(gates_TK))])
+  outs, dropped = zip(*(exchange(*c) for c in zip(split(x_TD), split(ids_TK),
+                                                   split(gates_TK))))
+  return jnp.concatenate(outs), sum(dropped)
 
 
 def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis: str,
@@ -254,8 +285,9 @@ def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, ax
     real_R = (jnp.arange(t) < sizes_N1).reshape(-1)  # padding rows: no experts
     return dropless_exchange(x_RD, jnp.where(real_R[:, None], local_RK, e_g), gates_RK, w,
                              dtype, Peers.within_nodes(axis, n_ep, per_node), native_ragged,
-                             gemm)
+                             gemm)[0]  # unbounded: drops nothing
 
-  out_AD = round_trip(rows, pairs, 1, Peers.across_nodes(axis, n_ep, per_node), t,
-                      native_ragged, in_node)
+  # A token goes to a group's node at most once: t rows per source, nothing clipped.
+  out_AD, _ = round_trip(rows, pairs, 1, Peers.across_nodes(axis, n_ep, per_node), t,
+                         native_ragged, in_node)
   return md.combine_sorted(out_AD, pairs, chosen_TG.astype(jnp.float32))

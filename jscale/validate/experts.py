@@ -21,6 +21,9 @@ def check_values(e: MoeConfig, n_layers: int) -> None:
                       f"{n_layers} (layers are stacked in groups of every-1 dense + 1 MoE)")
   if e.capacity_factor <= 0:
     raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} must be positive")
+  if e.receive_factor < 0:
+    raise ConfigError(f"model.moe.receive_factor={e.receive_factor} must be >= 0 (0: a receive "
+                      "buffer with room for the most a device can be sent)")
   if e.aux_loss_weight < 0 or e.z_loss_weight < 0 or e.seq_aux_loss_weight < 0:
     raise ConfigError("model.moe.aux_loss_weight, z_loss_weight and seq_aux_loss_weight must be "
                       ">= 0 (0 disables)")

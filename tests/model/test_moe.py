@@ -283,8 +283,8 @@ def test_native_ragged_all_to_all_traces_forward_and_backward():
                        axis_types=(jax.sharding.AxisType.Auto,))
 
   def loss(x, w):
-    y = ex.dropless_exchange(x, ids[:8], gates[:8], w, jnp.float32, ex.Peers.whole("expert", 2),
-                             native_ragged=True)
+    y, _ = ex.dropless_exchange(x, ids[:8], gates[:8], w, jnp.float32,
+                                ex.Peers.whole("expert", 2), native_ragged=True)
     return jnp.sum(y ** 2)
 
   grad = jax.shard_map(jax.grad(loss, (0, 1)), mesh=mesh, in_specs=(P("expert"), P("expert")),

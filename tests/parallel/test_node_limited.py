@@ -54,9 +54,9 @@ def _step(exchange, devices):
                                out_specs=(P(), rows, (rows, rows, W_SPEC)), check_vma=False))
 
 
-def _flat(native=False, dtype=jnp.float32):
+def _flat(native=False, dtype=jnp.float32, receive_factor=0.0):
   return lambda x, i, g, w: ex.dropless_exchange(x, i, g, w, dtype, ex.Peers.whole("expert", N),
-                                                 native)
+                                                 native, receive_factor=receive_factor)[0]
 
 
 def _node_limited(n_group, native=False, dtype=jnp.float32):
