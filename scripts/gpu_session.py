@@ -9,6 +9,7 @@ There, one device-tool call per part, `carry: [".whl"]`:
   python3 scripts/gpu_session.py run moe     # issue 20: grouped matmul kernels, MoE training rows
   python3 scripts/gpu_session.py run fp8     # issue 18: FP8 gemms and llama3_1b rows
   python3 scripts/gpu_session.py run deepseek  # issue 41: DeepSeek-V3 16B-like MFU
+  python3 scripts/gpu_session.py run unrolled  # issue 49: the layers unrolled vs the layer scan
   python3 scripts/gpu_session.py run memory  # issue 49: a layout the remat pass warned about (H100)
   python3 scripts/gpu_session.py run memory_h200  # the same on an H200 (measured 2026-11-28)
   python3 scripts/gpu_session.py run curves  # issue 18: FP8's 200-step loss curves
@@ -120,6 +121,15 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
         ("bench_fp8: the 8B shape bf16 / fp8 delayed end to end",
          [PY, "scripts/bench_fp8.py", "--only", "8b", "--steps", "15"], {},
          ["results/bench_fp8.md", "results/bench_fp8.csv"]),
+    ],
+    # Issue 49: the layers unrolled (model.scan_layers=false) against the layer scan, the lever
+    # the peers table's picks use (predicted on an H100: llama3_1b b8 556 -> 528 ms)
+    "unrolled": [
+        ("bench_train: llama3_1b and the 8B shape, layer scan vs unrolled",
+         [PY, "scripts/bench_train.py", "--exact", "--steps", "15", "--only",
+          "1b selective b8,1b selective b8 unrolled,8b-8L selective b2,"
+          "8b-8L selective b2 unrolled", "--out", "results/bench_train_unrolled.md"], {},
+         ["results/bench_train_unrolled.md", "results/bench_train_unrolled.csv"]),
     ],
     # Issue 49: does a step XLA's remat pass warned about run (its buffers fit), and does one
     # whose buffers do not fit run out of memory, as `jscale.predict` says? On an H200
