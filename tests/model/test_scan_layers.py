@@ -17,7 +17,7 @@ import pytest
 from conftest import small_config
 from deepseek_case import DS
 
-from jscale import predict
+from jscale import predict, xla_flags
 from jscale.analysis import gpu_target, introspect
 from jscale.config_load import load_config
 from jscale.plan.__main__ import main as plan_main
@@ -102,3 +102,23 @@ def test_plan_compiles_each_layout_scanned_and_unrolled(capsys):
   printed = capsys.readouterr()
   assert "compiled 2/2" in printed.err and "(manual, unrolled) in" in printed.err
   assert printed.out.count("verify ") == 2 and "(manual, unrolled)" in printed.out
+
+
+@pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
+def test_unrolled_layers_reduce_scatter_each_layers_gradient_alone():
+  """Unrolled, XLA's combiner would merge different layers' gradient reduce-scatters into one
+  that waits for the last, every layer's full gradient held until then; the launcher's flags
+  keep them apart (`xla_flags`). Llama 3 70B's layers, 4 of them, data2 × fsdp64 manual
+  ZeRO-3 on 128 H100s, full remat: temporaries as the scan's, not a quarter more."""
+  layout = ["model.preset=llama3_70b", "model.n_layers=4", "model.dtype=bfloat16",
+            "checkpoint.every=0", "mesh.data=2", "mesh.fsdp=64", "parallel.zero_stage=3",
+            "train.remat=full", "train.seq_len=8192", "train.batch_size=256",
+            "parallel.collectives=manual"]
+  devices = gpu_target.devices("h100x128")
+  temp = lambda scan, options=None: introspect.memory(introspect.compile_train_step(
+      load_config(None, [*layout, f"model.scan_layers={scan}"]), devices, options)[0])["temp"]
+  unrolled = load_config(None, [*layout, "model.scan_layers=false"])
+  assert xla_flags.compiler_options(unrolled)["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 0
+  scanned = temp(True)
+  assert temp(False) < 1.02 * scanned
+  assert temp(False, {"xla_gpu_reduce_scatter_combine_threshold_bytes": 2**27}) > 1.2 * scanned
