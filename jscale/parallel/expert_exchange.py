@@ -257,7 +257,7 @@ def in_chunks(exchange: Callable, chunks: int, x_TD, ids_TK, gates_TK
   split = lambda a: jnp.split(a, chunks)
   outs, dropped = zip(*(exchange(*c) for c in zip(split(x_TD), split(ids_TK),
                                                    split(gates_TK))))
-  return jnp.concatenate(outs), sum(dropped)
+  return jnp.concatenate(outs), jnp.sum(jnp.stack(dropped))
 
 
 def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis: str,
