@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_expert_chunks
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from test_node_limited import W_SPEC, E, K, N, T, _flat, _inputs, _step
@@ -124,11 +125,8 @@ def test_a_negative_receive_factor_is_refused():
                   jax.devices()[:8])
 
 
-# A tiny MoE over 8 H100s, 4 experts each of 32, top-4, manual EP (XLA:GPU, no GPU needed).
-MOE_H100X8 = ("model.dtype=bfloat16", "checkpoint.every=0", "train.batch_size=8",
-              "model.moe.n_experts=32", "model.moe.top_k=4", "model.moe.d_ff=256",
-              "model.d_model=256", "train.seq_len=512", "train.remat=none", "mesh.expert=8",
-              "mesh.data=1", "parallel.collectives=manual")
+# test_expert_chunks' tiny MoE over 8 H100s with 4 experts each of 32, top-4.
+MOE_H100X8 = (*test_expert_chunks.MOE_H100X8, "model.moe.n_experts=32", "model.moe.top_k=4")
 
 
 @pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)

@@ -30,6 +30,7 @@ from jscale.infer.generator import Generator  # noqa: E402
 from jscale.model import llama  # noqa: E402
 from jscale.model.matmul import FP32_MATMULS, SCOPE_PREFIX  # noqa: E402
 from jscale import hardware  # noqa: E402
+from jscale.plan.__main__ import main as plan_main  # noqa: E402
 from jscale.plan.layout import Layout  # noqa: E402
 from jscale.plan.rank import evaluate  # noqa: E402
 from jscale.plan.verify import compare  # noqa: E402
@@ -334,3 +335,18 @@ def test_zero3_chunked_head_gradient_is_reduce_scattered(tied):
   whole = [c for c in colls if c.kind == "all-reduce" and c.bytes_per_step >= 4 * head]
   assert not whole, whole
   assert any(c.kind == "reduce-scatter" and c.dtypes == ("f32",) for c in colls), colls
+
+
+@pytest.mark.parametrize("flag, how", [("--schedule-costs", "predicted costs"),
+                                       ("--scan-layers", "unrolled")])
+def test_plan_compiles_each_layout_both_ways(flag, how, capsys):
+  """`python -m jscale.plan --schedule-costs both` (XLA's own schedule and the predicted
+  kernel times) and `--scan-layers both` (the layers in a loop and unrolled): each verified
+  layout compiled both ways, both programs ranked."""
+  assert plan_main(["--model", "configs/tiny.yaml", "--gpus", "8", "--seq", "256",
+                    "--global-batch-tokens", "16k", "--top", "1", "--verify", "1", "--target",
+                    "h100x8", "--rank", "compiled", "--collectives", "manual", flag,
+                    "both"]) == 0
+  printed = capsys.readouterr()
+  assert "compiled 2/2" in printed.err and f"(manual, {how}) in" in printed.err
+  assert printed.out.count("verify ") == 2 and f"(manual, {how})" in printed.out

@@ -2,7 +2,8 @@
 XLA:GPU compiler builds for 128 H100s (no GPU): the profile names every launch XLA schedules,
 and told those costs, the scheduler hides ZeRO-3's gathers and reduce-scatters it left
 exposed. Llama 3 70B's shape, 4 layers, data2 × fsdp64 across 16 nodes: the layout of
-results/peers_h100.md's 70B row, whose full depth goes 15.3 -> 13.9 s (predicted)."""
+results/peers_h100.md's 70B row, whose full depth goes 15.3 -> 13.9 s (predicted). The
+planner's `--schedule-costs both`: tests/plan/test_gpu_compile.py."""
 
 import pytest
 
@@ -15,7 +16,6 @@ if not gpu_target.available():
 # pylint: disable=wrong-import-position
 from jscale import predict  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
-from jscale.plan.__main__ import main as plan_main  # noqa: E402
 from jscale.predict import launches, schedule_costs  # noqa: E402
 
 TARGET = "h100x128"
@@ -70,15 +70,3 @@ def test_predicted_costs_hide_the_zero3_collectives(programs):
   assert predicted.exposed_collectives_s < 0.85 * default.exposed_collectives_s
   assert predicted.step_s < 0.97 * default.step_s
   assert programs["predicted"][1] < 1.05 * programs["default"][1]  # at little more memory
-
-
-def test_plan_compiles_each_layout_with_each_schedule(capsys):
-  """`python -m jscale.plan --schedule-costs both`: every verified layout compiled with XLA's
-  own schedule and with the predicted costs, both programs ranked."""
-  assert plan_main(["--model", "configs/tiny.yaml", "--gpus", "8", "--seq", "256",
-                    "--global-batch-tokens", "16k", "--top", "1", "--verify", "1", "--target",
-                    "h100x8", "--rank", "compiled", "--collectives", "manual",
-                    "--schedule-costs", "both"]) == 0
-  printed = capsys.readouterr()
-  assert "compiled 2/2" in printed.err and "(manual, predicted costs) in" in printed.err
-  assert printed.out.count("verify ") == 2 and "(manual, predicted costs)" in printed.out
