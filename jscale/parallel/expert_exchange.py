@@ -179,8 +179,9 @@ def round_trip(rows, s: md.Sorted, per_device: int, peers: Peers, cap: int, nati
   receiver never needs the senders' offsets. `cap`: the rows of a block; a sender's rows for
   one peer past it (the last of them in sorted order) are not sent."""
   n = peers.size
-  sent_NE = _clipped(s.sizes_E.reshape(n, per_device), cap)
-  per_dev_N = s.sizes_E.reshape(n, per_device).sum(axis=1)
+  wanted_NE = s.sizes_E.reshape(n, per_device)
+  sent_NE = _clipped(wanted_NE, cap)
+  per_dev_N = wanted_NE.sum(axis=1)
   start_N = jnp.cumsum(per_dev_N) - per_dev_N  # sorted rows are contiguous per destination
   send_N = sent_NE.sum(axis=1)
   sizes_NE = checkpoint_name(  # kept by `remat: selective`: the backward exchanges no counts
