@@ -20,7 +20,7 @@ from jscale.model import llama
 from jscale.model import moe as moe_lib
 from jscale.model import positions as positions_lib
 from jscale.parallel.comms import Comms
-from jscale.parallel.pipeline import executor, placement, schedules
+from jscale.parallel.pipeline import executor, lockstep, placement, schedules
 from jscale.parallel.pipeline import program as prog_lib
 from jscale.step.accumulate import Grads, batch_sums, split_microbatches, token_count
 from jscale.step.loss import head_loss_sums, mtp_terms
@@ -46,7 +46,7 @@ class Settings(NamedTuple):
 
 @functools.lru_cache(maxsize=64)
 def _program(name: str, p: int, m: int, v: int, train: bool) -> prog_lib.Program:
-  table = (schedules.make_table(name, p, m, v) if train else
+  table = (lockstep.executed_table(name, p, m, v) if train else
            schedules.forward_table(p, m, v, placement.placement_of(name)))
   schedules.validate(table)
   return prog_lib.compile_program(table)

@@ -2,7 +2,9 @@
 
 The executor is SPMD: every stage runs the same tick loop and reads its column of these [T, p]
 int arrays. An op (one action, or fused ones: `table.Table.with_next`) runs at its first tick;
-the other ticks of a fused op stay idle. Buffers are fixed size; this module assigns their
+the other ticks of a fused op stay idle, and the table's ticks where no stage starts an op are
+not executed (`Program.rows`: the lockstep tables of `lockstep.in_steps` have one executed
+tick per step). Buffers are fixed size; this module assigns their
 slots: a residual set lives from its F to its W, an inbound activation from its arrival to its F,
 an inbound gradient from its arrival to its B. A stage never consumes a message on the tick it
 was sent. Slot `n` of every buffer is a scratch slot that absorbs writes nobody will read.
@@ -37,6 +39,7 @@ SEND_F, SEND_B = 1, 2  # `send`: a channel carries this tick's activation / grad
 @dataclasses.dataclass(frozen=True)
 class Program:
   table: Table
+  rows: np.ndarray  # [T]: the table tick each executed tick runs (those where an op starts)
   codes: tuple[str, ...]  # the switch's branches, by index
   code: np.ndarray  # [T, p]: index into `codes`
   mb: np.ndarray  # micro-batch of the op's first action (0 when idle)
@@ -66,12 +69,15 @@ class Program:
     return any("+" in code for code in self.codes)
 
   def executed(self, code: np.ndarray) -> np.ndarray:
-    """Kinds (IDLE/F/B/W) of executor codes: for comparing what ran with the table. A fused
-    op counts as its first action (its other ticks ran no compute: they were done with it)."""
+    """Kinds (IDLE/F/B/W) of executor codes [T, p], on the table's ticks: for comparing what
+    ran with the table. A fused op counts as its first action (its other ticks ran no compute:
+    they were done with it)."""
     first = {"f": F, "b": B, "w": W, "i": IDLE}
-    kinds = np.array([first[name[0]] for name in self.codes])[code]
+    on_table = np.full((self.table.ticks, self.table.p), C_IDLE)
+    on_table[self.rows] = code
+    kinds = np.array([first[name[0]] for name in self.codes])[on_table]
     inside = (self.table.starts() != np.arange(self.table.ticks)[:, None])
-    return np.where(inside & (code == C_IDLE), self.table.kind, kinds)
+    return np.where(inside & (on_table == C_IDLE), self.table.kind, kinds)
 
 
 def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
@@ -207,11 +213,14 @@ def _write_op(a, table: Table, t: int, s: int, op, slots: _Slots) -> None:
 
 
 def compile_program(table: Table) -> Program:
-  """Per-device executor arrays for `table` (any table `schedules.validate` accepts)."""
-  p, T = table.p, table.ticks
+  """Per-device executor arrays for `table` (any table `schedules.validate` accepts), one row
+  per table tick where some op starts."""
+  p = table.p
   slots = _buffer_slots(table)
   ops, sends, chan = _ops_and_channels(table)
-  K = len(chan)
+  rows = np.array(sorted({t for t, _ in ops}), np.int32)
+  tick = {int(t): i for i, t in enumerate(rows)}  # table tick -> executed tick
+  T, K = len(rows), len(chan)
   codes = list(CODES)
   arrays = {name: np.zeros((T, p), np.int32) for name in ("code", "mb", "local", "mb_b",
                                                            "local_b")}
@@ -227,7 +236,7 @@ def compile_program(table: Table) -> Program:
     code = _code(table, op)
     if code not in codes:
       codes.append(code)
-    a = lambda name, value, t=t, s=s: arrays[name].__setitem__((t, s), value)
+    a = lambda name, value, t=tick[t], s=s: arrays[name].__setitem__((t, s), value)
     a("code", codes.index(code))
     a("mb", op[0][1])
     a("local", placement.local_of(op[0][2], p, table.placement))
@@ -239,10 +248,11 @@ def compile_program(table: Table) -> Program:
       ch = chan.index((d, used[d]))
       used[d] += 1
       dst = table.stage_of(to[2])
-      arrays["send"][t, s, ch] = SEND_F if k == F else SEND_B
+      arrays["send"][tick[t], s, ch] = SEND_F if k == F else SEND_B
       carries[ch].add("f" if k == F else "b")
       slot = slots.in_f[dst][to[1:]] if k == F else slots.in_b[dst][(to[1], to[2])]
-      arrays["file_f" if k == F else "file_b"][t + 1, dst, ch] = slot
-  return Program(table, codes=tuple(codes), n_res=slots.n_res, n_in_f=slots.n_f,
+      # filed on the next executed tick: the receiver's op that reads it starts later
+      arrays["file_f" if k == F else "file_b"][tick[t] + 1, dst, ch] = slot
+  return Program(table, rows, codes=tuple(codes), n_res=slots.n_res, n_in_f=slots.n_f,
                  n_in_b=slots.n_b, channels=tuple(_perm(table, d) for d, _ in chan),
                  carries=tuple("".join(sorted(c, key="fb".index)) for c in carries), **arrays)

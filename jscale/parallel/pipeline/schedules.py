@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from jscale.parallel.pipeline import placement, vshape
-from jscale.parallel.pipeline.table import IDLE, NAMES, B, F, Table, W
+from jscale.parallel.pipeline.table import IDLE, NAMES, B, F, Table, W, fusable
 
 __all__ = ["B", "F", "IDLE", "NAMES", "W", "Table", "SCHEDULES", "theory_bubble",
            "theory_in_flight", "why_not", "check_args", "make_table", "forward_table",
@@ -242,17 +242,14 @@ def validate(table: Table) -> None:
 
 
 def _check_fused(table: Table) -> None:
-  """Fused ops are a full backward (B then its W) or a pair: F, then a B (and its W)."""
+  """Fused ops are ones the executor runs (`table.fusable`)."""
   fused = table.with_next()
   for t, s in zip(*np.nonzero(fused & (table.starts() == np.arange(table.ticks)[:, None]))):
     n = table.ends()[t, s] - t + 1
     cells = [(int(table.kind[u, s]), int(table.mb[u, s]), int(table.chunk[u, s]))
              for u in range(t, t + n)]
-    kinds = tuple(k for k, _, _ in cells)
-    backward = cells[1:] if kinds[0] == F else cells
-    ok = (kinds in ((B, W), (F, B), (F, B, W)) and table.backward
-          and (len(backward) == 1 or backward[0][1:] == backward[1][1:]))
-    if not ok:
-      raise ValueError(f"tick {t}, stage {s}: fused {''.join(NAMES[k] for k in kinds)} is "
-                       "neither a full backward (B then its W) nor a pair (F, then B, "
-                       "optionally its W)")
+    if not (table.backward and fusable(cells, table.chunks)):
+      raise ValueError(f"tick {t}, stage {s}: fused {''.join(NAMES[k] for k, _, _ in cells)} "
+                       "is neither a full backward (B then its W) nor a pair (F, then B of "
+                       "another micro-batch or chunk, optionally its W; not the last chunk's "
+                       "F with a B that hands a gradient on)")

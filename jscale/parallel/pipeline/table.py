@@ -22,6 +22,32 @@ from jscale.parallel.pipeline import placement
 
 IDLE, F, B, W = 0, 1, 2, 3
 NAMES = {IDLE: ".", F: "F", B: "B", W: "W"}
+Action = tuple[int, int, int]  # (kind, micro-batch, model chunk)
+
+
+def inputs(kind: int, mb: int, c: int, chunks: int) -> list[Action]:
+  """The actions whose outputs action (kind, mb, c) reads: an F the activation of the chunk
+  before; a B its own F's residuals and the gradient of the chunk after; a W its own B."""
+  if kind == F:
+    return [(F, mb, c - 1)] if c else []
+  if kind == B:
+    return [(F, mb, c)] + ([(B, mb, c + 1)] if c < chunks - 1 else [])
+  return [(B, mb, c)]
+
+
+def fusable(actions: list[Action], chunks: int) -> bool:
+  """Whether `actions`, in order, are one op the executor runs (`program.CODES`): a single
+  action, a full backward (B then its W), or a pair (an F, then a B of another micro-batch or
+  chunk, optionally its W) whose F is not the last chunk's while its B hands a gradient on (the
+  head's gradient and the B's both leave on the backward channel)."""
+  kinds = tuple(k for k, _, _ in actions)
+  if len(kinds) == 1:
+    return True
+  back = actions[1:] if kinds[0] == F else actions
+  if kinds not in ((B, W), (F, B), (F, B, W)) or (len(back) == 2 and back[0][1:] != back[1][1:]):
+    return False
+  return kinds[0] != F or (actions[0][1:] != back[0][1:]
+                           and not (actions[0][2] == chunks - 1 and back[0][2] > 0))
 
 
 @dataclasses.dataclass(frozen=True)

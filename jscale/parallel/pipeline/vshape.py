@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jscale.parallel.pipeline.table import IDLE, B, F, W
+from jscale.parallel.pipeline.table import IDLE, B, F, W, inputs
 
 Op = tuple[tuple[int, int, int], ...]  # fused actions (kind, local chunk, micro-batch)
 
@@ -128,14 +128,6 @@ def forward_orders(p: int, m: int) -> list[list[Op]]:
   return [[op for op in order if op[0][0] == F] for order in zbv_orders(p, m)]
 
 
-def _inputs(kind: int, mb: int, c: int, chunks: int) -> list[tuple[int, int, int]]:
-  if kind == F:
-    return [(F, mb, c - 1)] if c else []
-  if kind == B:
-    return [(F, mb, c)] + ([(B, mb, c + 1)] if c < chunks - 1 else [])
-  return [(B, mb, c)]
-
-
 def place(p: int, orders: list[list[Op]]) -> tuple[np.ndarray, ...]:
   """(kind, mb, chunk, fuse) [T, p] arrays of `orders` placed on ticks (see the module doc)."""
   chunks = 2 * p
@@ -152,7 +144,7 @@ def place(p: int, orders: list[list[Op]]) -> tuple[np.ndarray, ...]:
         continue
       op = [(k, i, chunk_of(s, local)) for k, local, i in orders[s][nxt[s]]]
       inside = set(op)
-      needs = [x for k, i, c in op for x in _inputs(k, i, c, chunks) if x not in inside]
+      needs = [x for k, i, c in op for x in inputs(k, i, c, chunks) if x not in inside]
       if all(ready.get(x, t + 1) <= t for x in needs):
         for j, a in enumerate(op):
           cells[t + j, s] = (*a, j < len(op) - 1)
