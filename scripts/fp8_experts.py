@@ -2,10 +2,14 @@
 with its routed experts in FP8, and the predicted speed of one MoE layer of the 16B proxy.
 
     python scripts/fp8_experts.py [--seeds 8] [--only loss|speed]
-    # -> results/fp8_experts_loss.md, results/fp8_experts_speed.md
+    # -> results/fp8_experts_loss.md (+ .csv, one row per run), results/fp8_experts_speed.md
 
-loss: `configs/deepseek_v3_tiny.yaml` in bf16, 200 steps, each seed twice (bf16 experts, FP8
-experts), measured on this CPU (XLA:CPU computes the FP8 products exactly as dequantised fp32).
+loss: `configs/deepseek_v3_tiny.yaml` in bf16, 200 steps, each seed three times: bf16 experts,
+FP8 experts, and a control, bf16 experts through XLA's `ragged_dot` (the same products summed
+in another order: a perturbation at bf16's rounding, which shows how far two runs that differ
+only by rounding drift apart). Measured on this CPU (XLA:CPU computes the FP8 products exactly
+as dequantised fp32). Runs already in the .csv for this commit are not run again, so a larger
+--seeds adds seeds.
 speed: the DeepSeek-V3 16B proxy (3 layers + MTP, seq 4096, 2 sequences, selective remat, bf16
 moments) on one H100, compiled by XLA:GPU on this machine with its Triton gemms (what keeps the
 batched FP8 products FP8: XLA's cuBLAS path upcasts them to f16) and timed by `jscale.predict`:
@@ -16,6 +20,7 @@ grouped FP8 gemm rate was measured).
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import subprocess
 import sys
@@ -45,27 +50,57 @@ VARIANTS = {"tiled, bf16": ("model.moe.gemm=tiled",),
             "Pallas Hopper kernel, bf16 (auto's pick)": ("model.moe.gemm=pallas",)}
 
 
-def final_losses(tmp: str, seed: int, fp8: bool) -> tuple[float, float]:
+LOSS_RUNS = {"bf16": (), "control": ("model.moe.gemm=ragged_dot",), "fp8": FP8}
+CSV = os.path.join(ROOT, "results", "fp8_experts_loss.csv")
+
+
+def final_losses(tmp: str, seed: int, overrides: tuple[str, ...]) -> tuple[float, float]:
   cfg = load_config(os.path.join(ROOT, "configs", "deepseek_v3_tiny.yaml"),
-                    [*TINY, f"train.seed={seed}", f"train.output_dir={tmp}/{seed}{fp8}",
-                     *(FP8 if fp8 else ())])
+                    [*TINY, f"train.seed={seed}", f"train.output_dir={tmp}/{seed}",
+                     *overrides])
   out = train_lib.run(cfg)
   last = sorted(out["losses"])[-5:]  # the last 50 steps' logged losses (logging.every=10)
   return float(np.mean([out["losses"][s] for s in last])), out["val_loss"]
 
 
-def loss_rows(seeds: int) -> list[str]:
-  with tempfile.TemporaryDirectory() as tmp:
-    runs = {fp8: np.array([final_losses(tmp, s, fp8) for s in range(seeds)])
-            for fp8 in (False, True)}
-  bf16, fp8 = runs[False].mean(0), runs[True].mean(0)
-  pairs = runs[True][:, 1] / runs[False][:, 1] - 1  # each seed's FP8 against its bf16
-  return ["| experts | train loss, last 50 steps | validation loss at step 200 |", "|---|---|---|",
-          f"| bf16 | {bf16[0]:.4f} | {bf16[1]:.4f} |",
-          f"| FP8 | {fp8[0]:.4f} ({fp8[0] / bf16[0] - 1:+.2%}) | {fp8[1]:.4f} "
-          f"({fp8[1] / bf16[1] - 1:+.2%}) |", "",
-          "Each seed's FP8 validation loss against its bf16 run: " +
-          ", ".join(f"{p:+.2%}" for p in pairs) + f" (standard deviation {pairs.std():.2%})."]
+def loss_runs(seeds: int, head: str) -> dict[str, np.ndarray]:
+  """{run: [seeds, 2] (train, validation)}: this commit's rows of the .csv, the missing run."""
+  done = {}
+  if os.path.exists(CSV):
+    with open(CSV, encoding="utf-8") as f:
+      done = {(r["run"], int(r["seed"])): (float(r["train"]), float(r["val"]))
+              for r in csv.DictReader(f) if r["commit"] == head}
+  for seed in range(seeds):
+    for run, overrides in LOSS_RUNS.items():
+      if (run, seed) in done:
+        continue
+      with tempfile.TemporaryDirectory() as tmp:
+        done[run, seed] = final_losses(tmp, seed, overrides)
+      new = not os.path.exists(CSV)
+      with open(CSV, "a", encoding="utf-8", newline="") as f:
+        w = csv.writer(f)
+        if new:
+          w.writerow(["commit", "run", "seed", "train", "val"])
+        w.writerow([head, run, seed, *done[run, seed]])
+  return {run: np.array([done[run, s] for s in range(seeds)]) for run in LOSS_RUNS}
+
+
+def loss_rows(seeds: int, head: str) -> list[str]:
+  runs = loss_runs(seeds, head)
+  bf16 = runs["bf16"].mean(0)
+  out = ["| experts | train loss, last 50 steps | validation loss at step 200 | each seed's "
+         "validation loss against its bf16 run: mean ± standard error (std) |",
+         "|---|---|---|---|", f"| bf16 | {bf16[0]:.4f} | {bf16[1]:.4f} | |"]
+  for run, name in (("control", "bf16, ragged_dot (control)"), ("fp8", "FP8")):
+    mean = runs[run].mean(0)
+    pairs = runs[run][:, 1] / runs["bf16"][:, 1] - 1
+    out.append(f"| {name} | {mean[0]:.4f} ({mean[0] / bf16[0] - 1:+.2%}) | {mean[1]:.4f} "
+               f"({mean[1] / bf16[1] - 1:+.2%}) | {pairs.mean():+.2%} ± "
+               f"{pairs.std(ddof=1) / np.sqrt(seeds):.2%} ({pairs.std(ddof=1):.2%}) |")
+  fp8 = runs["fp8"][:, 1] / runs["bf16"][:, 1] - 1
+  control = runs["control"][:, 1] / runs["bf16"][:, 1] - 1
+  return out + ["", "Per seed, FP8 against bf16: " + ", ".join(f"{p:+.2%}" for p in fp8) +
+                "; the control against bf16: " + ", ".join(f"{p:+.2%}" for p in control) + "."]
 
 
 def experts_ms(sched) -> float:
@@ -102,7 +137,7 @@ def main() -> None:
   if args.only in (None, "loss"):
     _write("loss", [title, "", f"The tiny DeepSeek-V3 (`configs/deepseek_v3_tiny.yaml`, bf16), "
                     f"200 steps, mean over {args.seeds} seeds; measured on a CPU:", "",
-                    *loss_rows(args.seeds)])
+                    *loss_rows(args.seeds, head)])
   if args.only in (None, "speed"):
     _write("speed", [title, "", "The DeepSeek-V3 16B proxy on one H100, **predicted** "
                      "(compiled by XLA:GPU on a CPU machine with its Triton gemms, timed by "
