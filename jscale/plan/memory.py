@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jscale import hardware
 from jscale.config import ModelConfig, TrainConfig
 from jscale.metrics import attention_params, param_counts
+from jscale.parallel import expert_exchange
 from jscale.parallel.pipeline import program, schedules
 from jscale.plan.layout import Layout
 from jscale.step.loss import num_chunks
@@ -128,8 +129,10 @@ def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: 
     ZeRO-3 gathers them again).
   Ulysses context parallelism keeps the attention output twice (before and after its
   all-to-all). Tensor parallelism splits heads and f (not the MoE's routing or rows); sequence
-  parallelism also the [h] terms. Dropless MoE in xla mode over `expert` / `tensor` (GShard's
-  slot buffer, one slot per token and expert) keeps E / k times the rows: not modelled.
+  parallelism also the [h] terms. The experts' rows and their [f] terms are those of the buffer
+  they run on (`receive_ratio`: manual EP's receive buffer). Dropless MoE in xla mode over
+  `expert` / `tensor` (GShard's slot buffer, one slot per token and expert) keeps E / k times
+  the rows: not modelled.
   """
   c = jnp.dtype(model.dtype).itemsize
   d, t = model.d_model, lay.tensor
@@ -139,7 +142,9 @@ def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: 
   if remat in ("full", "offload"):  # offload: selective's residuals live in host memory
     return tokens * c * d / (t if lay.sequence_parallel else 1)
   moe, none = model.moe, remat == "none"
-  f = model.d_ff if moe is None else moe.top_k * (moe.d_ff or model.d_ff) + moe.shared_d_ff
+  rho = receive_ratio(model, lay, tokens)
+  f = (model.d_ff if moe is None else
+       rho * moe.top_k * (moe.d_ff or model.d_ff) + moe.shared_d_ff)
   mlp_input = moe is None or moe.shared_d_ff > 0  # a dense matmul reading the normed input
   h_terms = 16 * d + (3 + mlp_input) * c * d + 16 if none else 2 * d * c
   # Ulysses keeps the attention output twice: the kernel's (its backward reads it) and the
@@ -148,10 +153,23 @@ def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: 
   split = c * (a * qk + g * qk + g * vk + outputs * a * vk + (6 if none else 2) * f) + 4 * a
   if moe is not None:  # routing and rows: whole on every tensor-parallel device
     top = moe.top_k
-    rows = (c * top * d + 4 * top * d + 4 * d + 4 * moe.n_experts + 16 + 20 * top if none
-            else 2 * c * top * d)
+    rows = (rho * (c * top * d + 4 * top * d) + 4 * d + 4 * moe.n_experts + 16 + 20 * top
+            if none else 2 * rho * c * top * d)
     split += rows * t
   return tokens * (h_terms / (t if lay.sequence_parallel else 1) + split / t)
+
+
+def receive_ratio(model: ModelConfig, lay: Layout, tokens: int) -> float:
+  """Rows the routed experts run on per routed assignment of a device's `tokens`: with experts
+  over `expert` (dropless, flat exchange), manual EP's receive buffer, `lay.expert` blocks of
+  `expert_exchange.receive_rows` (up to `lay.expert` times the T·k assignments; about
+  `model.moe.receive_factor` times them when it bounds the blocks); 1 otherwise."""
+  moe, n = model.moe, lay.expert
+  if moe is None or n == 1 or moe.dispatch != "dropless" or moe.exchange != "flat":
+    return 1.0
+  k = moe.top_k
+  rows = n * expert_exchange.receive_rows(tokens, k, moe.n_experts // n, n, moe.receive_factor)
+  return rows / (tokens * k)
 
 
 def cast_weights(model: ModelConfig, lay: Layout) -> float:

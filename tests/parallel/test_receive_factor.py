@@ -24,6 +24,8 @@ from jscale.analysis import gpu_target
 from jscale.config import ConfigError
 from jscale.config_load import load_config
 from jscale.parallel import expert_exchange as ex
+from jscale.plan import memory
+from jscale.plan.layout import Layout
 
 E_L = E // N
 
@@ -133,13 +135,19 @@ MOE_H100X8 = (*test_expert_chunks.MOE_H100X8, "model.moe.n_experts=32", "model.m
 def test_h100s_receive_into_the_bounded_buffer():
   """Each device's 512 tokens: the unbounded buffer holds 8 sources · 512 · 4 rows, a factor
   of 2 holds 8 · 512 rows (2 · 512 · 4 / 8 per source)."""
-  programs = {}
+  programs, estimates = {}, {}
   for factor in (0, 2):
     cfg = load_config("configs/tiny.yaml", [*MOE_H100X8, f"model.moe.receive_factor={factor}"])
     programs[factor] = predict.compile_for(cfg, "h100x8")[:2]
+    estimates[factor] = memory.estimate(cfg.model, Layout(expert=8, remat="none"), 512).total
   # Received rows: into the buffer (8 sources' blocks), and back into the 512 · 4 sent.
   rows = lambda text: {int(m) for m in re.findall(
       r"= bf16\[(\d+),256\]\{1,0\} ragged-all-to-all-done\(", text)}
   assert rows(programs[0][0]) == {8 * 512 * 4, 512 * 4}
   assert rows(programs[2][0]) == {8 * 512, 512 * 4}
   assert programs[2][1] < 0.8 * programs[0][1]
+  # The planner's estimate counts the rows the experts run on (`memory.receive_ratio`: 8x and
+  # 2x the assignments): 374 and 158 MiB against the compiled 406 and 178 (it said 122 for
+  # both before).
+  for factor, (_, held) in programs.items():
+    assert 0.85 < estimates[factor] / held < 1.0
