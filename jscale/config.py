@@ -255,6 +255,10 @@ class Fp8Config:
   # (tiled, current scaling per expert: jscale.fp8.grouped). Never the embedding, the head or
   # the router.
   targets: tuple[str, ...] = ("attention", "mlp")
+  # the routed experts' scales (targets: [experts]): expert (a scale per expert and operand, e5m2
+  # output gradients) | row (a scale per row of every operand along its free dim, all e4m3, as
+  # DeepSeek-V3 runs every tensor once its scales are fine-grained: jscale.fp8.grouped)
+  experts_scaling: Literal["expert", "row"] = "expert"
 
 
 @dataclasses.dataclass

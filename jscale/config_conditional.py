@@ -64,7 +64,11 @@ RULES: tuple[Rule, ...] = (
     Rule("model.moe.exchange", lambda c, s: s["expert"] > 1,
          "mesh.expert is 1 here, so no token is exchanged", "set mesh.expert > 1", False),
     *(Rule(f"fp8.{f.name}", lambda c, s: c.fp8.enabled, "FP8 is off", "set fp8.enabled=true",
-           True) for f in dataclasses.fields(Fp8Config) if f.name != "enabled"),
+           True) for f in dataclasses.fields(Fp8Config)
+      if f.name not in ("enabled", "experts_scaling")),
+    Rule("fp8.experts_scaling", lambda c, s: c.fp8.enabled and "experts" in c.fp8.targets,
+         "it scales FP8 experts' products, and FP8 is off or fp8.targets has no experts",
+         "set fp8.enabled=true and add experts to fp8.targets", True),
     Rule("data.path", lambda c, s: c.data.source != "stdlib",
          "data.source=stdlib reads the Python standard library",
          "set data.source=bin, text, jsonl, parquet or arrow", True),

@@ -1,15 +1,17 @@
 """FP8 experts (`fp8.targets: [experts]`, issue 50): the tiny DeepSeek-V3 trained in bf16 and
 with its routed experts in FP8, and the predicted speed of one MoE layer of the 16B proxy.
 
-    python scripts/fp8_experts.py [--seeds 8] [--only loss|speed]
+    python scripts/fp8_experts.py [--seeds 8] [--only loss|speed] [--runs bf16,control,fp8,...]
     # -> results/fp8_experts_loss.md (+ .csv, one row per run), results/fp8_experts_speed.md
 
-loss: `configs/deepseek_v3_tiny.yaml` in bf16, 200 steps, each seed three times: bf16 experts,
-FP8 experts, and a control, bf16 with each batch in two micro-batches (`train.microbatches=2`:
-the same gradient summed in another order, a perturbation at bf16's rounding, which shows how
-far two runs that differ only by rounding drift apart). Measured on this CPU (XLA:CPU computes the FP8 products exactly
-as dequantised fp32). Runs already in the .csv for this commit are not run again, so a larger
---seeds adds seeds.
+loss: `configs/deepseek_v3_tiny.yaml` in bf16, 200 steps, each seed four times: bf16 experts;
+a control, bf16 with each batch in two micro-batches (`train.microbatches=2`: the same
+gradient summed in another order, a perturbation at bf16's rounding, which shows how far two
+runs that differ only by rounding drift apart); FP8 experts scaled per expert; and scaled per
+row (`fp8.experts_scaling=row`, all e4m3). Measured on this CPU (XLA:CPU computes the FP8
+products exactly as dequantised fp32). Runs already in the .csv for this commit are not run
+again, so a larger --seeds adds seeds; the table takes each run's seeds from the newest commit
+that ran them all.
 speed: the DeepSeek-V3 16B proxy (3 layers + MTP, seq 4096, 2 sequences, selective remat, bf16
 moments) on one H100, compiled by XLA:GPU on this machine with its Triton gemms (what keeps the
 batched FP8 products FP8: XLA's cuBLAS path upcasts them to f16) and timed by `jscale.predict`:
@@ -50,7 +52,10 @@ VARIANTS = {"tiled, bf16": ("model.moe.gemm=tiled",),
             "Pallas Hopper kernel, bf16 (auto's pick)": ("model.moe.gemm=pallas",)}
 
 
-LOSS_RUNS = {"bf16": (), "control": ("train.microbatches=2",), "fp8": FP8}
+LOSS_RUNS = {"bf16": (), "control": ("train.microbatches=2",), "fp8": FP8,
+             "fp8_rows": (*FP8, "fp8.experts_scaling=row")}
+NAMES = {"control": "bf16, 2 micro-batches (control)", "fp8": "FP8, a scale per expert",
+         "fp8_rows": "FP8, a scale per row (all e4m3)"}
 CSV = os.path.join(ROOT, "results", "fp8_experts_loss.csv")
 
 
@@ -63,44 +68,62 @@ def final_losses(tmp: str, seed: int, overrides: tuple[str, ...]) -> tuple[float
   return float(np.mean([out["losses"][s] for s in last])), out["val_loss"]
 
 
-def loss_runs(seeds: int, head: str) -> dict[str, np.ndarray]:
-  """{run: [seeds, 2] (train, validation)}: this commit's rows of the .csv, the missing run."""
-  done = {}
-  if os.path.exists(CSV):
-    with open(CSV, encoding="utf-8") as f:
-      done = {(r["run"], int(r["seed"])): (float(r["train"]), float(r["val"]))
-              for r in csv.DictReader(f) if r["commit"] == head}
+def _rows() -> list[dict]:
+  if not os.path.exists(CSV):
+    return []
+  with open(CSV, encoding="utf-8") as f:
+    return list(csv.DictReader(f))
+
+
+def run_missing(seeds: int, head: str, runs: list[str]) -> None:
+  """Runs each of `runs` for every seed this commit has no row of, appending to the .csv."""
+  done = {(r["run"], int(r["seed"])) for r in _rows() if r["commit"] == head}
   for seed in range(seeds):
-    for run, overrides in LOSS_RUNS.items():
+    for run in runs:
       if (run, seed) in done:
         continue
       with tempfile.TemporaryDirectory() as tmp:
-        done[run, seed] = final_losses(tmp, seed, overrides)
+        train, val = final_losses(tmp, seed, LOSS_RUNS[run])
       new = not os.path.exists(CSV)
       with open(CSV, "a", encoding="utf-8", newline="") as f:
         w = csv.writer(f)
         if new:
           w.writerow(["commit", "run", "seed", "train", "val"])
-        w.writerow([head, run, seed, *done[run, seed]])
-  return {run: np.array([done[run, s] for s in range(seeds)]) for run in LOSS_RUNS}
+        w.writerow([head, run, seed, train, val])
 
 
-def loss_rows(seeds: int, head: str) -> list[str]:
-  runs = loss_runs(seeds, head)
-  bf16 = runs["bf16"].mean(0)
-  out = ["| experts | train loss, last 50 steps | validation loss at step 200 | each seed's "
-         "validation loss against its bf16 run: mean ± standard error (std) |",
-         "|---|---|---|---|", f"| bf16 | {bf16[0]:.4f} | {bf16[1]:.4f} | |"]
-  for run, name in (("control", "bf16, 2 micro-batches (control)"), ("fp8", "FP8")):
-    mean = runs[run].mean(0)
-    pairs = runs[run][:, 1] / runs["bf16"][:, 1] - 1
-    out.append(f"| {name} | {mean[0]:.4f} ({mean[0] / bf16[0] - 1:+.2%}) | {mean[1]:.4f} "
-               f"({mean[1] / bf16[1] - 1:+.2%}) | {pairs.mean():+.2%} ± "
+def loss_table(seeds: int) -> dict[str, tuple[str, np.ndarray]]:
+  """{run: (commit, [seeds, 2] train and validation losses)} from the newest commit with all
+  `seeds` of that run."""
+  by = {}
+  for r in _rows():
+    val = float(r["val"]) if r["val"] else float("nan")  # a run stopped early: no eval
+    by.setdefault((r["run"], r["commit"]), {})[int(r["seed"])] = (float(r["train"]), val)
+  out = {}
+  for (run, commit), got in by.items():  # in the .csv's order: the newest last
+    if all(s in got for s in range(seeds)):
+      out[run] = (commit, np.array([got[s] for s in range(seeds)]))
+  return out
+
+
+def loss_rows(seeds: int) -> list[str]:
+  runs = loss_table(seeds)
+  commit, base = runs["bf16"]
+  bf16 = base.mean(0)
+  out = ["| experts | commit | train loss, last 50 steps | validation loss at step 200 | each "
+         "seed's validation loss against its bf16 run: mean ± standard error (std) |",
+         "|---|---|---|---|---|", f"| bf16 | {commit} | {bf16[0]:.4f} | {bf16[1]:.4f} | |"]
+  per_seed = []
+  for run, name in NAMES.items():
+    if run not in runs:
+      continue
+    commit, losses = runs[run]
+    mean, pairs = losses.mean(0), losses[:, 1] / base[:, 1] - 1
+    out.append(f"| {name} | {commit} | {mean[0]:.4f} ({mean[0] / bf16[0] - 1:+.2%}) | "
+               f"{mean[1]:.4f} ({mean[1] / bf16[1] - 1:+.2%}) | {pairs.mean():+.2%} ± "
                f"{pairs.std(ddof=1) / np.sqrt(seeds):.2%} ({pairs.std(ddof=1):.2%}) |")
-  fp8 = runs["fp8"][:, 1] / runs["bf16"][:, 1] - 1
-  control = runs["control"][:, 1] / runs["bf16"][:, 1] - 1
-  return out + ["", "Per seed, FP8 against bf16: " + ", ".join(f"{p:+.2%}" for p in fp8) +
-                "; the control against bf16: " + ", ".join(f"{p:+.2%}" for p in control) + "."]
+    per_seed.append(f"- {name}: " + ", ".join(f"{p:+.2%}" for p in pairs))
+  return out + ["", "Each seed's validation loss against its bf16 run:", *per_seed]
 
 
 def experts_ms(sched) -> float:
@@ -130,14 +153,16 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--seeds", type=int, default=8)
   ap.add_argument("--only", choices=("loss", "speed"), default=None)
+  ap.add_argument("--runs", default=",".join(LOSS_RUNS), help="loss runs to make where missing")
   args = ap.parse_args()
   head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                         text=True, check=False).stdout.strip()
   title = f"# FP8 experts (`fp8.targets: [experts]`), at {head}"
   if args.only in (None, "loss"):
+    run_missing(args.seeds, head, [r for r in args.runs.split(",") if r])
     _write("loss", [title, "", f"The tiny DeepSeek-V3 (`configs/deepseek_v3_tiny.yaml`, bf16), "
                     f"200 steps, mean over {args.seeds} seeds; measured on a CPU:", "",
-                    *loss_rows(args.seeds, head)])
+                    *loss_rows(args.seeds)])
   if args.only in (None, "speed"):
     _write("speed", [title, "", "The DeepSeek-V3 16B proxy on one H100, **predicted** "
                      "(compiled by XLA:GPU on a CPU machine with its Triton gemms, timed by "

@@ -17,11 +17,22 @@ rounding to the formats (and the result to the compute dtype) is the only error.
 compiles the batched FP8 dot as a Triton gemm on FP8 operands; its cuBLAS path would upcast
 them (cuBLASLt's FP8 gemm takes no batch of per-item scales).
 
+`row_products` (`fp8.experts_scaling: row`) scales finer: every operand by a power of two per
+row along its free dimension (x per token, w per output column forward and per input row
+backward, g per token for dx and per column for dw), all in e4m3, as DeepSeek-V3 runs every
+tensor in e4m3 once its scales are fine-grained. Scales along a product's free dimensions
+multiply its result exactly, so each operand is quantised once per product it enters:
+
+  forward    y_t  = (q(x_t) . q(w_e)) * sx_t[rows] * sw_e[columns]
+  backward   dx_t = (q(g_t) . q'(w_e)^T) * sg_t[rows] * sw'_e[rows of w]
+             dw_e = (sum over e's tiles of q'(x_t)^T . q'(g_t)) * sx'_e[K] * sg'_e[N]
+
 Not DeepSeek-V3's block scaling (1×128 activation tiles, 128×128 weight blocks): its scales
 change along the contraction, so each 128-wide slice of K needs its own fp32 partial product,
 scaled, before the sum — a kernel's inner loop (DeepGEMM promotes to fp32 every 128 of K in
 registers). As XLA ops that is K/128 separate products and an fp32 [K/128, M, N] buffer per
-tile: slower than bf16, so not offered.
+tile: slower than bf16, so not offered. Rows are the finest scales that stay exact outside
+the product.
 """
 
 from __future__ import annotations
@@ -110,3 +121,68 @@ def _bwd(res, g_TMN):
 
 
 tile_products.defvjp(_forward, _bwd)
+
+
+def _scales(x: jax.Array, axis: int, fmt) -> jax.Array:
+  """Power-of-two scales from x's amax along `axis` (kept as a size-1 dim)."""
+  return scaling.scale_for(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True),
+                           fmt)
+
+
+def _expert_scales(x_TMX: jax.Array, expert_T: jax.Array, n_experts: int) -> jax.Array:
+  """[E, X]: e4m3 scales of each expert's columns (amax over its tiles' rows)."""
+  amax_TX = jnp.max(jnp.abs(x_TMX.astype(jnp.float32)), axis=1)
+  return scaling.scale_for(jnp.maximum(jax.ops.segment_max(amax_TX, expert_T, n_experts), 0.0),
+                           E4M3)
+
+
+def _quantized(x, scale):
+  return _quantize_tiles(x, scale, E4M3)
+
+
+@jax.custom_vjp
+def row_products(x_TMK: jax.Array, w_EKN: jax.Array, expert_T: jax.Array) -> jax.Array:
+  """[T, M, N]: `tile_products` with a scale per row of every operand, all e4m3 (module
+  docstring); the drop-in for `grouped_tiles.tile_products`."""
+  return _rows_forward(x_TMK, w_EKN, expert_T)[0]
+
+
+def _rows_forward(x_TMK, w_EKN, expert_T):
+  e, dt = w_EKN.shape[0], x_TMK.dtype
+  sx_TM1, sw_E1N = _scales(x_TMK, 2, E4M3), _scales(w_EKN, 1, E4M3)
+  y_TMN = jax.lax.dot_general(_quantized(x_TMK, sx_TM1),
+                              _weights_per_tile(_quantized(w_EKN, sw_E1N), expert_T), _TMK_TKN,
+                              preferred_element_type=dt)
+  y_TMN = y_TMN * sx_TM1.astype(dt) * jnp.take(sw_E1N, expert_T, axis=0, mode="clip").astype(dt)
+  # What the backward's products read, quantised along their free dims now, kept as bytes
+  # (`_forward` says why): x per expert column (dw), w per input row (dx).
+  sx_EK = _expert_scales(x_TMK, expert_T, e)
+  qx_TMK = _quantized(x_TMK, jnp.take(sx_EK, expert_T, axis=0, mode="clip")[:, None, :])
+  sw_EK1 = _scales(w_EKN, 2, E4M3)
+  as_bytes = lambda q: jax.lax.bitcast_convert_type(q, jnp.uint8)
+  w_dtype = jnp.zeros((0,), w_EKN.dtype)
+  return y_TMN, (as_bytes(qx_TMK), as_bytes(_quantized(w_EKN, sw_EK1)), sx_EK, sw_EK1,
+                 expert_T, w_dtype)
+
+
+def _rows_bwd(res, g_TMN):
+  bx_TMK, bw_EKN, sx_EK, sw_EK1, expert_T, w_dtype = res
+  e, dt = sx_EK.shape[0], g_TMN.dtype
+  qw_TKN = _weights_per_tile(jax.lax.bitcast_convert_type(bw_EKN, E4M3), expert_T)
+  sg_TM1 = _scales(g_TMN, 2, E4M3)
+  dx_TMK = jax.lax.dot_general(_quantized(g_TMN, sg_TM1), qw_TKN, _TMN_TKN,
+                               preferred_element_type=dt)
+  sw_T1K = jnp.take(sw_EK1[..., 0], expert_T, axis=0, mode="clip")[:, None, :]
+  dx_TMK = dx_TMK * sg_TM1.astype(dt) * sw_T1K.astype(dt)
+  sg_EN = _expert_scales(g_TMN, expert_T, e)
+  qg_TMN = _quantized(g_TMN, jnp.take(sg_EN, expert_T, axis=0, mode="clip")[:, None, :])
+  dw_TKN = jax.lax.dot_general(jax.lax.bitcast_convert_type(bx_TMK, E4M3), qg_TMN, _TMK_TMN,
+                               preferred_element_type=dt)
+  # Each expert's tiles share its column scales: summed first (a one-hot matmul), then scaled.
+  one_hot_TE = (expert_T[:, None] == jnp.arange(e)).astype(dt)
+  dw_EKN = matmul.einsum("TE,TKN->EKN", one_hot_TE, dw_TKN, dt)
+  dw_EKN = dw_EKN * (sx_EK[:, :, None] * sg_EN[:, None, :]).astype(dt)
+  return dx_TMK, dw_EKN.astype(w_dtype.dtype), np.zeros(expert_T.shape, jax.dtypes.float0)
+
+
+row_products.defvjp(_rows_forward, _rows_bwd)

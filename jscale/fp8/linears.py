@@ -94,6 +94,7 @@ class Fp8Linears:
   recipe: Recipe
   history: int
   targets: frozenset[str]
+  experts_scaling: str = "expert"  # fp8.experts_scaling
 
   def for_linear(self, name: str):
     if name in self.targets:
@@ -101,8 +102,11 @@ class Fp8Linears:
     return jax.lax.dot_general
 
   def for_experts(self):
-    """The routed experts' per-tile products in FP8 if `targets` has them, else None."""
-    return grouped.tile_products if EXPERTS in self.targets else None
+    """The routed experts' per-tile products in FP8 if `targets` has them (scaled per expert or
+    per row: `fp8.experts_scaling`), else None."""
+    if EXPERTS not in self.targets:
+      return None
+    return grouped.row_products if self.experts_scaling == "row" else grouped.tile_products
 
 
 def from_config(fp8: Fp8Config) -> Fp8Linears | None:
@@ -110,4 +114,4 @@ def from_config(fp8: Fp8Config) -> Fp8Linears | None:
   if not fp8.enabled:
     return None
   return Fp8Linears(Recipe(delayed=fp8.recipe == "delayed", margin=fp8.margin),
-                    fp8.amax_history, target_names(fp8.targets))
+                    fp8.amax_history, target_names(fp8.targets), fp8.experts_scaling)

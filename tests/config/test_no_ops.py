@@ -30,6 +30,8 @@ EXAMPLES = {
     "fp8.amax_history": (["fp8.amax_history=4"], ["fp8.enabled=true"], {}),
     "fp8.margin": (["fp8.margin=1"], ["fp8.enabled=true"], {}),
     "fp8.targets": (["fp8.targets=mlp"], ["fp8.enabled=true"], {}),
+    "fp8.experts_scaling": ([*MOE, "fp8.experts_scaling=row"],
+                            ["fp8.enabled=true", "fp8.targets=[experts]"], {}),
     "data.path": (["data.path=corpus.txt"], ["data.source=text"], {}),
     "data.text_field": (["data.text_field=body"], ["data.source=jsonl", "data.path=d.jsonl"],
                         {}),

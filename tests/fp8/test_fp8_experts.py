@@ -153,3 +153,62 @@ def test_xla_gpu_keeps_the_expert_products_fp8_on_an_h100():
   assert {tuple(sorted((d.lhs, d.rhs))) for d in products} == {("f8e4m3fn", "f8e4m3fn"),
                                                                ("f8e4m3fn", "f8e5m2")}
 
+
+
+# fp8.experts_scaling: row (`grouped.row_products`): a scale per row of every operand, all e4m3.
+
+def _q(x, scale):
+  """x quantised to e4m3 with `scale` (broadcast) and back, in fp32."""
+  return (x / scale).astype(scaling.E4M3).astype(jnp.float32) * scale
+
+
+def _row_scale(x, axis):
+  return scaling.scale_for(jnp.max(jnp.abs(x), axis=axis, keepdims=True), scaling.E4M3)
+
+
+def test_row_scaling_is_its_dequantised_products_exactly(case):
+  x, w, sizes, c = case
+  y, pull = jax.vjp(lambda x, w: _dot(grouped.row_products)(x, w, sizes), x, w)
+  dx, dw = pull(c)
+  for e, (s, n) in enumerate(zip(STARTS, SIZES)):
+    if not n:
+      continue
+    xe, we, ge = x[s:s + n], w[e], c[s:s + n]
+    close = lambda got, want: np.testing.assert_allclose(
+        got, want, rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
+    # forward: x per token, w per output column; dx: g per token, w per input row; dw: x and
+    # g per column over the expert's rows
+    close(y[s:s + n], _q(xe, _row_scale(xe, 1)) @ _q(we, _row_scale(we, 0)))
+    close(dx[s:s + n], _q(ge, _row_scale(ge, 1)) @ _q(we, _row_scale(we, 1)).T)
+    close(dw[e], _q(xe, _row_scale(xe, 0)).T @ _q(ge, _row_scale(ge, 0)))
+  assert float(jnp.abs(y[SIZES.sum():]).max()) == 0.0
+  assert float(jnp.abs(dw[2]).max()) == 0.0  # no rows, no gradient
+
+
+def test_row_scaling_keeps_small_rows_and_rounds_gradients_finer(case):
+  x, w, sizes, c = case
+  # Every other token 10^-6 of its neighbours: past e4m3's range under its expert's scale.
+  small = np.arange(A) % 2 == 1
+  x = x * jnp.asarray(np.where(small, 1e-6, 1.0), jnp.float32)[:, None]
+  y = _dot(None)(x, w, sizes)
+  rows = slice(0, int(SIZES.sum()))
+  row_err = lambda p: (jnp.linalg.norm(_dot(p)(x, w, sizes) - y, axis=1) /
+                       jnp.linalg.norm(y, axis=1))[rows][small[rows] & (y[rows] != 0).any(1)]
+  assert float(row_err(grouped.tile_products).min()) == 1.0  # flushed to zero
+  assert float(row_err(grouped.row_products).max()) < 0.07
+  # Gradients: e4m3 (3 mantissa bits) against e5m2's 2.
+  loss = lambda products: lambda x, w: jnp.sum(_dot(products)(x, w, sizes) * c)
+  ref = jax.grad(loss(None), (0, 1))(x, w)
+  err = {p: [_rel(a, b) for a, b in zip(jax.grad(loss(p), (0, 1))(x, w), ref)]
+         for p in (grouped.tile_products, grouped.row_products)}
+  for row, expert in zip(err[grouped.row_products], err[grouped.tile_products]):
+    assert row < 0.75 * expert, err
+
+
+def test_row_scaling_takes_e4m3_operands_in_every_expert_product():
+  cfg = load_config("configs/deepseek_v3_tiny.yaml", [*DEEPSEEK, "fp8.experts_scaling=row"])
+  rt = runtime.build(cfg, jax.devices()[:1])
+  found = dots.dot_generals(rt.train_step().lower(rt.abstract_state(), abstract_batch(cfg)))
+  f8 = [d for d in found if any(t.startswith("f8") for t in d.operands)]
+  assert {d.operands for d in f8} == {("f8E4M3FN", "f8E4M3FN")}
+  assert len(f8) % 9 == 0 and f8
