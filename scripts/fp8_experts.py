@@ -49,6 +49,8 @@ PROXY = ("model.preset=deepseek_v3_16b", "model.n_layers=3", "train.seq_len=4096
          "checkpoint.every=0", "mesh.data=1", "model.dtype=bfloat16")
 VARIANTS = {"tiled, bf16": ("model.moe.gemm=tiled",),
             "tiled, FP8 (per-expert current scaling)": ("model.moe.gemm=tiled", *FP8),
+            "tiled, FP8 (per-row scaling, all e4m3)": ("model.moe.gemm=tiled", *FP8,
+                                                       "fp8.experts_scaling=row"),
             "Pallas Hopper kernel, bf16 (auto's pick)": ("model.moe.gemm=pallas",)}
 
 
