@@ -2,7 +2,8 @@
 products with e4m3 / e5m2 operands and a scale per expert, against the same products
 dequantised (exact), against the bf16-free reference (FP8's rounding only), per-expert
 scales against a tensor-wide one, FP8 operands in the lowered step of the tiny DeepSeek and in
-XLA:GPU's H100 program, expert parallelism against one device, and the refusals. The 200-step
+XLA:GPU's H100 program, expert parallelism against one device, and the refusals; the same for
+a scale per row of every operand (`fp8.experts_scaling: row`, all e4m3). The 200-step
 loss beside bf16 (8 seeds; a CI test of one seed took 11 minutes here and would bound little:
 single seeds' pairs differ by up to 7%): scripts/fp8_experts.py -> results/fp8_experts_loss.md."""
 
