@@ -331,3 +331,18 @@ def test_offload_is_a_lever_priced_by_the_host_link(capsys):
                "32k", "--top", "14", "--explain"]) == 0
   out = capsys.readouterr().out
   assert "train.remat=offload" in out and "the host link, not the GPU, bounds this step" in out
+
+
+def test_receive_ratio_is_the_rows_of_manual_eps_receive_buffer():
+  moe = ("model.preset=tiny_moe", "model.moe.n_experts=32", "model.moe.top_k=4")
+  model = lambda *o: load_config(None, [*moe, *o]).model
+  ep8 = Layout(expert=8)
+  # 8 sources' blocks of 512 tokens x min(top-4, 4 local experts) rows: 8x the 512 x 4 routed
+  assert memory.receive_ratio(model(), ep8, 512) == 8.0
+  assert memory.receive_ratio(model("model.moe.receive_factor=2"), ep8, 512) == 2.0
+  assert memory.receive_ratio(model("model.moe.receive_factor=100"), ep8, 512) == 8.0
+  assert memory.receive_ratio(model(), Layout(), 512) == 1.0  # no exchange
+  assert memory.receive_ratio(model("model.moe.dispatch=capacity"), ep8, 512) == 1.0
+  # the experts' rows and [f] terms grow with it; the rest of the layer does not
+  per_layer = lambda m: memory.layer_activation_bytes(m, ep8, 512, "selective")
+  assert per_layer(model()) > 2 * per_layer(model("model.moe.receive_factor=1"))
