@@ -140,6 +140,11 @@ def _quantized(x, scale):
   return _quantize_tiles(x, scale, E4M3)
 
 
+def _of_tiles(v_EX: jax.Array, expert_T: jax.Array) -> jax.Array:
+  """[T, 1, X]: each tile's expert's row of per-column scales."""
+  return jnp.take(v_EX, expert_T, axis=0, mode="clip")[:, None, :]
+
+
 @jax.custom_vjp
 def row_products(x_TMK: jax.Array, w_EKN: jax.Array, expert_T: jax.Array) -> jax.Array:
   """[T, M, N]: `tile_products` with a scale per row of every operand, all e4m3 (module
@@ -153,11 +158,11 @@ def _rows_forward(x_TMK, w_EKN, expert_T):
   y_TMN = jax.lax.dot_general(_quantized(x_TMK, sx_TM1),
                               _weights_per_tile(_quantized(w_EKN, sw_E1N), expert_T), _TMK_TKN,
                               preferred_element_type=dt)
-  y_TMN = y_TMN * sx_TM1.astype(dt) * jnp.take(sw_E1N, expert_T, axis=0, mode="clip").astype(dt)
+  y_TMN = y_TMN * sx_TM1.astype(dt) * _of_tiles(sw_E1N[:, 0], expert_T).astype(dt)
   # What the backward's products read, quantised along their free dims now, kept as bytes
   # (`_forward` says why): x per expert column (dw), w per input row (dx).
   sx_EK = _expert_scales(x_TMK, expert_T, e)
-  qx_TMK = _quantized(x_TMK, jnp.take(sx_EK, expert_T, axis=0, mode="clip")[:, None, :])
+  qx_TMK = _quantized(x_TMK, _of_tiles(sx_EK, expert_T))
   sw_EK1 = _scales(w_EKN, 2, E4M3)
   as_bytes = lambda q: jax.lax.bitcast_convert_type(q, jnp.uint8)
   w_dtype = jnp.zeros((0,), w_EKN.dtype)
@@ -172,10 +177,9 @@ def _rows_bwd(res, g_TMN):
   sg_TM1 = _scales(g_TMN, 2, E4M3)
   dx_TMK = jax.lax.dot_general(_quantized(g_TMN, sg_TM1), qw_TKN, _TMN_TKN,
                                preferred_element_type=dt)
-  sw_T1K = jnp.take(sw_EK1[..., 0], expert_T, axis=0, mode="clip")[:, None, :]
-  dx_TMK = dx_TMK * sg_TM1.astype(dt) * sw_T1K.astype(dt)
+  dx_TMK = dx_TMK * sg_TM1.astype(dt) * _of_tiles(sw_EK1[..., 0], expert_T).astype(dt)
   sg_EN = _expert_scales(g_TMN, expert_T, e)
-  qg_TMN = _quantized(g_TMN, jnp.take(sg_EN, expert_T, axis=0, mode="clip")[:, None, :])
+  qg_TMN = _quantized(g_TMN, _of_tiles(sg_EN, expert_T))
   dw_TKN = jax.lax.dot_general(jax.lax.bitcast_convert_type(bx_TMK, E4M3), qg_TMN, _TMK_TMN,
                                preferred_element_type=dt)
   # Each expert's tiles share its column scales: summed first (a one-hot matmul), then scaled.
