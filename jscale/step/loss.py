@@ -7,7 +7,9 @@ Chunked (`chunks > 1`), a scan over slices of the sequence computes each slice's
 loss and, in the same pass, its gradients (dh and the head's dW accumulated in fp32): the
 softmax gradient is p - onehot, known in the forward. The backward only scales them by the
 loss's cotangent, so the chunked path runs the head's three matmuls once each, like the
-unchunked one, and never holds more than one chunk's logits.
+unchunked one, and never holds more than one chunk's logits. It reads each chunk's fp32 logits
+twice: once for the max, sum-exp and label logit together (`max_sum_exp`, an online softmax
+reduction), once for the softmax gradient.
 """
 
 from __future__ import annotations
@@ -51,11 +53,41 @@ def _softmax_stats(logits, labels, comms: Seam) -> _Stats:
   m = jax.lax.stop_gradient(comms.vocab_max(logits))
   e = jnp.exp(logits - m)
   s = comms.vocab_sum(e)
-  # The label logit as a masked sum over the vocab (not a gather): sharded, partial sums.
-  vocab_ids_V = jnp.arange(logits.shape[-1]) + comms.vocab_offset(logits.shape[-1])
-  hit = vocab_ids_V == labels[..., None]
+  hit = _hits(logits, labels, comms)
   target = comms.vocab_sum(jnp.where(hit, logits, 0.0))
   return _Stats(e, s, hit, (jnp.log(s) + m - target)[..., 0])
+
+
+def _hits(logits, labels, comms: Seam) -> jax.Array:
+  """Whether each (possibly sharded) vocab entry is the token's label: the label logit is
+  taken as a masked sum over the vocab (not a gather), so vocab shards give partial sums."""
+  vocab_ids_V = jnp.arange(logits.shape[-1]) + comms.vocab_offset(logits.shape[-1])
+  return vocab_ids_V == labels[..., None]
+
+
+def _online_combine(a, b):
+  # (max, sum of exp(x - max)) of two parts -> of their union. A part of only -inf entries
+  # (max -inf, sum 0) must not make exp(-inf - -inf) = nan.
+  (m1, s1), (m2, s2) = a, b
+  m = jnp.maximum(m1, m2)
+  at = jnp.where(m == -jnp.inf, 0.0, m)
+  return m, s1 * jnp.exp(m1 - at) + s2 * jnp.exp(m2 - at)
+
+
+def max_sum_exp(logits: jax.Array, comms: Seam = LOCAL) -> tuple[jax.Array, jax.Array]:
+  """(max, sum of exp(logits - max)) over the (possibly sharded) vocab axis, keeping dims, in
+  one pass over the logits: a reduction of (max, sum) pairs, each part's sum rescaled to the
+  larger max as the parts meet (the online softmax of Milakov & Gimelshein, 2018). The two-pass
+  form reads fp32 logits twice, once for the max and once for the sum. Each shard's pair is
+  combined over the vocab shards through the seam (GSPMD combines a sharded reduction's
+  partial pairs itself; the seam then sees one pair). Not differentiable (a custom reduction):
+  for the chunked loss, which makes its own gradients."""
+  f32 = jnp.float32
+  m, s = jax.lax.reduce((logits, jnp.ones_like(logits)), (f32(-jnp.inf), f32(0.0)),
+                        _online_combine, (logits.ndim - 1,))
+  m, s = m[..., None], s[..., None]
+  m_all = comms.vocab_max(m)
+  return m_all, comms.vocab_sum(s * jnp.exp(m - jnp.where(m_all == -jnp.inf, 0.0, m_all)))
 
 
 def num_chunks(local_shape: tuple[int, int, int], budget_mb: float) -> int:
@@ -127,13 +159,15 @@ def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int,
   def chunk_loss(head_DV, h_BCD, labels_BC, mask_BC, with_grads: bool):
     logits = comms.activation(matmul.contract("BCD,DV->BCV", h_BCD, head_DV, dot_general,
                                               preferred_element_type=jnp.float32), LOGITS_NAMES)
-    st = _softmax_stats(logits, labels_BC, comms)
-    loss_SQ = jnp.sum(by_shard(st.token_loss * mask_BC), axis=(1, 3))
+    m, s = max_sum_exp(logits, comms)
+    hit = _hits(logits, labels_BC, comms)
+    target = comms.vocab_sum(jnp.where(hit, logits, 0.0))
+    loss_SQ = jnp.sum(by_shard((jnp.log(s) + m - target)[..., 0] * mask_BC), axis=(1, 3))
     if not with_grads:
       return per_shard(loss_SQ), None, None
     # d(loss)/d(logits) = (softmax - onehot) * mask, cast to the compute dtype for both
     # products (dh: partial over vocab shards, summed by the head's tensor-parallel entry).
-    dlogits = ((st.exp / st.sum_exp - st.hit) * mask_BC[..., None]).astype(h_BCD.dtype)
+    dlogits = ((jnp.exp(logits - m) / s - hit) * mask_BC[..., None]).astype(h_BCD.dtype)
     dh_BCD = matmul.contract("BCV,DV->BCD", dlogits, head_DV, dot_general)
     dw_SQDV = matmul.contract("sbqcd,sbqcv->sqdv", by_shard(h_BCD), by_shard(dlogits),
                               dot_general, preferred_element_type=jnp.float32)
