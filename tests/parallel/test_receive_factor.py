@@ -5,7 +5,8 @@ exchange's; with less, they equal that exchange run without the clipped assignme
 sender's rows for a device past the buffer, its last experts' first), and the dropped count is
 theirs. The tiny DeepSeek-V3 trains with it (dropped fraction in its metrics); a negative
 factor is refused (where it does nothing, tests/config/test_no_ops.py); XLA:GPU's program for
-8 H100s receives into the smaller buffer and holds less."""
+8 H100s receives into the smaller buffer and holds less, and makes each exchange's zero
+buffer when its sizes are known."""
 
 import re
 
@@ -145,6 +146,12 @@ def test_h100s_receive_into_the_bounded_buffer():
       r"= bf16\[(\d+),256\]\{1,0\} ragged-all-to-all-done\(", text)}
   assert rows(programs[0][0]) == {8 * 512 * 4, 512 * 4}
   assert rows(programs[2][0]) == {8 * 512, 512 * 4}
+  # Each exchange's zero output buffer is made from its sizes (`ex.landing_zeros`): no kernel
+  # makes several of them at once (XLA:GPU fused the constant ones into multi-output kernels
+  # at the step's start, all allocated from there).
+  for text, _ in programs.values():
+    assert not re.findall(r"= \((?:bf16\[\d+,256\]\{1,0\}, )+bf16\[\d+,256\]\{1,0\}\) "
+                          r"fusion\(\)", text)
   assert programs[2][1] < 0.8 * programs[0][1]
   # The planner's estimate counts the rows the experts run on (`memory.receive_ratio`: 8x and
   # 2x the assignments): 374 and 158 MiB against the compiled 406 and 178 (it said 122 for
