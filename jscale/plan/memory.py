@@ -219,6 +219,18 @@ def in_flight(schedule: str, p: int, m: int, v: int) -> int:
   return int(schedule_table(schedule, p, m, v).live().max())
 
 
+def held_head_grads(model: ModelConfig, lay: Layout, tokens: int,
+                    chunk_mb: float = TrainConfig.logits_chunk_mb) -> float:
+  """The fp32 head gradients the chunked loss holds from its forward to the backward beyond
+  the one `loss_workspace` counts: one per MTP depth (each depth's loss makes the shared head's
+  dW in its own forward). Seen on XLA:GPU's program for DeepSeek-V3 671B on 1,024 H100s: the
+  main and MTP heads' accumulators, 6.9 GiB, live at its peak (scripts/peak_memory.py)."""
+  depth = model.mtp.depth if model.mtp is not None else 0
+  v = model.vocab_size // lay.tensor
+  chunked = num_chunks((lay.mbs, tokens // lay.mbs, v), chunk_mb) > 1
+  return depth * vocab_gradient_bytes(model, lay) if chunked else 0.0
+
+
 def moment_bytes(lay: Layout) -> int:
   """Bytes of Adam's two moments per parameter (`train.moments_dtype`)."""
   return 2 * jnp.dtype(lay.moments).itemsize
@@ -277,7 +289,8 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
     backward += 4 * local_param_split(model, lay)[0] + 4 * vocab
   # The loss's peak holds no gradient yet, except under accumulation the running sum.
   loss = loss_workspace(model, lay, tokens) + vocab_weight - (0 if lay.accum > 1 else grads)
-  workspace = max(loss, backward)
+  held = held_head_grads(model, lay, tokens)  # MTP's: its loss comes last, the backward next
+  workspace = max(loss, backward) + held
   if zero >= 3 and lay.accum == 1:  # the launcher's pipelined all-gather (`xla_flags`: not
     workspace += vocab_weight  # with accumulation) holds a prefetched vocabulary weight (fitted)
   return Memory(params, grads, optimizer, activations, workspace)

@@ -346,3 +346,19 @@ def test_receive_ratio_is_the_rows_of_manual_eps_receive_buffer():
   # the experts' rows and [f] terms grow with it; the rest of the layer does not
   per_layer = lambda m: memory.layer_activation_bytes(m, ep8, 512, "selective")
   assert per_layer(model()) > 2 * per_layer(model("model.moe.receive_factor=1"))
+
+
+def test_each_mtp_depth_holds_one_more_head_gradient():
+  """The chunked loss makes the shared head's fp32 dW in each loss's forward and holds it to the
+  backward: MTP's depths add one vocabulary gradient each to the step's transients (XLA:GPU's
+  peak for DeepSeek-V3 671B on 1,024 H100s holds the main and MTP heads' two)."""
+  model = lambda *o: load_config(None, ["model.preset=deepseek_v3_671b", *o]).model
+  lay = Layout(fsdp=16, expert=64, zero_stage=3, remat="full", mbs=4)
+  vocab = memory.vocab_gradient_bytes(model(), lay)
+  assert memory.held_head_grads(model(), lay, 4 * 4096) == vocab  # depth 1, 4 chunks
+  assert memory.held_head_grads(model("model.mtp.depth=2"), lay, 4 * 4096) == 2 * vocab
+  assert memory.held_head_grads(model("model.mtp=null"), lay, 4 * 4096) == 0
+  assert memory.held_head_grads(model(), lay, 4 * 4096, chunk_mb=0) == 0  # unchunked
+  grow = (memory.estimate(model(), lay, 4096).workspace -
+          memory.estimate(model("model.mtp=null"), lay, 4096).workspace)
+  assert grow >= vocab
