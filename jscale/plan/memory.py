@@ -186,6 +186,13 @@ def vocab_gradient_bytes(model: ModelConfig, lay: Layout) -> float:
   return 4 * model.vocab_size * model.d_model / lay.tensor
 
 
+def loss_chunks(model: ModelConfig, lay: Layout, tokens: int,
+                chunk_mb: float = TrainConfig.logits_chunk_mb) -> int:
+  """The chunks the loss runs `tokens` local tokens in (`jscale.step.loss.num_chunks`; 1:
+  unchunked)."""
+  return num_chunks((lay.mbs, tokens // lay.mbs, int(model.vocab_size / lay.tensor)), chunk_mb)
+
+
 def loss_workspace(model: ModelConfig, lay: Layout, tokens: int,
                    chunk_mb: float = TrainConfig.logits_chunk_mb) -> float:
   """The loss's transient bytes for `tokens` local tokens (`jscale.step.loss`): unchunked, the fp32
@@ -193,7 +200,7 @@ def loss_workspace(model: ModelConfig, lay: Layout, tokens: int,
   chunk's logits in the compute dtype and the head's gradient in the making."""
   v = model.vocab_size / lay.tensor
   c = jnp.dtype(model.dtype).itemsize
-  n = num_chunks((lay.mbs, tokens // lay.mbs, int(v)), chunk_mb)
+  n = loss_chunks(model, lay, tokens, chunk_mb)
   if n == 1:
     return (4 + c) * tokens * v
   return c * tokens / n * v + 2 * vocab_gradient_bytes(model, lay)
@@ -226,8 +233,7 @@ def held_head_grads(model: ModelConfig, lay: Layout, tokens: int,
   dW in its own forward). Seen on XLA:GPU's program for DeepSeek-V3 671B on 1,024 H100s: the
   main and MTP heads' accumulators, 6.9 GiB, live at its peak (scripts/peak_memory.py)."""
   depth = model.mtp.depth if model.mtp is not None else 0
-  v = model.vocab_size // lay.tensor
-  chunked = num_chunks((lay.mbs, tokens // lay.mbs, v), chunk_mb) > 1
+  chunked = loss_chunks(model, lay, tokens, chunk_mb) > 1
   return depth * vocab_gradient_bytes(model, lay) if chunked else 0.0
 
 
