@@ -53,16 +53,17 @@ def _softmax_stats(logits, labels, comms: Seam) -> _Stats:
   m = jax.lax.stop_gradient(comms.vocab_max(logits))
   e = jnp.exp(logits - m)
   s = comms.vocab_sum(e)
-  hit = _hits(logits, labels, comms)
-  target = comms.vocab_sum(jnp.where(hit, logits, 0.0))
-  return _Stats(e, s, hit, (jnp.log(s) + m - target)[..., 0])
+  return _Stats(e, s, *_label_loss(logits, labels, m, s, comms))
 
 
-def _hits(logits, labels, comms: Seam) -> jax.Array:
-  """Whether each (possibly sharded) vocab entry is the token's label: the label logit is
-  taken as a masked sum over the vocab (not a gather), so vocab shards give partial sums."""
+def _label_loss(logits, labels, m, s, comms: Seam) -> tuple[jax.Array, jax.Array]:
+  """(whether each (possibly sharded) vocab entry is the token's label, the token loss
+  log(s) + m - label logit), given the max m and sum-exp s. The label logit is a masked sum
+  over the vocab (not a gather): vocab shards give partial sums."""
   vocab_ids_V = jnp.arange(logits.shape[-1]) + comms.vocab_offset(logits.shape[-1])
-  return vocab_ids_V == labels[..., None]
+  hit = vocab_ids_V == labels[..., None]
+  target = comms.vocab_sum(jnp.where(hit, logits, 0.0))
+  return hit, (jnp.log(s) + m - target)[..., 0]
 
 
 def _online_combine(a, b):
@@ -160,9 +161,8 @@ def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int,
     logits = comms.activation(matmul.contract("BCD,DV->BCV", h_BCD, head_DV, dot_general,
                                               preferred_element_type=jnp.float32), LOGITS_NAMES)
     m, s = max_sum_exp(logits, comms)
-    hit = _hits(logits, labels_BC, comms)
-    target = comms.vocab_sum(jnp.where(hit, logits, 0.0))
-    loss_SQ = jnp.sum(by_shard((jnp.log(s) + m - target)[..., 0] * mask_BC), axis=(1, 3))
+    hit, token_loss = _label_loss(logits, labels_BC, m, s, comms)
+    loss_SQ = jnp.sum(by_shard(token_loss * mask_BC), axis=(1, 3))
     if not with_grads:
       return per_shard(loss_SQ), None, None
     # d(loss)/d(logits) = (softmax - onehot) * mask, cast to the compute dtype for both
