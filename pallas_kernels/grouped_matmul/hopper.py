@@ -41,16 +41,18 @@ def _gmm_bwd(cfg, res, dout):
   dout = dout.astype(lhs.dtype)
   dlhs = gmm(dout, rhs, sizes, blocks=C.fit(cfg.blocks, n, k), transpose_rhs=True,
              interpret=cfg.interpret)
-  drhs = tgmm(lhs, dout, sizes, blocks=C.fit(cfg.blocks, 1 << 30, n), interpret=cfg.interpret)
+  drhs = weight_gradient(lhs, dout, sizes, blocks=cfg.blocks, interpret=cfg.interpret)
   return dlhs, drhs, None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def why_not(lhs, rhs, group_sizes, blocks: C.GmmBlocks | None = None) -> str | None:
+def why_not(lhs, rhs, group_sizes, blocks: C.GmmBlocks | None = None,
+            fp8: bool = False) -> str | None:
   """Why the kernels cannot run these shapes, forward or backward, naming the fix; None when
-  they can. `lhs`, `rhs`, `group_sizes` may be arrays or ShapeDtypeStructs."""
+  they can. `lhs`, `rhs`, `group_sizes` may be arrays or ShapeDtypeStructs. `fp8`: also the
+  forward and dlhs products on e4m3 operands (`fp8_matmul`, its default tiles)."""
   blocks = blocks or C.DEFAULT
   forward = C.problem(lhs, rhs, group_sizes,
                       C.fit(blocks, *rhs.shape[1:]) if rhs.ndim == 3 else blocks)
@@ -64,6 +66,18 @@ def why_not(lhs, rhs, group_sizes, blocks: C.GmmBlocks | None = None) -> str | N
   if k % blocks.tile_m:
     return (f"K={k} is not a multiple of tile_m={blocks.tile_m} (the weight "
             f"gradient's output rows): use model.moe.gemm=tiled for this width")
+  return _fp8_why_not(lhs, rhs, group_sizes) if fp8 else None
+
+
+def _fp8_why_not(lhs, rhs, group_sizes) -> str | None:
+  f8, (m, k), (g, _, n) = C.FP8[0], lhs.shape, rhs.shape
+  s = jax.ShapeDtypeStruct
+  for rows, contract, out in ((m, k, n), (m, n, k)):  # forward, then dlhs = dout @ rhs^T
+    blocks = C.fit(C.DEFAULT_FP8, contract, out, f8)
+    why = C.problem(s((rows, contract), f8), s((g, out, contract), f8), group_sizes, blocks,
+                    transpose_rhs=True, out_dtype=lhs.dtype)
+    if why is not None:
+      return f"FP8 experts on the kernel: {why}"
   return None
 
 
@@ -71,6 +85,29 @@ def check_shapes(lhs, rhs, group_sizes, blocks: C.GmmBlocks | None = None) -> No
   """Raises ValueError (naming the fix) unless the kernels can run these shapes (`why_not`)."""
   if (why := why_not(lhs, rhs, group_sizes, blocks)) is not None:
     raise ValueError(why)
+
+
+def fp8_matmul(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, *, out_dtype,
+               blocks: C.GmmBlocks | None = None, interpret: bool = False) -> jax.Array:
+  """[M, N] = ragged_dot(lhs_MK, rhs_GNK^T per group) for float8_e4m3fn operands, accumulated
+  in fp32 and rounded to `out_dtype` (bf16 / fp16). rhs comes [G, N, K], contraction minor, as
+  wgmma reads 8-bit operands; unscaled: the caller applies its scales to the result
+  (`jscale.fp8.grouped_kernel`). Not differentiable. Shapes that do not tile raise ValueError."""
+  (_, k), n = lhs_MK.shape, rhs_GNK.shape[1]
+  blocks = C.fit(blocks or C.DEFAULT_FP8, k, n, lhs_MK.dtype)
+  why = C.problem(lhs_MK, rhs_GNK, group_sizes_G, blocks, transpose_rhs=True, out_dtype=out_dtype)
+  if why is not None:
+    raise ValueError(why)
+  return gmm(lhs_MK, rhs_GNK, group_sizes_G, blocks=blocks, transpose_rhs=True,
+             out_dtype=out_dtype, interpret=interpret)
+
+
+def weight_gradient(lhs_MK: jax.Array, dout_MN: jax.Array, group_sizes_G: jax.Array, *,
+                    blocks: C.GmmBlocks | None = None, interpret: bool = False) -> jax.Array:
+  """[G, K, N]: lhs[rows of i]^T @ dout[rows of i] for each group i (bf16 / fp16, one dtype;
+  the transposed kernel `grouped_matmul`'s backward runs), in their dtype."""
+  blocks = C.fit(blocks or C.DEFAULT, 1 << 30, dout_MN.shape[1])
+  return tgmm(lhs_MK, dout_MN, group_sizes_G, blocks=blocks, interpret=interpret)
 
 
 def grouped_matmul(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, *,

@@ -46,33 +46,53 @@ class GmmBlocks:
   max_concurrent_steps: int = 4
   grid_tile_width: int = 8
 
-  def smem_bytes(self, itemsize: int = 2) -> int:
+  def smem_bytes(self, itemsize: int = 2, out_itemsize: int | None = None) -> int:
     """Shared memory of the forward kernel: operand slots plus each warpgroup's output tile."""
     slot = (self.tile_m * self.tile_k + self.tile_k * COMPUTE_WGS * self.tile_n) * itemsize
-    return self.max_concurrent_steps * slot + COMPUTE_WGS * self.tile_m * self.tile_n * itemsize
+    out = COMPUTE_WGS * self.tile_m * self.tile_n * (out_itemsize or itemsize)
+    return self.max_concurrent_steps * slot + out
 
 
 # 128 x 256 per CUDA block (CUTLASS's Hopper GEMM shape: 128 fp32 accumulator registers per
 # thread); 3 slots of 48 KiB + 64 KiB of output staging fit the 227 KiB of shared memory.
 # A starting point, not yet tuned on a GPU: scripts/bench_moe.py --kernels sweeps it.
 DEFAULT = GmmBlocks(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=3)
+# FP8 operands: a 128-byte swizzled row is 128 of them, so tile_k doubles at the same bytes;
+# 3 slots of 48 KiB + 64 KiB of bf16 output staging. Untuned, as DEFAULT.
+DEFAULT_FP8 = GmmBlocks(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=3)
 SMEM_LIMIT = 227 * 1024
+# wgmma reads 8-bit operands only K-major (PTX: no transposed FP8 operand), so the kernel takes
+# them only with `transpose_rhs` (rhs stored [G, N, K]); e4m3, as DeepSeek-V3's every tensor.
+FP8 = (jnp.dtype(jnp.float8_e4m3fn),)
+HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def fit(blocks: GmmBlocks, k: int, n: int) -> GmmBlocks:
-  """`blocks` with tile_n / tile_k halved (down to 64) until they divide n and k."""
-  tn, tk = blocks.tile_n, blocks.tile_k
+def row_elems(dtype) -> int:
+  """Elements in one 128-byte swizzled shared-memory row: the smallest tile_k."""
+  return 128 // jnp.dtype(dtype).itemsize
+
+
+def defaults(dtype) -> GmmBlocks:
+  """The starting tiles for operands of `dtype`."""
+  return DEFAULT_FP8 if jnp.dtype(dtype) in FP8 else DEFAULT
+
+
+def fit(blocks: GmmBlocks, k: int, n: int, dtype=jnp.bfloat16) -> GmmBlocks:
+  """`blocks` with tile_n halved (down to 64) and tile_k (down to one 128-byte swizzled row of
+  `dtype`, at least 64) until they divide n and k."""
+  tn, tk, floor = blocks.tile_n, blocks.tile_k, max(64, row_elems(dtype))
   while tn > 64 and n % (COMPUTE_WGS * tn):
     tn //= 2
-  while tk > 64 and k % tk:
+  while tk > floor and k % tk:
     tk //= 2
   return dataclasses.replace(blocks, tile_n=tn, tile_k=tk)
 
 
-def problem(lhs, rhs, group_sizes, blocks: GmmBlocks,
-            transpose_rhs: bool = False) -> str | None:
+def problem(lhs, rhs, group_sizes, blocks: GmmBlocks, transpose_rhs: bool = False,
+            out_dtype=None) -> str | None:
   """What the grouped matmul kernels cannot run, naming the fix (None: they can); arrays or
-  ShapeDtypeStructs, before tracing."""
+  ShapeDtypeStructs, before tracing. FP8 operands need `transpose_rhs` and a 16-bit
+  `out_dtype`."""
   if lhs.ndim != 2 or rhs.ndim != 3:
     return f"expected lhs [M, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}"
   (_, k), (g, k2, n) = lhs.shape, rhs.shape
@@ -83,25 +103,39 @@ def problem(lhs, rhs, group_sizes, blocks: GmmBlocks,
   if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
     return (f"group_sizes must be int [{g}] (one per rhs group), got "
             f"{group_sizes.dtype}{list(group_sizes.shape)}")
-  if jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or (
-      lhs.dtype != rhs.dtype):
-    return (f"the grouped matmul kernel takes bf16 or fp16 operands of one dtype, got "
-            f"{lhs.dtype} and {rhs.dtype}: set model.dtype=bfloat16 or "
-            f"model.moe.gemm=tiled")
+  if (why := _dtype_problem(lhs.dtype, rhs.dtype, transpose_rhs, out_dtype)) is not None:
+    return why
   for name, size, tile in (("K", k, blocks.tile_k), ("N", n, COMPUTE_WGS * blocks.tile_n)):
     if size % tile:
       return (f"{name}={size} is not a multiple of {tile} (the kernel's tiles): use "
               f"model.moe.gemm=tiled for this width, or a width that is")
-  for name in ("tile_m", "tile_n", "tile_k"):
-    if getattr(blocks, name) % 64:
-      return (f"GmmBlocks.{name}={getattr(blocks, name)} must be a multiple of 64 "
-              f"(one wgmma tile, one 128-byte swizzled row)")
+  floor = {"tile_m": 64, "tile_n": 64, "tile_k": max(64, row_elems(lhs.dtype))}
+  for name, least in floor.items():
+    if getattr(blocks, name) % least:
+      return (f"GmmBlocks.{name}={getattr(blocks, name)} must be a multiple of {least} "
+              f"(one wgmma tile, one 128-byte swizzled row of {jnp.dtype(lhs.dtype)})")
   if blocks.max_concurrent_steps < 2:
     return (f"GmmBlocks.max_concurrent_steps={blocks.max_concurrent_steps} must be "
             f">= 2 (one slot loads while the other is multiplied)")
-  if blocks.smem_bytes(jnp.dtype(lhs.dtype).itemsize) > SMEM_LIMIT:
-    return (f"{blocks} needs {blocks.smem_bytes() // 1024} KiB of shared memory, over "
+  used = blocks.smem_bytes(jnp.dtype(lhs.dtype).itemsize,
+                          jnp.dtype(out_dtype or lhs.dtype).itemsize)
+  if used > SMEM_LIMIT:
+    return (f"{blocks} needs {used // 1024} KiB of shared memory, over "
             f"the H100's {SMEM_LIMIT // 1024}: lower max_concurrent_steps or the tiles")
+  return None
+
+
+def _dtype_problem(lhs_dtype, rhs_dtype, transpose_rhs: bool, out_dtype) -> str | None:
+  lhs_dtype, rhs_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
+  if lhs_dtype != rhs_dtype or lhs_dtype not in HALF + FP8:
+    return (f"the grouped matmul kernel takes bf16 or fp16 operands of one dtype (or e4m3 "
+            f"ones: fp8_matmul), got {lhs_dtype} and {rhs_dtype}: set model.dtype=bfloat16 "
+            f"or model.moe.gemm=tiled")
+  if lhs_dtype in FP8 and not transpose_rhs:
+    return ("FP8 operands must be read K-major (wgmma has no transposed 8-bit operand): use "
+            "fp8_matmul, which takes rhs as [G, N, K]")
+  if lhs_dtype in FP8 and jnp.dtype(out_dtype or lhs_dtype) not in HALF:
+    return f"FP8 products come out in bf16 or fp16: pass out_dtype, got {out_dtype}"
   return None
 
 

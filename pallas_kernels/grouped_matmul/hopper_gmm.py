@@ -24,9 +24,10 @@ _ACC = plgpu.ACC  # pyright: ignore[reportPrivateImportUsage]
 
 
 def gmm(lhs_MK: jax.Array, rhs: jax.Array, sizes_G: jax.Array, *, blocks: C.GmmBlocks,
-        transpose_rhs: bool = False, interpret: bool = False) -> jax.Array:
+        transpose_rhs: bool = False, out_dtype=None, interpret: bool = False) -> jax.Array:
   """[M, N] grouped product of lhs_MK (rows sorted by group) with rhs [G, K, N] (or [G, N, K]
-  read transposed when `transpose_rhs`). Shapes must pass `hopper_config.problem`."""
+  read transposed when `transpose_rhs`), in `out_dtype` (default lhs's; fp32 accumulation).
+  Shapes must pass `hopper_config.problem`."""
   if transpose_rhs and interpret:  # the interpreter has no transposed wgmma operand
     rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), False
   (m, k), g = lhs_MK.shape, rhs.shape[0]
@@ -97,6 +98,7 @@ def gmm(lhs_MK: jax.Array, rhs: jax.Array, sizes_G: jax.Array, *, blocks: C.GmmB
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  kernel = plgpu.kernel(grouped_matmul, out_type=jax.ShapeDtypeStruct((m, n), lhs_MK.dtype),
+  kernel = plgpu.kernel(grouped_matmul,
+                        out_type=jax.ShapeDtypeStruct((m, n), out_dtype or lhs_MK.dtype),
                         **C.kernel_args(interpret))
   return kernel(sizes, lhs_MK, rhs)

@@ -123,8 +123,8 @@ def test_compiled_on_hopper(case):
 
 
 def test_benchmark_script_runs_its_kernel_table_on_cpu(tmp_path):
-  # The GPU benchmark's plumbing (interpreted kernel, tiled, ragged_dot, dense; timings
-  # meaningless).
+  # The GPU benchmark's plumbing (interpreted kernels, bf16 and FP8, tiled, ragged_dot, dense;
+  # timings meaningless).
   import os  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
@@ -135,6 +135,7 @@ def test_benchmark_script_runs_its_kernel_table_on_cpu(tmp_path):
                         text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-2000:]
   table = (tmp_path / "bench_moe_gpu_kernels.md").read_text()
-  for impl in ("pallas default", "tiled (XLA)", "ragged_dot", "dense (same FLOPs)"):
+  for impl in ("pallas default", "pallas FP8 rows", "tiled (XLA)", "ragged_dot",
+               "dense (same FLOPs)"):
     assert f"| {impl} |" in table
   assert "failed" not in table
