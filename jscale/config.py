@@ -72,7 +72,8 @@ class MoeConfig:
   capacity_factor: float = 1.25  # capacity: slots per expert = factor * tokens * top_k / experts
   # dropless grouped matmul: auto (the Pallas kernel on Hopper where it tiles, else tiled) |
   # tiled (a batched matmul over row tiles, plain XLA) | ragged_dot (XLA's: E x the FLOPs on
-  # GPU and CPU) | pallas (Mosaic GPU kernel; model.kernel_interpret runs it on CPU)
+  # GPU and CPU) | pallas (Mosaic GPU kernel, FP8 experts too when scaled per row;
+  # model.kernel_interpret runs it on CPU)
   gemm: Literal["auto", "tiled", "ragged_dot", "pallas"] = "auto"
   aux_loss_weight: float = 0.01  # Switch load-balancing loss
   z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
@@ -252,12 +253,13 @@ class Fp8Config:
   margin: int = 0  # scales leave 2**margin headroom below the format's max
   # Linear layers in FP8: groups (attention: wq wk wv wo; mlp: w_gate w_up w_down and the MoE
   # shared expert's) or single weight names; experts: the routed experts' grouped matmuls
-  # (tiled, current scaling per expert: jscale.fp8.grouped). Never the embedding, the head or
-  # the router.
+  # (current scaling: jscale.fp8.grouped, tiled; jscale.fp8.grouped_kernel, the Hopper kernel).
+  # Never the embedding, the head or the router.
   targets: tuple[str, ...] = ("attention", "mlp")
   # the routed experts' scales (targets: [experts]): expert (a scale per expert and operand, e5m2
   # output gradients) | row (a scale per row of every operand along its free dim, all e4m3, as
-  # DeepSeek-V3 runs every tensor once its scales are fine-grained: jscale.fp8.grouped)
+  # DeepSeek-V3 runs every tensor once its scales are fine-grained; the one the Pallas kernel
+  # takes, forward and dx in e4m3, dW in bf16: jscale.fp8.grouped_kernel)
   experts_scaling: Literal["expert", "row"] = "expert"
 
 

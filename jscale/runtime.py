@@ -144,11 +144,13 @@ def moe_gemm(cfg: Config, mesh: Mesh) -> tuple[str, str]:
     return m.moe.gemm, f"model.moe.gemm={m.moe.gemm}"
   if m.kernel_interpret:
     return "tiled", "model.kernel_interpret: auto runs the tiled XLA matmuls"
-  if cfg.fp8.enabled and fp8_linears.EXPERTS in cfg.fp8.targets:
-    return "tiled", "fp8.targets has experts: FP8 products in the tiled XLA matmuls"
+  fp8 = cfg.fp8.enabled and fp8_linears.EXPERTS in cfg.fp8.targets
+  if fp8 and cfg.fp8.experts_scaling != "row":
+    return "tiled", ("fp8.targets has experts, scaled per expert: FP8 products in the tiled "
+                     "XLA matmuls (the kernel's FP8 path scales per row)")
   f = (m.moe.d_ff or m.d_ff) // mesh.shape["tensor"]
   return moe_gemm_lib.auto_gemm(m.dtype, m.d_model, f, m.moe.n_experts // mesh.shape["expert"],
-                                moe_gemm_lib.compute_capability(mesh.devices.flat[0]))
+                                moe_gemm_lib.compute_capability(mesh.devices.flat[0]), fp8)
 
 
 def resolve_moe_gemm(cfg: Config, mesh: Mesh) -> tuple[Config, tuple[str, str]]:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jscale.config import Fp8Config
-from jscale.fp8 import grouped
+from jscale.fp8 import grouped, grouped_kernel
 from jscale.fp8.dot import Recipe, fp8_dot_general
 from jscale.model import matmul
 
@@ -107,6 +107,14 @@ class Fp8Linears:
     if EXPERTS not in self.targets:
       return None
     return grouped.row_products if self.experts_scaling == "row" else grouped.tile_products
+
+  def for_expert_kernel(self):
+    """The routed experts' whole grouped matmul on the Hopper kernel in FP8 (scaled per row:
+    `jscale.fp8.grouped_kernel`) if `targets` has them and scales them per row, else None
+    (per-expert scales have no kernel path)."""
+    if EXPERTS not in self.targets or self.experts_scaling != "row":
+      return None
+    return grouped_kernel.row_scaled_matmul
 
 
 def from_config(fp8: Fp8Config) -> Fp8Linears | None:

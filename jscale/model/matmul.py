@@ -82,6 +82,14 @@ def for_experts(dot_general: Any) -> Any:
   return build() if build is not None else None
 
 
+def for_expert_kernel(dot_general: Any) -> Any:
+  """The routed experts' whole grouped matmul on the Hopper kernel (`grouped_matmul`'s
+  signature) if the model's `dot_general` gives one (`for_expert_kernel`, e.g. FP8 experts
+  scaled per row: `jscale.fp8.grouped_kernel`), else None: the kernel in bf16."""
+  build = getattr(dot_general, "for_expert_kernel", None)
+  return build() if build is not None else None
+
+
 def on_seam(dot_general: Any, seam: Any) -> DotGeneral:
   """A layer's product as a plain dot_general for one call: a product that reduces over the
   devices holding its operands' shards (FP8's amaxes; it has `on(seam)`) is bound to the seam."""

@@ -92,6 +92,7 @@ class MoE(nnx.Module):
     self.cfg, self.dtype = m, cfg.dtype
     self.kernel_interpret = cfg.kernel_interpret
     self.expert_products = matmul.for_experts(dot_general)
+    self.expert_kernel = matmul.for_expert_kernel(dot_general)
 
   def __call__(self, h_BLD: jax.Array, comms: Seam) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`h_BLD`: the normed input (inside the tensor-parallel region). Returns the experts'
@@ -119,7 +120,7 @@ class MoE(nnx.Module):
                         for x in (self.w_gate, self.w_up, self.w_down)))
     e, d, f = self.w_gate.shape  # this device's (under manual tensor parallelism: its slice)
     grouped = moe_gemm.for_model(self.cfg.gemm, self.dtype, d, f, e, self.kernel_interpret,
-                                 self.expert_products)
+                                 self.expert_products, self.expert_kernel)
     y_GTD, dropped = comms.experts(h_GTD, ids_GTK, comms.expert_gates(gates_GTK), w, self.cfg,
                                    self.dtype, grouped)
     n = comms.token_sum(jnp.asarray(b * l * self.cfg.top_k, jnp.float32))

@@ -5,6 +5,7 @@ experts' grouped matmul (`model.moe.gemm=pallas`)."""
 from __future__ import annotations
 
 from jscale.config import Config, ConfigError
+from jscale.fp8 import linears as fp8_linears
 from jscale.model import attention as attn_lib
 from jscale.model import moe_gemm
 from jscale.parallel.context.order import chunks_per_device as parts
@@ -34,8 +35,8 @@ def check_backend(cfg: Config, backend: str) -> None:
 
 def check_moe_gemm(cfg: Config, sizes: dict[str, int], device=None) -> None:
   """model.moe.gemm=pallas: a Hopper GPU (or the interpreter), and the kernel tiles each
-  device's expert matmuls (bf16 / fp16, widths that divide into its tiles; the expert hidden
-  dim is split over mesh.tensor)."""
+  device's expert matmuls (bf16 / fp16, widths that divide into its tiles, and 128 for FP8
+  experts' e4m3 operands; the expert hidden dim is split over mesh.tensor)."""
   m = cfg.model
   if m.kernel_interpret and cfg.train.remat != "none":
     raise ConfigError(f"model.moe.gemm=pallas with model.kernel_interpret and "
@@ -50,7 +51,8 @@ def check_moe_gemm(cfg: Config, sizes: dict[str, int], device=None) -> None:
   if moe is None:
     raise ConfigError("model.moe.gemm=pallas needs an MoE: set model.moe.n_experts")
   f = (moe.d_ff or m.d_ff) // sizes["tensor"]
-  why_not = moe_gemm.kernel_fits(m.dtype, m.d_model, f, moe.n_experts // sizes["expert"])
+  fp8 = cfg.fp8.enabled and fp8_linears.EXPERTS in cfg.fp8.targets
+  why_not = moe_gemm.kernel_fits(m.dtype, m.d_model, f, moe.n_experts // sizes["expert"], fp8)
   if why_not is not None:
     raise ConfigError(f"model.moe.gemm=pallas cannot run this MoE (model.d_model={m.d_model}, "
                       f"expert width {f} per device, model.dtype={m.dtype}): {why_not}")

@@ -96,7 +96,8 @@ def _check_fp8(cfg: Config) -> None:
 
 
 def _check_fp8_experts(cfg: Config) -> None:
-  """FP8 experts run in the tiled grouped matmul of the dropless sort (`jscale.fp8.grouped`)."""
+  """FP8 experts run in the dropless sort's grouped matmul: tiled (`jscale.fp8.grouped`), or
+  the Hopper kernel when scaled per row (`jscale.fp8.grouped_kernel`)."""
   moe = cfg.model.moe
   key = "fp8.targets=[experts]"
   if moe is None:
@@ -105,10 +106,14 @@ def _check_fp8_experts(cfg: Config) -> None:
   if moe.dispatch != "dropless":
     raise ConfigError(f"{key} with model.moe.dispatch={moe.dispatch}: FP8 experts run in the "
                       f"dropless grouped matmul; set model.moe.dispatch=dropless")
-  if moe.gemm not in ("auto", "tiled"):
-    raise ConfigError(f"{key} with model.moe.gemm={moe.gemm}: only the tiled grouped matmul "
-                      f"takes FP8 operands (the Pallas kernel is bf16 / fp16, ragged_dot costs "
-                      f"E times the FLOPs); set model.moe.gemm=tiled (or auto)")
+  if moe.gemm == "ragged_dot":
+    raise ConfigError(f"{key} with model.moe.gemm=ragged_dot: ragged_dot takes no FP8 scales "
+                      f"(and costs E times the FLOPs); set model.moe.gemm=tiled, pallas or auto")
+  if moe.gemm == "pallas" and cfg.fp8.experts_scaling != "row":
+    raise ConfigError(f"{key} with model.moe.gemm=pallas and fp8.experts_scaling="
+                      f"{cfg.fp8.experts_scaling}: the kernel's FP8 path scales per row (its "
+                      f"epilogue-exact scales); set fp8.experts_scaling=row, or "
+                      f"model.moe.gemm=tiled")
   # (xla mode's split experts, which run slot buffers: `experts.check_experts`, on the mesh)
 
 

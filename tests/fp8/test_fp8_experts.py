@@ -105,7 +105,8 @@ def test_the_routed_experts_take_fp8_operands_in_the_lowered_step():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.moe.gemm=pallas"], "only the tiled grouped matmul takes FP8 operands"),
+    (["model.moe.gemm=pallas"], "set fp8.experts_scaling=row, or model.moe.gemm=tiled"),
+    (["model.moe.gemm=ragged_dot"], "ragged_dot takes no FP8 scales"),
     (["model.moe.dispatch=capacity"], "set model.moe.dispatch=dropless"),
     (["fp8.targets=[experts,mlp]"], r"set fp8.targets=\[experts\]"),
 ])

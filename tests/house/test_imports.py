@@ -23,6 +23,7 @@ LAZY = {
     ("jscale/model/attention.py", "pallas_kernels.flash_attention.hopper"): _MOSAIC,
     ("jscale/model/layers.py", "pallas_kernels.rms_norm.hopper"): _MOSAIC,
     ("jscale/model/moe_gemm.py", "pallas_kernels.grouped_matmul"): _MOSAIC,
+    ("jscale/fp8/grouped_kernel.py", "pallas_kernels.grouped_matmul"): _MOSAIC,
     # `python -m jscale.plan --verify N` sets XLA_FLAGS (N simulated devices) before anything
     # imports JAX; the estimate alone never imports it.
     **{("jscale/plan/__main__.py", m): "the CLI sets XLA_FLAGS before JAX is imported"

@@ -1,7 +1,8 @@
 """`model.moe.gemm`: the Hopper grouped matmul kernel (interpreted on CPU) and the tiled XLA
-one inside the MoE layer against ragged_dot, what `auto` picks and why, bad choices refused
-before compile, and the dispatch's data movement (gathers both ways: no scatter-add of token
-rows in the step)."""
+one inside the MoE layer against ragged_dot, FP8 experts scaled per row on the kernel (e4m3
+kernels for Hopper, the tiled FP8 path's values), what `auto` picks and why, bad choices
+refused before compile, and the dispatch's data movement (gathers both ways: no scatter-add of
+token rows in the step)."""
 
 import re
 
@@ -9,14 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from close import assert_close
 from conftest import small_config
 from jscale import runtime
 from jscale.config import ConfigError
+from jscale.fp8 import linears as fp8_linears
 from jscale.model import moe_dispatch as md
 from jscale.model import moe_gemm
+from jscale.model.moe import MoE
 from jscale.model.moe_gemm import GroupedDot
+from jscale.model.seam import LOCAL
 
 E, D, F, T, K = 4, 128, 128, 64, 2
 
@@ -134,23 +139,78 @@ def test_xla_data_parallel_dropless_runs_per_device_and_matches_one_device(layou
   assert f"x8x{t}x{cfg.model.d_model}x" not in text and "stablehlo.sort" in text
 
 
-def test_moe_layer_with_the_kernel_lowers_for_hopper():
-  # The model's path (MoE module -> seam -> GroupedDot -> kernels) compiled for a GPU: forward
-  # gate / up / down, their dx and dW — nine Mosaic GPU kernels, no XLA grouped matmul left.
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from jscale.model.moe import MoE  # pylint: disable=import-outside-toplevel
-  from jscale.model.seam import LOCAL  # pylint: disable=import-outside-toplevel
+def _moe_layer_grad(*overrides):
+  """(jitted d(loss)/d(state, h) of one MoE layer with `overrides`, its abstract inputs)."""
   cfg = small_config(None, "model.preset=tiny_moe", "model.dtype=bfloat16", "model.d_model=256",
-                     "model.moe.d_ff=256", "model.moe.gemm=pallas").model
-  graphdef, state = nnx.split(MoE(cfg, nnx.Rngs(0)))
+                     "model.moe.d_ff=256", *overrides)
+  dot = fp8_linears.from_config(cfg.fp8) or jax.lax.dot_general
+  graphdef, state = nnx.split(MoE(cfg.model, nnx.Rngs(0), dot))
 
   def loss(state, h):
     y, stats = nnx.merge(graphdef, state)(h, LOCAL)
-    return jnp.sum(y.astype(jnp.float32)) + stats["aux_loss"]
+    return jnp.sum(jnp.sin(y.astype(jnp.float32))) + stats["aux_loss"]
 
+  return jax.jit(jax.grad(loss, (0, 1))), state
+
+
+def _lowered_for_hopper(*overrides) -> str:
+  grad, state = _moe_layer_grad(*overrides)
   spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-  text = jax.jit(jax.grad(loss, (0, 1))).trace(
-      jax.tree.map(spec, state), jax.ShapeDtypeStruct((2, 256, 256), jnp.bfloat16)).lower(
-          lowering_platforms=("cuda",)).as_text()
+  return grad.trace(jax.tree.map(spec, state), jax.ShapeDtypeStruct((2, 256, 256), jnp.bfloat16)
+                    ).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_moe_layer_with_the_kernel_lowers_for_hopper():
+  # The model's path (MoE module -> seam -> GroupedDot -> kernels) compiled for a GPU: forward
+  # gate / up / down, their dx and dW — nine Mosaic GPU kernels, no XLA grouped matmul left.
+  text = _lowered_for_hopper("model.moe.gemm=pallas")
   assert text.count("custom_call @mosaic_gpu") == 9
   assert "chlo.ragged_dot" not in text and "stablehlo.ragged_dot" not in text
+
+
+FP8_ROWS = ("fp8.enabled=true", "fp8.targets=[experts]", "fp8.experts_scaling=row")
+
+
+def test_fp8_experts_scaled_per_row_lower_to_e4m3_kernels():
+  # Forward and dx of gate / up / down take e4m3 operands; the three dW kernels stay bf16.
+  text = _lowered_for_hopper("model.moe.gemm=pallas", *FP8_ROWS)
+  calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+  assert len(calls) == 9 and sum("f8E4M3FN" in line for line in calls) == 6
+  assert "dot_general" not in "".join(line for line in text.splitlines() if "f8E4M3FN" in line)
+
+
+def test_fp8_experts_on_the_kernel_match_the_tiled_fp8_path():
+  # One recipe (a scale per row, all e4m3), two engines: the kernel (interpreted) and the tiled
+  # XLA products; dW is FP8 in the tiled path and bf16 on the kernel.
+  grad_k, state = _moe_layer_grad("model.moe.gemm=pallas", "model.kernel_interpret=true",
+                                  *FP8_ROWS)
+  grad_t, _ = _moe_layer_grad("model.moe.gemm=tiled", *FP8_ROWS)
+  grad_b, _ = _moe_layer_grad("model.moe.gemm=tiled")
+  h = jax.random.normal(jax.random.key(1), (2, 64, 256), jnp.float32).astype(jnp.bfloat16)
+  kernel, tiled, bf16 = grad_k(state, h), grad_t(state, h), grad_b(state, h)
+  rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) /
+                           jnp.linalg.norm(b.astype(jnp.float32)))
+  names = ("w_gate", "w_up", "w_down")
+  pick = lambda g: {"dh": g[1], **{n: g[0][n].value for n in names}}
+  # (kernel vs tiled, kernel vs bf16, tiled vs bf16), each by norm. The engines sum in other
+  # orders, so a bf16 result can differ by an ulp and its next e4m3 rounding by one of e4m3's
+  # (6%) on a few values: the two FP8 paths differ by less than FP8 itself moves the result,
+  # and are as far from bf16 as each other (dW: bf16 on the kernel, no further).
+  errors = {k: (rel(pick(kernel)[k], pick(tiled)[k]), rel(pick(kernel)[k], pick(bf16)[k]),
+                rel(pick(tiled)[k], pick(bf16)[k])) for k in ("dh", *names)}
+  print(errors)  # measured: dh (0.017, 0.067, 0.067); dW (0.036, 0.053, 0.065)
+  between, kernel_err, tiled_err = errors["dh"]
+  assert between < 0.4 * tiled_err and abs(kernel_err - tiled_err) < 0.1 * tiled_err
+  assert all(errors[n][1] <= errors[n][2] for n in names)
+
+
+def test_auto_runs_fp8_experts_on_the_kernel_only_when_scaled_per_row():
+  assert moe_gemm.auto_gemm(jnp.bfloat16, 2048, 1408, 64, "9.0", fp8=True) == (
+      "pallas", "Hopper (sm_90): Mosaic GPU grouped matmul, FP8 forward and dx")
+  tiles = lambda *_: None  # per-expert scales: tile products, no kernel
+  assert moe_gemm.for_model("auto", jnp.bfloat16, 2048, 1408, 64, products=tiles).impl == "tiled"
+  cfg = small_config(None, *MOE, *FP8_ROWS[:2])
+  mesh = runtime.build(cfg, jax.devices()[:1]).mesh
+  assert runtime.moe_gemm(cfg, mesh) == ("tiled", "fp8.targets has experts, scaled per expert: "
+                                         "FP8 products in the tiled XLA matmuls (the kernel's "
+                                         "FP8 path scales per row)")
