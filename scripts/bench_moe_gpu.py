@@ -7,7 +7,8 @@
 
 1. kernels: 8 groups of uneven size over 32768 rows, 2048 -> 2048, bf16 (the shape of one
    expert matmul of the training rows below): fwd and fwd+bwd (dlhs + drhs) TFLOP/s of the
-   Pallas kernel (`pallas_kernels.grouped_matmul`; its default tiles and a sweep), the tiled
+   Pallas kernel (`pallas_kernels.grouped_matmul`; its default tiles and a sweep; FP8 scaled
+   per row, `jscale.fp8.grouped_kernel`, its quantisation included), the tiled
    XLA matmul (`jscale.model.grouped_tiles`), XLA's jax.lax.ragged_dot (8x the FLOPs on GPU),
    tokamax's ragged_dot when it imports, and a dense matmul of the same FLOPs (the ceiling). Timing: `kernel_timing` (profiler kernel time where it works, else a
    back-to-back loop).
@@ -61,6 +62,7 @@ def kernel_rows(m: int, k: int, n: int, g: int, sweep: bool, quick: bool) -> lis
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import kernel_timing  # pylint: disable=import-outside-toplevel
   from jscale.model import grouped_tiles  # pylint: disable=import-outside-toplevel
+  from jscale.fp8 import grouped_kernel  # pylint: disable=import-outside-toplevel
   from pallas_kernels import grouped_matmul as gm  # pylint: disable=import-outside-toplevel
   keys = jax.random.split(jax.random.key(0), 3)
   lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
@@ -69,6 +71,10 @@ def kernel_rows(m: int, k: int, n: int, g: int, sweep: bool, quick: bool) -> lis
   sizes = jnp.asarray(_group_sizes(m, g))
   impls = {"pallas default": functools.partial(gm.grouped_matmul, blocks=gm.DEFAULT,
                                                interpret=quick),
+           # FP8 experts scaled per row: forward and dx on e4m3 operands, dW in bf16; the
+           # quantisation passes and the scaling of the results timed with them
+           "pallas FP8 rows": functools.partial(grouped_kernel.row_scaled_matmul,
+                                                interpret=quick),
            "tiled (XLA)": lambda a, b, s: grouped_tiles.grouped_dot(a, b, s, a.dtype),
            "ragged_dot": jax.lax.ragged_dot}
   if sweep and not quick:

@@ -91,6 +91,12 @@ ROWS: dict[str, tuple[str, ...]] = {
         "model.preset=deepseek_v3_16b", "model.n_layers=3", "train.batch_size=2",
         "train.remat=selective", "train.moments_dtype=bfloat16", "fp8.enabled=true",
         "fp8.targets=[experts]"),
+    # scaled per row instead: on Hopper the grouped kernel's FP8 path (forward and dx in e4m3,
+    # dW in bf16: jscale/fp8/grouped_kernel.py)
+    "dsv3-16b-3L selective b2 bf16 moments fp8 experts rows": (
+        "model.preset=deepseek_v3_16b", "model.n_layers=3", "train.batch_size=2",
+        "train.remat=selective", "train.moments_dtype=bfloat16", "fp8.enabled=true",
+        "fp8.targets=[experts]", "fp8.experts_scaling=row"),
 }
 # Rows run with these XLA flags added (XLA's Triton gemm fusions read the fp32 master weights
 # and cast inside the gemm; without them cuBLAS runs every gemm after a separate convert).

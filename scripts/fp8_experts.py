@@ -13,10 +13,11 @@ products exactly as dequantised fp32). Runs already in the .csv for this commit 
 again, so a larger --seeds adds seeds; the table takes each run's seeds from the newest commit
 that ran them all.
 speed: the DeepSeek-V3 16B proxy (3 layers + MTP, seq 4096, 2 sequences, selective remat, bf16
-moments) on one H100, compiled by XLA:GPU on this machine with its Triton gemms (what keeps the
+moments; the Hopper kernel's rows again at 6 sequences) on one H100, compiled by XLA:GPU on this machine with its Triton gemms (what keeps the
 batched FP8 products FP8: XLA's cuBLAS path upcasts them to f16) and timed by `jscale.predict`:
 a prediction, with the FP8 gemms at the FP8 peak times the gemm efficiency bf16's have (no
-grouped FP8 gemm rate was measured).
+grouped FP8 gemm rate was measured; the Hopper kernel's FP8 products likewise, at its measured
+bf16 rate times the FP8:bf16 peak).
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ VARIANTS = {"tiled, bf16": ("model.moe.gemm=tiled",),
             "tiled, FP8 (per-expert current scaling)": ("model.moe.gemm=tiled", *FP8),
             "tiled, FP8 (per-row scaling, all e4m3)": ("model.moe.gemm=tiled", *FP8,
                                                        "fp8.experts_scaling=row"),
-            "Pallas Hopper kernel, bf16 (auto's pick)": ("model.moe.gemm=pallas",)}
+            "Pallas Hopper kernel, bf16 (auto's pick)": ("model.moe.gemm=pallas",),
+            "Pallas Hopper kernel, FP8 forward and dx (per-row scaling; auto's pick)": (
+                "model.moe.gemm=pallas", *FP8, "fp8.experts_scaling=row")}
 
 
 LOSS_RUNS = {"bf16": (), "control": ("train.microbatches=2",), "fp8": FP8,
@@ -136,12 +139,14 @@ def experts_ms(sched) -> float:
              "grouped_matmul" in (t.launch.label or "")) * 1e3
 
 
-def speed_rows() -> list[str]:
+def speed_rows(variants: dict[str, tuple[str, ...]], extra: tuple[str, ...] = ()) -> list[str]:
+  """One row per variant of the proxy (with `extra` overrides): the experts' kernels, the step
+  and its MFU, predicted on one H100."""
   devices = gpu_target.devices("h100x1")
   out = ["| routed experts | their kernels (ms per step) | predicted step (ms) | MFU |",
          "|---|---|---|---|"]
-  for name, overrides in VARIANTS.items():
-    cfg = load_config(None, [*PROXY, *overrides])
+  for name, overrides in variants.items():
+    cfg = load_config(None, [*PROXY, *overrides, *extra])
     compiled, _ = introspect.compile_train_step(cfg, devices)  # Triton gemms: FP8 stays FP8
     text = compiled.as_text()
     r = predict.predict_config(cfg, "h100x1", text, top=0)
@@ -166,10 +171,13 @@ def main() -> None:
                     f"200 steps, mean over {args.seeds} seeds; measured on a CPU:", "",
                     *loss_rows(args.seeds)])
   if args.only in (None, "speed"):
+    kernels = {k: v for k, v in VARIANTS.items() if k.startswith("Pallas")}
     _write("speed", [title, "", "The DeepSeek-V3 16B proxy on one H100, **predicted** "
                      "(compiled by XLA:GPU on a CPU machine with its Triton gemms, timed by "
                      "`jscale.predict`; FP8 gemms at the FP8 peak, no measured rate):", "",
-                     *speed_rows()])
+                     *speed_rows(VARIANTS), "", "The kernels at 6 sequences a step (the "
+                     "weights' quantisation passes cost the same; the rows' products triple):",
+                     "", *speed_rows(kernels, ("train.batch_size=6",))])
 
 
 def _write(part: str, lines: list[str]) -> None:

@@ -284,6 +284,7 @@ class Program:
       elif "grouped_matmul" in kernel:  # lhs [M, K] (after the group sizes); out [..., N]
         rows_inputs = [o for o in operands if len(o[1]) == 2]  # lhs (and dW's dout [M, N])
         m, k = rows_inputs[0][1]
+        launch.dtype = _gemm_type(rows_inputs[0][0], operands[-1][0])  # f8: FP8 experts
         rows = m if self.routed_rows is None else min(m, self.routed_rows)
         # The kernel reads no row past its groups' sizes (it writes them as zeros).
         launch.bytes -= sum(hlo.nbytes(d, (m - rows, s[1])) for d, s in rows_inputs if s[0] == m)

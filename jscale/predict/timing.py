@@ -11,8 +11,9 @@ Cost rules, per launch (`rates.Chip` holds the constants and their sources):
 - attention (cuDNN's fused kernels, jscale's Pallas flash kernels): FLOPs over the rate
   measured for that kernel, sequence length and head dim (`rates.ATTENTION`).
 - other Pallas kernels: RMSNorm at its measured share of copy bandwidth; the grouped matmul
-  and its transposed (dW) kernel at their measured rates (`rates.GROUPED`); any other as a
-  roofline, flagged.
+  and its transposed (dW) kernel at their measured bf16 rates (`rates.GROUPED`; on e4m3
+  operands scaled by the FP8:bf16 peak, as XLA's FP8 gemms are: no FP8 rate measured); any
+  other as a roofline, flagged.
 - everything else (XLA's loop / input / Triton fusions, copies, dynamic-update-slices): bytes
   read + written over the copy bandwidth times `Fit.memory`.
 - every kernel adds `Fit.launch_s` (what a profile shows as idle between kernels).
@@ -105,8 +106,12 @@ def _pallas_kernel(x: Launch, chip: rates.Chip) -> Timed:
   if "grouped_matmul" in name:
     x.flops = _grouped_flops(x)
     kind = "transposed_grouped_matmul" if "transposed" in name else "grouped_matmul"
-    t = max(x.flops / rates.GROUPED[kind], x.bytes / chip.hbm_bytes_s)
-    return Timed(x, t, chip.fit.launch_s, "measured", note=f"{kind}: rate at 8 x 4096 rows")
+    rate, note = rates.GROUPED[kind], f"{kind}: rate at 8 x 4096 rows"
+    if x.dtype == "f8":  # as XLA's FP8 gemms: the bf16 efficiency at the FP8 peak
+      rate *= chip.peak["f8"] / chip.peak["bf16"]
+      note += ", bf16's, scaled to the FP8 peak (no FP8 rate measured)"
+    t = max(x.flops / rate, x.bytes / chip.hbm_bytes_s)
+    return Timed(x, t, chip.fit.launch_s, "measured", note=note)
   t = x.bytes / chip.hbm_bytes_s
   return Timed(x, t, chip.fit.launch_s, "roofline", note=f"{name}: no measured rate")
 
