@@ -123,7 +123,7 @@ def _bwd(res, g_TMN):
 tile_products.defvjp(_forward, _bwd)
 
 
-def _scales(x: jax.Array, axis: int, fmt) -> jax.Array:
+def scales_along(x: jax.Array, axis: int, fmt) -> jax.Array:
   """Power-of-two scales from x's amax along `axis` (kept as a size-1 dim)."""
   return scaling.scale_for(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True),
                            fmt)
@@ -154,7 +154,7 @@ def row_products(x_TMK: jax.Array, w_EKN: jax.Array, expert_T: jax.Array) -> jax
 
 def _rows_forward(x_TMK, w_EKN, expert_T):
   e, dt = w_EKN.shape[0], x_TMK.dtype
-  sx_TM1, sw_E1N = _scales(x_TMK, 2, E4M3), _scales(w_EKN, 1, E4M3)
+  sx_TM1, sw_E1N = scales_along(x_TMK, 2, E4M3), scales_along(w_EKN, 1, E4M3)
   y_TMN = jax.lax.dot_general(_quantized(x_TMK, sx_TM1),
                               _weights_per_tile(_quantized(w_EKN, sw_E1N), expert_T), _TMK_TKN,
                               preferred_element_type=dt)
@@ -163,7 +163,7 @@ def _rows_forward(x_TMK, w_EKN, expert_T):
   # (`_forward` says why): x per expert column (dw), w per input row (dx).
   sx_EK = _expert_scales(x_TMK, expert_T, e)
   qx_TMK = _quantized(x_TMK, _of_tiles(sx_EK, expert_T))
-  sw_EK1 = _scales(w_EKN, 2, E4M3)
+  sw_EK1 = scales_along(w_EKN, 2, E4M3)
   as_bytes = lambda q: jax.lax.bitcast_convert_type(q, jnp.uint8)
   w_dtype = jnp.zeros((0,), w_EKN.dtype)
   return y_TMN, (as_bytes(qx_TMK), as_bytes(_quantized(w_EKN, sw_EK1)), sx_EK, sw_EK1,
@@ -174,7 +174,7 @@ def _rows_bwd(res, g_TMN):
   bx_TMK, bw_EKN, sx_EK, sw_EK1, expert_T, w_dtype = res
   e, dt = sx_EK.shape[0], g_TMN.dtype
   qw_TKN = _weights_per_tile(jax.lax.bitcast_convert_type(bw_EKN, E4M3), expert_T)
-  sg_TM1 = _scales(g_TMN, 2, E4M3)
+  sg_TM1 = scales_along(g_TMN, 2, E4M3)
   dx_TMK = jax.lax.dot_general(_quantized(g_TMN, sg_TM1), qw_TKN, _TMN_TKN,
                                preferred_element_type=dt)
   dx_TMK = dx_TMK * sg_TM1.astype(dt) * _of_tiles(sw_EK1[..., 0], expert_T).astype(dt)

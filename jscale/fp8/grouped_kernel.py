@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from jscale.fp8 import scaling
+from jscale.fp8 import grouped, scaling
 from jscale.fp8.scaling import E4M3
+from jscale.model import grouped_tiles
 
 if TYPE_CHECKING:
   from pallas_kernels.grouped_matmul import GmmBlocks
@@ -48,23 +49,16 @@ class _Static:
 
 def row_scales(x: jax.Array, axis: int) -> jax.Array:
   """e4m3 power-of-two scales from x's amax along `axis` (kept as a size-1 dim)."""
-  return scaling.scale_for(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True),
-                           E4M3)
-
-
-def row_experts(sizes_E: jax.Array, rows: int) -> jax.Array:
-  """[rows] int32: the expert each row belongs to (rows sorted by expert; rows past
-  sum(sizes_E), which the kernel writes as zeros, get the last expert)."""
-  ends_E = jnp.cumsum(sizes_E.astype(jnp.int32))
-  expert = jnp.searchsorted(ends_E, jnp.arange(rows, dtype=jnp.int32), side="right")
-  return jnp.minimum(expert, sizes_E.shape[0] - 1).astype(jnp.int32)
+  return grouped.scales_along(x, axis, E4M3)
 
 
 def _product(q_MK, q_ENK, s_M1, s_EN, sizes_E, dtype, cfg: _Static) -> jax.Array:
   """The kernel's unscaled e4m3 product in `dtype`, times each row's and column's scales."""
   y = _kernels().fp8_matmul(q_MK, q_ENK, sizes_E, out_dtype=dtype, blocks=cfg.blocks,
                             interpret=cfg.interpret)
-  s_MN = jnp.take(s_EN, row_experts(sizes_E, q_MK.shape[0]), axis=0)
+  # (rows past sum(sizes_E) are zeros from the kernel: any expert's scales keep them zero)
+  s_MN = jnp.take(s_EN, grouped_tiles.row_experts(sizes_E.astype(jnp.int32), q_MK.shape[0]),
+                  axis=0)
   return y * s_M1.astype(dtype) * s_MN.astype(dtype)
 
 

@@ -53,6 +53,14 @@ def _gather_rows_bwd(res, g_PK):
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
+def row_experts(sizes_E: jax.Array, rows: int) -> jax.Array:
+  """[rows]: the expert each row belongs to (rows sorted by expert, sizes_E each; rows past
+  sum(sizes_E) get the last expert)."""
+  a = jnp.arange(rows)
+  return jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_E), a, side="right"),
+                     sizes_E.shape[0] - 1).astype(jnp.int32)
+
+
 def _layout(sizes_E: jax.Array, rows: int, tile: int):
   """Where every row goes: the tiles' experts [T], padded row p's source row and whether it
   holds one [P], and sorted row a's padded row and whether it is a row of some group [A]."""
@@ -70,7 +78,7 @@ def _layout(sizes_E: jax.Array, rows: int, tile: int):
   valid_P = (expert_T[p // tile] < e) & (offset_P < sizes_E[e_P])
   src_P = jnp.clip(row_start_E[e_P] + offset_P, 0, rows - 1).astype(jnp.int32)
   a = jnp.arange(rows)
-  e_A = jnp.minimum(jnp.searchsorted(row_end_E, a, side="right"), e - 1)
+  e_A = row_experts(sizes_E, rows)
   valid_A = a < row_end_E[-1]
   dest_A = jnp.clip(first_tile_E[e_A] * tile + a - row_start_E[e_A], 0,
                     n_tiles * tile - 1).astype(jnp.int32)
