@@ -144,7 +144,7 @@ def moe_gemm(cfg: Config, mesh: Mesh) -> tuple[str, str]:
     return m.moe.gemm, f"model.moe.gemm={m.moe.gemm}"
   if m.kernel_interpret:
     return "tiled", "model.kernel_interpret: auto runs the tiled XLA matmuls"
-  fp8 = cfg.fp8.enabled and fp8_linears.EXPERTS in cfg.fp8.targets
+  fp8 = fp8_linears.experts_in(cfg.fp8)
   if fp8 and cfg.fp8.experts_scaling != "row":
     return "tiled", ("fp8.targets has experts, scaled per expert: FP8 products in the tiled "
                      "XLA matmuls (the kernel's FP8 path scales per row)")

@@ -38,6 +38,11 @@ NEVER = {
 }
 
 
+def experts_in(fp8: Fp8Config) -> bool:
+  """Whether `fp8` runs the routed experts' products in FP8 (`fp8.targets` has experts)."""
+  return fp8.enabled and EXPERTS in fp8.targets
+
+
 def target_names(targets) -> frozenset[str]:
   """The weight names `fp8.targets` selects (groups expanded); ValueError for unknown names."""
   names = set()

@@ -48,7 +48,7 @@ def check_experts(cfg: Config, sizes: dict[str, int]) -> None:
                       "each device must hold the same number of experts")
   if moe.exchange == "node_limited" and ep > 1:
     deepseek.check_node_limited(moe, cfg.parallel.collectives, ep)
-  if cfg.fp8.enabled and fp8_linears.EXPERTS in cfg.fp8.targets and slot_buffers(cfg, sizes):
+  if fp8_linears.experts_in(cfg.fp8) and slot_buffers(cfg, sizes):
     raise ConfigError("fp8.targets=[experts] with mesh.expert or mesh.tensor > 1 in xla mode: "
                       "xla mode dispatches split experts through a slot buffer, not the grouped "
                       "matmul; set parallel.collectives=manual")

@@ -51,7 +51,7 @@ def check_moe_gemm(cfg: Config, sizes: dict[str, int], device=None) -> None:
   if moe is None:
     raise ConfigError("model.moe.gemm=pallas needs an MoE: set model.moe.n_experts")
   f = (moe.d_ff or m.d_ff) // sizes["tensor"]
-  fp8 = cfg.fp8.enabled and fp8_linears.EXPERTS in cfg.fp8.targets
+  fp8 = fp8_linears.experts_in(cfg.fp8)
   why_not = moe_gemm.kernel_fits(m.dtype, m.d_model, f, moe.n_experts // sizes["expert"], fp8)
   if why_not is not None:
     raise ConfigError(f"model.moe.gemm=pallas cannot run this MoE (model.d_model={m.d_model}, "
