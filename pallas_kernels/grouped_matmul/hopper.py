@@ -69,13 +69,20 @@ def why_not(lhs, rhs, group_sizes, blocks: C.GmmBlocks | None = None,
   return _fp8_why_not(lhs, rhs, group_sizes) if fp8 else None
 
 
+def _fp8_fitted(lhs_MK, rhs_GNK, group_sizes, blocks, out_dtype):
+  """(`blocks` fitted to an FP8 product's widths, why the kernel cannot run it or None)."""
+  (_, k), n = lhs_MK.shape, rhs_GNK.shape[1]
+  blocks = C.fit(blocks or C.DEFAULT_FP8, k, n, lhs_MK.dtype)
+  return blocks, C.problem(lhs_MK, rhs_GNK, group_sizes, blocks, transpose_rhs=True,
+                           out_dtype=out_dtype)
+
+
 def _fp8_why_not(lhs, rhs, group_sizes) -> str | None:
   f8, (m, k), (g, _, n) = C.FP8[0], lhs.shape, rhs.shape
   s = jax.ShapeDtypeStruct
   for rows, contract, out in ((m, k, n), (m, n, k)):  # forward, then dlhs = dout @ rhs^T
-    blocks = C.fit(C.DEFAULT_FP8, contract, out, f8)
-    why = C.problem(s((rows, contract), f8), s((g, out, contract), f8), group_sizes, blocks,
-                    transpose_rhs=True, out_dtype=lhs.dtype)
+    _, why = _fp8_fitted(s((rows, contract), f8), s((g, out, contract), f8), group_sizes,
+                         None, lhs.dtype)
     if why is not None:
       return f"FP8 experts on the kernel: {why}"
   return None
@@ -93,9 +100,7 @@ def fp8_matmul(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, 
   in fp32 and rounded to `out_dtype` (bf16 / fp16). rhs comes [G, N, K], contraction minor, as
   wgmma reads 8-bit operands; unscaled: the caller applies its scales to the result
   (`jscale.fp8.grouped_kernel`). Not differentiable. Shapes that do not tile raise ValueError."""
-  (_, k), n = lhs_MK.shape, rhs_GNK.shape[1]
-  blocks = C.fit(blocks or C.DEFAULT_FP8, k, n, lhs_MK.dtype)
-  why = C.problem(lhs_MK, rhs_GNK, group_sizes_G, blocks, transpose_rhs=True, out_dtype=out_dtype)
+  blocks, why = _fp8_fitted(lhs_MK, rhs_GNK, group_sizes_G, blocks, out_dtype)
   if why is not None:
     raise ValueError(why)
   return gmm(lhs_MK, rhs_GNK, group_sizes_G, blocks=blocks, transpose_rhs=True,
