@@ -4,12 +4,15 @@ import os
 import subprocess
 import sys
 
-# LLVM optimisation level 0 for the CPU backend: the suite is compile-bound (tiny shapes, many
-# layouts), and -O0 halves compile time; HLO passes, sharding, collectives and buffer assignment
-# (memory_analysis) are unchanged. Set before jax is imported (subprocesses inherit it).
+# The suite is compile-bound (tiny shapes, many layouts), so XLA:CPU compiles for speed of
+# compiling: LLVM -O0 (halves compile time) and the legacy elemental emitters instead of the
+# MLIR fusion emitters (a third less again: the emitters, not the pass pipeline, own XLA:CPU's
+# compile time). Sharding, collectives and what the tests inspect hold under both; CPU
+# numerics may move in the last bits. Set before jax is imported (subprocesses inherit them).
 _FLAGS = os.environ.get("XLA_FLAGS", "")
-if "xla_backend_optimization_level" not in _FLAGS:
-  _FLAGS += " --xla_backend_optimization_level=0"
+for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+  if _flag.split("=")[0] not in _FLAGS:
+    _FLAGS += " " + _flag
 os.environ["XLA_FLAGS"] = (_FLAGS + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
