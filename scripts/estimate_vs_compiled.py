@@ -147,7 +147,8 @@ def _relative_nnls(features: np.ndarray, fixed: np.ndarray, target: np.ndarray,
 WINDOWS = np.round(np.arange(0.0, 0.76, 0.01), 2)
 REGATHER_FROM = np.round(np.arange(0.5, 0.96, 0.05), 2)
 # fitted on a grid or outside the sweep (`cost.Exposure`)
-NOT_SHARES = ("zero3_window", "regather_from", "host_offload", "pipeline_pace")
+NOT_SHARES = ("zero3_window", "regather_from", "host_offload", "pipeline_pace",
+              "split_backward")
 
 
 def _fit_shares(flat: list, passes: busy.Fit, window: float, regather_from: float
@@ -171,7 +172,8 @@ def _fit_shares(flat: list, passes: busy.Fit, window: float, regather_from: floa
   feats, fixed = np.array(feats), np.array(fixed)
   share = _relative_nnls(feats, fixed, exposed, step)
   residual = float(np.sum(((fixed + feats @ share - exposed) / step) ** 2))
-  return cost.Exposure(**dict(zip(shares, share)), **grid, pipeline_pace=1.0), residual
+  return (cost.Exposure(**dict(zip(shares, share)), **grid, pipeline_pace=1.0,
+                        split_backward=0.0), residual)
 
 
 def fit(rows: list[dict]) -> tuple[busy.Fit, cost.Exposure]:
@@ -199,15 +201,22 @@ def fit(rows: list[dict]) -> tuple[busy.Fit, cost.Exposure]:
   unringed = [prepared(*x) for x in flat if x[2].sequence == 1 or x[2].ulysses]
   exposure = min((_fit_shares(unringed, passes, w, m) for w in WINDOWS for m in REGATHER_FROM),
                  key=lambda x: x[1])[0]
+  # The pace and the split backward's extra, by relative least squares on the pipelined steps:
+  # step - exposed = busy · pace-per-unit-tick · (1 + split · W-alone share).
   a, e, y = [], [], []
   for r, model, lay, p in piped:
     *_, ts, busy_s, share = prepared(r, model, lay, p)
-    a.append(busy_s * cost.pipeline_pace(model, lay, SEQ, exposure))
+    unit = busy_s * cost.pipeline_pace(model, lay, SEQ, exposure)  # pace 1, no split extra
+    alone = memory.executed(lay.schedule, lay.stage, lay.accum, lay.virtual_stages).w_alone
+    a.append((unit, unit * alone))
     e.append(cost.exposed(ts, busy_s, lay.accum, exposure, share))
     y.append(r["step_compiled"])
+  if not y:
+    return passes, exposure
   a, e, y = np.array(a), np.array(e), np.array(y)
-  pace = float(np.sum(a / y * (1 - e / y)) / np.sum((a / y) ** 2)) if len(y) else 1.0
-  return passes, dataclasses.replace(exposure, pipeline_pace=pace)
+  (pace, extra), *_ = np.linalg.lstsq(a / y[:, None], 1 - e / y, rcond=None)
+  return passes, dataclasses.replace(exposure, pipeline_pace=float(pace),
+                                     split_backward=float(extra / pace))
 
 
 CASE_COLUMNS = [("case", lambda r: r["case"]), ("model", lambda r: r["model"]),

@@ -30,6 +30,7 @@ from jscale.plan.layout import Layout, layout_of
 from jscale.plan.memory import (
   Memory,
   channels,
+  executed,
   local_param_split,
   schedule_table,
   tokens_per_microbatch,
@@ -65,7 +66,10 @@ class Exposure:
   # 1b b4, 3b b2, the 8b shape at b1 and b2; not fitted on the sweep, whose two pipeline-free
   # offload rows also run ZeRO-3 and TP)
   host_offload: float = 0.87
-  pipeline_pace: float = 1.93
+  pipeline_pace: float = 0.993
+  # each W run as an op of its own (a split backward) costs this much more of a tick: the
+  # executor's B and W branches each take the chunk's backward apart (ZB-H1, ZB-V)
+  split_backward: float = 0.629
 
 
 EXPOSURE = Exposure()
@@ -213,16 +217,19 @@ def _context_transfer(model: ModelConfig, lay: Layout, tokens: int, layers: floa
 
 def pipeline_pace(model: ModelConfig, lay: Layout, seq: int,
                   exposure: Exposure = EXPOSURE) -> float:
-  """Executed time of a pipelined step over its busy time without a pipeline: the schedule's
-  ticks (unit F / B / W cells) over the m·v·3 cells of work, each tick at
-  `Exposure.pipeline_pace`, the head's share of the FLOPs (h) on the ticks of every chunk:
-  (1 - h) + h·p·v. 1 without a pipeline."""
+  """Executed time of a pipelined step over its busy time without a pipeline: the executed
+  table's ticks (unit F / B / W cells, in lockstep steps) over the m·v·3 cells of work, each at
+  `Exposure.pipeline_pace` (more by `Exposure.split_backward` times the share of W actions
+  run alone); the head's share of the FLOPs (h) all on the last stage, whose load sets the
+  lockstep pace: (1 - h) / p + h of the work against 1 / p, i.e. (1 - h) + h·p. 1 without a
+  pipeline."""
   p, m, v = lay.stage, lay.accum, lay.virtual_stages
   if p == 1:
     return 1.0
   head = 6 * model.d_model * model.vocab_size / flops_per_token(model, seq)
-  ticks = schedule_table(lay.schedule, p, m, v).ticks
-  return exposure.pipeline_pace * ticks / (3 * m * v) * ((1 - head) + head * p * v)
+  ex = executed(lay.schedule, p, m, v)
+  per_tick = exposure.pipeline_pace * (1 + exposure.split_backward * ex.w_alone)
+  return per_tick * ex.ticks / (3 * m * v) * ((1 - head) + head * p)
 
 
 def prefetch_inside(ts: list[Transfer], window_s: float) -> float:

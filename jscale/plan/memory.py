@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 from jscale import hardware
 from jscale.config import ModelConfig, TrainConfig
 from jscale.metrics import attention_params, param_counts
 from jscale.parallel import expert_exchange
-from jscale.parallel.pipeline import program, schedules
+from jscale.parallel.pipeline import lockstep, program, schedules
+from jscale.parallel.pipeline.table import W
 from jscale.plan.layout import Layout
 from jscale.step.loss import num_chunks
 from jscale.xla_flags import MEM_FRACTION
@@ -208,8 +211,27 @@ def loss_workspace(model: ModelConfig, lay: Layout, tokens: int,
 
 @functools.lru_cache(maxsize=4096)
 def schedule_table(schedule: str, p: int, m: int, v: int) -> schedules.Table:
-  """The pipeline schedule jscale would execute (cached: the enumeration asks again and again)."""
+  """The papers' table of the pipeline schedule (cached: the enumeration asks again and again);
+  its order and residual sets are the executed table's."""
   return schedules.make_table(schedule, p, m, v)
+
+
+class Executed(NamedTuple):
+  """The table the executor runs (`lockstep.executed_table`), as a pipelined step's time reads
+  it: its unit ticks (lockstep steps, each as long as the longest op a stage runs in it), and
+  the share of its W actions run as ops of their own (a split backward: ZB-H1 and ZB-V all,
+  DualPipeV some), each of which the executor pays for apart from its B."""
+  ticks: int
+  w_alone: float
+
+
+@functools.lru_cache(maxsize=4096)
+def executed(schedule: str, p: int, m: int, v: int) -> Executed:
+  """`Executed` of schedule `schedule` on p stages, m micro-batches, v chunks a stage."""
+  table = lockstep.executed_table(schedule, p, m, v)
+  w = table.kind == W
+  alone = w & (table.starts() == np.arange(table.ticks)[:, None])
+  return Executed(table.ticks, float(alone.sum() / max(int(w.sum()), 1)))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -12,19 +12,32 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
+import numpy as np
 
 from jscale import mesh, metrics
 from jscale.analysis import compiler_log, gpu_target, introspect
 from jscale.config import Config
 from jscale.predict import launches, rates, schedule_costs, summary, timing
+from jscale.step import pipelined
 
 
 def predict(hlo_text: str, gpu: str, fit: rates.Fit = rates.FIT,
-            routed_rows: int | None = None) -> timing.Schedule:
+            routed_rows: int | None = None, ticks: np.ndarray | None = None
+            ) -> timing.Schedule:
   """The predicted schedule of one step of `hlo_text` (`compiled.as_text()`) on `gpu`;
-  `routed_rows`: the rows each grouped matmul computes (`launches.Program`)."""
+  `routed_rows`: the rows each grouped matmul computes (`launches.Program`); `ticks`: a
+  pipelined step's executed ticks (`pipeline_ticks`)."""
   program = launches.Program(hlo_text, routed_rows)
-  return timing.schedule(program.items(), rates.chip(gpu, fit))
+  return timing.schedule(program.items(), rates.chip(gpu, fit), ticks)
+
+
+def pipeline_ticks(cfg: Config, n_devices: int) -> np.ndarray | None:
+  """The switch branch each stage runs per executed tick of `cfg`'s pipeline
+  (`pipeline.program.Program.code`, [T, p]); None when the layers are not pipelined."""
+  ici, dcn = mesh.axis_sizes(cfg.mesh, n_devices)["stage"]
+  if ici * dcn == 1:
+    return None
+  return pipelined.program_for(cfg.pipeline, ici * dcn).code
 
 
 def routed_rows(cfg: Config, n_devices: int) -> int | None:
@@ -93,7 +106,8 @@ def predict_config(cfg: Config, target: str, hlo_text: str | None = None, top: i
   gpu, n = gpu_target.parse(target)
   if hlo_text is None:
     hlo_text, memory_bytes, remat = compile_for(cfg, target)
-  r = summary.summarize(predict(hlo_text, gpu, fit, routed_rows(cfg, n)), rates.chip(gpu, fit),
+  r = summary.summarize(predict(hlo_text, gpu, fit, routed_rows(cfg, n), pipeline_ticks(cfg, n)),
+                        rates.chip(gpu, fit),
                         model_flops_per_device(cfg, n),
                         cfg.train.batch_size * cfg.train.seq_len, top)
   r.memory_bytes = memory_bytes

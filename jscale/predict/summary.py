@@ -80,6 +80,7 @@ def summarize(s: Schedule, chip: Chip, model_flops: float, tokens: int, top: int
   notes = ([f"{len(s.branches)} conditional(s) timed by their longest branch: "
             + "; ".join(s.branches[:4]) + ("; ..." if len(s.branches) > 4 else "")]
            if s.branches else [])
+  notes += [s.ticks] if s.ticks else []
   notes += ([f"loop {n}: trip count unknown to XLA, timed once" for n in s.unknown_trips]
            + sorted({x.note for x in s.timed if x.runs and x.bound == "roofline" and x.note}))
   return Summary(s.seconds, tokens / s.seconds, model_flops / (s.seconds * peak), model_flops,

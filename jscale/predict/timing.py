@@ -26,7 +26,10 @@ The schedule: a collective's -start queues it on the communication stream, its -
 compute stream wait for it, so only the part that outlasts the compute between them is exposed
 (the playbook's overlap arithmetic, A3). A loop runs its body twice (the second pass is the
 steady state, with collectives started in the previous iteration) and the rest as the second.
-A conditional's longest branch is taken and named.
+A conditional's longest branch is taken and named, except the pipeline executor's per-tick
+switch (`pipeline.program.TICK_SCOPE`): given the executed table's codes, each tick is timed at
+the longest branch its stages run then (the stages' ticks run in lockstep, each ending in their
+ppermutes), and the tick loop's trips one by one.
 """
 
 from __future__ import annotations
@@ -34,8 +37,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from jscale import hardware
 from jscale.analysis import volume
+from jscale.parallel.pipeline.program import TICK_SCOPE
 from jscale.predict import rates
 from jscale.predict.launches import Branches, Item, Launch, Loop
 
@@ -158,58 +164,106 @@ class Schedule:
   timed: list[Timed]
   branches: list[str]       # which branch each conditional was timed by
   unknown_trips: list[str]  # loops XLA gave no trip count (timed once)
+  ticks: str = ""           # how the pipeline executor's ticks were timed ("" without)
 
 
-def schedule(items: list[Item], chip: rates.Chip) -> Schedule:
-  """Runs `items` (a `program.Program`'s entry) on the two streams."""
+@dataclasses.dataclass
+class _Notes:
+  """What the walk records, and the pipeline executor's ticks as it runs them."""
+  ticks: np.ndarray | None  # [T, p]: the switch branch each stage runs per executed tick
+  branches: list[str] = dataclasses.field(default_factory=list)
+  unknown: list[str] = dataclasses.field(default_factory=list)
+  tick: int = 0             # ticks timed so far
+
+  def is_tick(self, it: Branches) -> bool:
+    return self.ticks is not None and TICK_SCOPE in it.op_name
+
+  def holds_ticks(self, items: list[Item]) -> bool:
+    return any(self.is_tick(x) if isinstance(x, Branches) else
+               isinstance(x, Loop) and self.holds_ticks(x.body) for x in items)
+
+
+def schedule(items: list[Item], chip: rates.Chip, ticks: np.ndarray | None = None) -> Schedule:
+  """Runs `items` (a `program.Program`'s entry) on the two streams. `ticks`: the pipeline
+  executor's branch per executed tick and stage (`pipeline.program.Program.code`), so that
+  each tick is timed at the longest op a stage runs in it (the ticks run in lockstep), not
+  every tick at the switch's longest branch."""
   timed: dict[str, Timed] = {}
-  notes = {"branches": [], "unknown": []}
+  notes = _Notes(None if ticks is None else np.asarray(ticks))
   clock = _Clock()
   _run(items, clock, 1, timed, notes, chip)
-  return Schedule(clock.t, list(timed.values()), notes["branches"], notes["unknown"])
+  said = ""
+  if notes.ticks is not None:
+    said = (f"pipeline: {notes.tick} ticks timed from the executed table, each at the longest "
+            f"op a stage runs in it" + ("" if notes.tick == len(notes.ticks) else
+                                        f" (the table has {len(notes.ticks)}: check the loop)"))
+  return Schedule(clock.t, list(timed.values()), notes.branches, notes.unknown, said)
 
 
-def _run(items, clock: _Clock, runs: int, timed, notes, chip, count: bool = True) -> None:
+def _run(items, clock: _Clock, runs: int, timed, notes: _Notes, chip, count: bool = True
+         ) -> None:
   for it in items:
     if isinstance(it, Loop):
-      trips = it.trips if it.trips is not None else 1
-      if it.trips is None:
-        notes["unknown"].append(it.name)
-      _run(it.body, clock, runs * trips, timed, notes, chip, count)
-      if trips > 1:
-        t1 = clock.t
-        _run(it.body, clock, 0, timed, notes, chip, False)  # steady state
-        clock.shift((trips - 2) * (clock.t - t1))
+      _loop(it, clock, runs, timed, notes, chip, count)
     elif isinstance(it, Branches):
-      best, best_clock = -1.0, None
-      for i, branch in enumerate(it.branches):
-        trial = dataclasses.replace(clock, pending=dict(clock.pending))
-        _run(branch, trial, 0, timed, notes, chip, False)
-        if trial.t > best:
-          best, best_clock, pick = trial.t, trial, i
-      if best_clock is not None:
-        _run(it.branches[pick], dataclasses.replace(clock, pending=dict(clock.pending)),
-             runs, timed, notes, chip, count)
-        clock.t, clock.comm_free, clock.pending = (best_clock.t, best_clock.comm_free,
-                                                   best_clock.pending)
-        if count:
-          notes["branches"].append(f"{it.name}: branch {pick} of {len(it.branches)}")
+      _branches(it, clock, runs, timed, notes, chip, count)
     else:
-      x = timed.get(it.name) or time_launch(it, chip)
-      if count:
-        x.runs += runs
-        timed[it.name] = x
-      if it.kind == "collective" and it.op.endswith("-start") or it.op == "async-start":
-        begin = max(clock.t, clock.comm_free)
-        clock.comm_free = begin + x.seconds
-        clock.pending[it.name] = clock.comm_free
-      elif it.kind == "collective":  # synchronous: the compute stream waits
-        clock.t = max(clock.t, clock.comm_free) + x.seconds
-        clock.comm_free = clock.t
-      elif it.kind == "transfer":  # async over the host link, waited for at its -done
-        clock.host_free = max(clock.t, clock.host_free) + x.seconds
-        clock.pending[it.name] = clock.host_free
-      elif it.kind == "done":
-        clock.t = max(clock.t, clock.pending.pop(it.done_of, clock.t))
-      else:
-        clock.t += x.seconds + x.gap
+      _launch(it, clock, runs, timed, chip, count)
+
+
+def _loop(it: Loop, clock: _Clock, runs: int, timed, notes: _Notes, chip, count: bool) -> None:
+  trips = it.trips if it.trips is not None else 1
+  if it.trips is None and count:
+    notes.unknown.append(it.name)
+  if notes.holds_ticks(it.body):  # every trip runs ticks of its own: no steady state
+    for _ in range(trips):
+      _run(it.body, clock, runs, timed, notes, chip, count)
+    return
+  _run(it.body, clock, runs * trips, timed, notes, chip, count)
+  if trips > 1:
+    t1 = clock.t
+    _run(it.body, clock, 0, timed, notes, chip, False)  # steady state
+    clock.shift((trips - 2) * (clock.t - t1))
+
+
+def _branches(it: Branches, clock: _Clock, runs: int, timed, notes: _Notes, chip,
+              count: bool) -> None:
+  """The longest branch; for an executor tick, the longest of those its stages run."""
+  trials = []
+  for branch in it.branches:
+    trials.append(dataclasses.replace(clock, pending=dict(clock.pending)))
+    _run(branch, trials[-1], 0, timed, notes, chip, False)
+  if not trials:
+    return
+  candidates = range(len(trials))
+  if notes.is_tick(it):
+    candidates = sorted({int(c) for c in notes.ticks[notes.tick % len(notes.ticks)]})
+    notes.tick += 1
+  pick = max(candidates, key=lambda i: trials[i].t)
+  _run(it.branches[pick], dataclasses.replace(clock, pending=dict(clock.pending)), runs, timed,
+       notes, chip, count)
+  best = trials[pick]
+  clock.t, clock.comm_free, clock.pending = best.t, best.comm_free, best.pending
+  if count and not notes.is_tick(it):
+    notes.branches.append(f"{it.name}: branch {pick} of {len(it.branches)}")
+
+
+def _launch(it: Launch, clock: _Clock, runs: int, timed, chip, count: bool) -> None:
+  x = timed.get(it.name) or time_launch(it, chip)
+  if count:
+    x.runs += runs
+    timed[it.name] = x
+  if it.kind == "collective" and it.op.endswith("-start") or it.op == "async-start":
+    begin = max(clock.t, clock.comm_free)
+    clock.comm_free = begin + x.seconds
+    clock.pending[it.name] = clock.comm_free
+  elif it.kind == "collective":  # synchronous: the compute stream waits
+    clock.t = max(clock.t, clock.comm_free) + x.seconds
+    clock.comm_free = clock.t
+  elif it.kind == "transfer":  # async over the host link, waited for at its -done
+    clock.host_free = max(clock.t, clock.host_free) + x.seconds
+    clock.pending[it.name] = clock.host_free
+  elif it.kind == "done":
+    clock.t = max(clock.t, clock.pending.pop(it.done_of, clock.t))
+  else:
+    clock.t += x.seconds + x.gap

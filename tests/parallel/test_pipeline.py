@@ -16,6 +16,7 @@ from jscale.analysis import introspect
 from jscale.step import state as state_lib
 from jscale.config import ConfigError
 from jscale.step import pipelined
+from jscale.predict import launches, rates, timing
 from pipeline_harness import case_id, max_rel_err, overrides, pipeline_grads, reference
 
 # (mode, schedule, p, m, extra): in each mode every schedule, p=2 and p=4, m=4 and m=8, and
@@ -67,6 +68,24 @@ def test_only_the_stage_ppermutes_move_between_stages(mode):
   pairs = {re.search(r"source_target_pairs=(\{[^ ]*\}),", l).group(1) for l in permutes}
   # Mesh order (data, stage, ..., tensor): stage s of device d*4 + s*2 + t.
   assert pairs == {"{{0,2},{1,3},{4,6},{5,7}}", "{{2,0},{3,1},{6,4},{7,5}}"}
+
+
+def test_the_predictor_times_the_executed_ticks():
+  """The executor's per-tick switch carries `TICK_SCOPE` into the compiled program, and
+  `jscale.predict` times that program's tick loop with the executed table: one tick per row
+  of `Program.code` (each at the longest op a stage runs), the switch never "timed by its
+  longest branch". The program of a CASES layout (shared compile)."""
+  case = ("manual", "1f1b", 2, 4, ("mesh.data=2", "mesh.tensor=2"))
+  r = pipeline_grads(*overrides(*case))
+  code = pipelined.program_for(r.rt.cfg.pipeline, 2).code
+  text = r.compiled.as_text()
+  assert re.search(r"conditional\(.*op_name=\"[^\"]*/pipeline_tick/", text)
+  items = launches.Program(text).items()
+  s = timing.schedule(items, rates.chip("h100"), code)
+  assert s.ticks.startswith(f"pipeline: {len(code)} ticks") and "check" not in s.ticks, s.ticks
+  (loop,) = [x for x in items if isinstance(x, launches.Loop) and any(
+      isinstance(b, launches.Branches) and "pipeline_tick" in b.op_name for b in x.body)]
+  assert not [b for b in s.branches if b.split(":")[0] in {x.name for x in loop.body}]
 
 
 # Activations dominate: tiny weights, long sequences, fixed micro-batch size (2 sequences).

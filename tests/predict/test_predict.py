@@ -366,3 +366,83 @@ def test_a_loop_without_known_trip_count_reads_it_from_its_condition():
   assert loop.trips == 30
   comps, entry, _ = hlo.parse(UNANNOTATED_LOOP)
   assert hlo.executions(comps, entry)["body"] == (30, True, True)
+
+
+# The pipeline executor's tick loop, cut down: 4 trips of a per-tick switch whose branch 0 is a
+# small kernel and branch 1 one 1,024x larger (an idle tick against a layer's backward).
+TICK_LOOP = """
+HloModule m, is_scheduled=true
+
+%fused_small (a: f32[1024]) -> f32[1024] {
+  %a = f32[1024]{0} parameter(0)
+  ROOT %t = f32[1024]{0} tanh(%a)
+}
+
+%fused_large (a: f32[1048576]) -> f32[1024] {
+  %a = f32[1048576]{0} parameter(0)
+  %t = f32[1048576]{0} tanh(%a)
+  ROOT %s = f32[1024]{0} slice(%t), slice={[0:1024]}
+}
+
+%idle (p: (f32[1024], f32[1048576])) -> f32[1024] {
+  %p = (f32[1024]{0}, f32[1048576]{0}) parameter(0)
+  %s = f32[1024]{0} get-tuple-element(%p), index=0
+  ROOT %small = f32[1024]{0} fusion(%s), kind=kLoop, calls=%fused_small
+}
+
+%backward (p: (f32[1024], f32[1048576])) -> f32[1024] {
+  %p = (f32[1024]{0}, f32[1048576]{0}) parameter(0)
+  %l = f32[1048576]{0} get-tuple-element(%p), index=1
+  ROOT %large = f32[1024]{0} fusion(%l), kind=kLoop, calls=%fused_large
+}
+
+%cond (c: (s32[], f32[1024], f32[1048576])) -> pred[] {
+  %c = (s32[], f32[1024]{0}, f32[1048576]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (b: (s32[], f32[1024], f32[1048576])) -> (s32[], f32[1024], f32[1048576]) {
+  %b = (s32[], f32[1024]{0}, f32[1048576]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %x = f32[1024]{0} get-tuple-element(%b), index=1
+  %y = f32[1048576]{0} get-tuple-element(%b), index=2
+  %ops = (f32[1024]{0}, f32[1048576]{0}) tuple(%x, %y)
+  %tick = f32[1024]{0} conditional(%i, %ops, %ops), branch_computations={%idle, %backward}, metadata={op_name="jit(step)/shard_map/while/body/pipeline_tick/cond"}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %r = (s32[], f32[1024]{0}, f32[1048576]{0}) tuple(%next, %tick, %y)
+}
+
+ENTRY %main (x: f32[1024], y: f32[1048576]) -> (s32[], f32[1024], f32[1048576]) {
+  %x = f32[1024]{0} parameter(0)
+  %y = f32[1048576]{0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[1024]{0}, f32[1048576]{0}) tuple(%zero, %x, %y)
+  ROOT %w = (s32[], f32[1024]{0}, f32[1048576]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_pipeline_ticks_are_timed_at_the_ops_their_stages_run():
+  """Without the executed table every tick is priced at the switch's longest branch; with it,
+  each tick at the longest op its stages run: here 2 ticks where a stage runs the large
+  branch, 2 where both idle (the lockstep tick lasts as long as its slowest stage)."""
+  items = launches.Program(TICK_LOOP).items()
+  chip = rates.chip("h100")
+  (loop,) = items
+  branches, counter = loop.body  # the switch, then the loop counter's add
+  small, large = (timing.time_launch(b[0], chip) for b in branches.branches)
+  add = timing.time_launch(counter, chip)
+  each = lambda t: t.seconds + t.gap + add.seconds + add.gap  # a tick's branch, then the add
+  assert timing.schedule(items, chip).seconds == pytest.approx(4 * each(large))
+  ticks = np.array([[0, 1], [0, 0], [1, 1], [0, 0]])  # [T, p]: the branch per tick and stage
+  s = timing.schedule(items, chip, ticks)
+  assert s.seconds == pytest.approx(2 * each(large) + 2 * each(small))
+  assert s.ticks.startswith("pipeline: 4 ticks") and "check the loop" not in s.ticks
+  assert not s.branches  # ticks are not "timed by their longest branch"
+  runs = {t.launch.name: t.runs for t in s.timed}
+  assert runs == {small.launch.name: 2, large.launch.name: 2, counter.name: 4}
+  # A table that does not match the loop's ticks is said.
+  assert "the table has 6" in timing.schedule(items, chip, np.zeros((6, 2), int)).ticks

@@ -308,9 +308,10 @@ class _Stage:
     bside = self.side(col["mb_b"], col["local_b"]) if program.has_pairs else fside
     stored = [_placed(jax.lax.dynamic_index_in_dim(r, col["res_read"], keepdims=False),
                       jax.memory.Space.Device) for r in carry["res"]]
-    out = jax.lax.switch(col["code"], self.branches(
-        fside, bside, inbox_f[col["read_f"]], inbox_b[col["read_b"]], stored,
-        carry["stash"][col["res_read"]], carry["dblocks"], carry["dshared"], carry["ddots"]))
+    with jax.named_scope(prog_lib.TICK_SCOPE):
+      out = jax.lax.switch(col["code"], self.branches(
+          fside, bside, inbox_f[col["read_f"]], inbox_b[col["read_b"]], stored,
+          carry["stash"][col["res_read"]], carry["dblocks"], carry["dshared"], carry["ddots"]))
     if self.own_f:
       inbox_f = inbox_f.at[col["self_f"]].set(out["out_f"])
     new = dict(carry, inbox_f=inbox_f, loss=carry["loss"] + out["loss"],

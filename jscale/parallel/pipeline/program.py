@@ -34,6 +34,9 @@ from jscale.parallel.pipeline.table import IDLE, B, F, Table, W
 CODES = ("idle", "f", "f_first", "f_last", "b", "b_first", "bw", "bw_first", "w")
 (C_IDLE, C_F, C_F_FIRST, C_F_LAST, C_B, C_B_FIRST, C_BW, C_BW_FIRST, C_W) = range(len(CODES))
 SEND_F, SEND_B = 1, 2  # `send`: a channel carries this tick's activation / gradient
+# The named scope of the executor's per-tick switch: the compiled program's conditional carries
+# it, so `jscale.predict` can time each tick by the branches `Program.code` runs in it.
+TICK_SCOPE = "pipeline_tick"
 
 
 @dataclasses.dataclass(frozen=True)
