@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 
@@ -167,6 +168,9 @@ class Schedule:
   ticks: str = ""           # how the pipeline executor's ticks were timed ("" without)
 
 
+_TICK = re.compile(rf"/{TICK_SCOPE}/[^/]+$")
+
+
 @dataclasses.dataclass
 class _Notes:
   """What the walk records, and the pipeline executor's ticks as it runs them."""
@@ -176,7 +180,8 @@ class _Notes:
   tick: int = 0             # ticks timed so far
 
   def is_tick(self, it: Branches) -> bool:
-    return self.ticks is not None and TICK_SCOPE in it.op_name
+    """The switch itself, directly under the scope (not a conditional inside its branches)."""
+    return self.ticks is not None and _TICK.search(it.op_name) is not None
 
   def holds_ticks(self, items: list[Item]) -> bool:
     return any(self.is_tick(x) if isinstance(x, Branches) else

@@ -446,3 +446,8 @@ def test_pipeline_ticks_are_timed_at_the_ops_their_stages_run():
   assert runs == {small.launch.name: 2, large.launch.name: 2, counter.name: 4}
   # A table that does not match the loop's ticks is said.
   assert "the table has 6" in timing.schedule(items, chip, np.zeros((6, 2), int)).ticks
+  # A conditional inside a tick's branch is not a tick: timed by its longest branch.
+  inner = launches.Branches("inner", branches.branches,
+                            branches.op_name + "/branch_1_fun/moe/cond")
+  s = timing.schedule([inner], chip, ticks)
+  assert s.branches == ["inner: branch 1 of 2"] and s.ticks.startswith("pipeline: 0 ticks")
