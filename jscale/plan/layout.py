@@ -188,11 +188,14 @@ def _contexts(model: ModelConfig, sequence: int, tensor: int) -> tuple[str, ...]
 
 
 def _pipelines(model: ModelConfig, stage: int) -> list[tuple[str, int]]:
+  """(schedule, chunks a stage) whose stage x chunks divide the pipelined stack (the dense
+  prefix runs in the first stage: `validate.on_mesh`'s rule)."""
   if stage == 1:
     return [("1f1b", 1)]
-  out = [(name, 1) for name in ("afab", "1f1b", "zero_bubble") if model.n_layers % stage == 0]
-  out += [("interleaved", v) for v in (2, 4) if model.n_layers % (stage * v) == 0]
-  out += [(name, 2) for name in ("zbv", "dualpipev") if model.n_layers % (stage * 2) == 0]
+  n = model.stack_layers
+  out = [(name, 1) for name in ("afab", "1f1b", "zero_bubble") if n % stage == 0]
+  out += [("interleaved", v) for v in (2, 4) if n % (stage * v) == 0]
+  out += [(name, 2) for name in ("zbv", "dualpipev") if n % (stage * 2) == 0]
   return out
 
 

@@ -72,6 +72,23 @@ def test_bubble_is_the_executed_schedule():
   assert cost.bubble("1f1b", 1, 8, 1) == 0
 
 
+def test_pipelines_split_the_stack_after_the_dense_prefix():
+  """The dense prefix runs in the first stage, so stages divide n_layers - first_dense
+  (`validate.on_mesh`): DeepSeek-V3's 61 layers, 3 dense, pipeline over 2 stages (58 = 2 x 29),
+  where the planner had divided the 61 and offered no pipeline at all."""
+  from jscale import validate
+  from jscale.mesh import make_mesh
+  dense_first = ["model.preset=tiny_moe", *SMALL, "model.n_layers=5", "model.moe.first_dense=1"]
+  lays = [lay for lay in candidates(load_config(None, dense_first).model, 8, SEQ, 16)
+          if lay.stage > 1]
+  assert {lay.stage for lay in lays} == {2, 4}
+  for lay in {lay.stage: lay for lay in lays}.values():
+    cfg = load_config(None, [*dense_first, *lay.overrides(SEQ, 8)])
+    validate.check_mesh(cfg, make_mesh(cfg.mesh))
+  big = load_config(None, ["model.preset=deepseek_v3_671b"]).model
+  assert {lay.stage for lay in candidates(big, 1024, 4096, 4096) if lay.stage > 1} == {2}
+
+
 @pytest.mark.parametrize("preset", ["tiny_moe", "tiny"])
 def test_every_candidate_passes_jscale_validation(preset):
   """In the default (xla) mode: the planner offers no layout the validator refuses, such as
