@@ -240,8 +240,8 @@ def _branches(it: Branches, clock: _Clock, runs: int, timed, notes: _Notes, chip
     _run(branch, trials[-1], 0, timed, notes, chip, False)
   if not trials:
     return
-  candidates = range(len(trials))
-  if notes.is_tick(it):
+  candidates, tick = range(len(trials)), notes.is_tick(it)
+  if tick and notes.ticks is not None:
     candidates = sorted({int(c) for c in notes.ticks[notes.tick % len(notes.ticks)]})
     notes.tick += 1
   pick = max(candidates, key=lambda i: trials[i].t)
@@ -249,7 +249,7 @@ def _branches(it: Branches, clock: _Clock, runs: int, timed, notes: _Notes, chip
        notes, chip, count)
   best = trials[pick]
   clock.t, clock.comm_free, clock.pending = best.t, best.comm_free, best.pending
-  if count and not notes.is_tick(it):
+  if count and not tick:
     notes.branches.append(f"{it.name}: branch {pick} of {len(it.branches)}")
 
 
