@@ -299,10 +299,14 @@ class TrainConfig:
   # (matmul outputs; softmax and pointwise ops recomputed) | offload (selective's, in host
   # memory) | full (only the layer's input)
   remat: Literal["none", "selective", "offload", "full"] = "none"
-  # The loss holds at most this many MiB of fp32 logits per device: above it, the head and the
+  # The loss holds at most this many MiB of logits per device: above it, the head and the
   # cross-entropy run in chunks of the sequence, gradients made chunk by chunk (jscale.step.loss);
-  # 0: never chunk (one pass through autodiff, [tokens, vocab] fp32 logits in memory).
+  # 0: never chunk (one pass through autodiff, [tokens, vocab] logits in memory).
   logits_chunk_mb: float = 1024.0
+  # What the head's product writes its logits in: float32 (its fp32 accumulator) | bfloat16
+  # (rounded, as Megatron, torchtitan and Hugging Face make them: half the bytes the loss
+  # writes and reads). The softmax, the loss and its gradient are fp32 math either way.
+  logits_dtype: Literal["float32", "bfloat16"] = "float32"
   seed: int = 0
   output_dir: str = "runs/default"
   peak_flops: float | None = None  # per device, for MFU; None: from the device table

@@ -1,13 +1,16 @@
 """Next-token cross-entropy in fp32, masked, vocab-parallel, whole or in chunks of tokens.
 
-`head_loss_sums` multiplies the head and takes the loss. Unchunked, it materialises the fp32
-logits [tokens, vocab] and leaves the backward to autodiff: fastest where memory allows, but at
-Llama-3's 128,256 vocabulary 16k tokens' logits are 8.4 GB, and the step holds ~3 such arrays.
+`head_loss_sums` multiplies the head and takes the loss. The head's product writes its logits
+in fp32 or, as Megatron, torchtitan and Hugging Face do, rounded to bf16 (`Logits.dtype`): the
+softmax and the loss are fp32 math either way, but each pass over bf16 logits moves half the
+bytes. Unchunked, it materialises the logits [tokens, vocab] and leaves the backward to
+autodiff: fastest where memory allows, but at Llama-3's 128,256 vocabulary 16k tokens' fp32
+logits are 8.4 GB, and the step holds ~3 such arrays.
 Chunked (`chunks > 1`), a scan over slices of the sequence computes each slice's logits, its
 loss and, in the same pass, its gradients (dh and the head's dW accumulated in fp32): the
 softmax gradient is p - onehot, known in the forward. The backward only scales them by the
 loss's cotangent, so the chunked path runs the head's three matmuls once each, like the
-unchunked one, and never holds more than one chunk's logits. It reads each chunk's fp32 logits
+unchunked one, and never holds more than one chunk's logits. It reads each chunk's logits
 twice: once for the max, sum-exp and label logit together (`max_sum_exp`, an online softmax
 reduction), once for the softmax gradient.
 """
@@ -25,6 +28,17 @@ from jscale.model.positions import Positions
 from jscale.model.seam import LOCAL, Seam
 
 LOGITS_NAMES = ("batch", "seq", "vocab")
+
+
+class Logits(NamedTuple):
+  """How the head makes its logits: `train.logits_chunk_mb` and `train.logits_dtype`."""
+  chunk_mb: float = 0.0  # chunk when one device's logits exceed this many MiB (0: never)
+  dtype: str = "float32"  # what the head's product writes them in
+
+  @classmethod
+  def of(cls, train) -> "Logits":
+    """From a `TrainConfig`."""
+    return cls(train.logits_chunk_mb, train.logits_dtype)
 
 
 def cross_entropy_sums(logits_BLV: jax.Array, labels_BL: jax.Array, mask_BL: jax.Array,
@@ -91,38 +105,45 @@ def max_sum_exp(logits: jax.Array, comms: Seam = LOCAL) -> tuple[jax.Array, jax.
   return m_all, comms.vocab_sum(s * jnp.exp(m - jnp.where(m_all == -jnp.inf, 0.0, m_all)))
 
 
-def num_chunks(local_shape: tuple[int, int, int], budget_mb: float) -> int:
-  """Chunks along the sequence so one chunk's fp32 logits on a device ([rows, positions,
-  vocab] = `local_shape`, one device's share) take at most `budget_mb` MiB: the smallest such
-  divisor of the device's positions, at most one position per chunk (1: unchunked;
-  `budget_mb` 0: never chunk)."""
+def num_chunks(local_shape: tuple[int, int, int], budget_mb: float, itemsize: int = 4) -> int:
+  """Chunks along the sequence so one chunk's logits on a device ([rows, positions, vocab] =
+  `local_shape`, one device's share, `itemsize` bytes each) take at most `budget_mb` MiB: the
+  smallest such divisor of the device's positions, at most one position per chunk (1:
+  unchunked; `budget_mb` 0: never chunk)."""
   rows, positions, vocab = local_shape
   if budget_mb <= 0:
     return 1
-  need = math.ceil(rows * positions * vocab * 4 / (budget_mb * 2**20))
+  need = math.ceil(rows * positions * vocab * itemsize / (budget_mb * 2**20))
   return next((n for n in range(max(need, 1), positions + 1) if positions % n == 0), positions)
 
 
 def head_loss_sums(h_BLD: jax.Array, head_DV: jax.Array, labels_BL: jax.Array,
-                   mask_BL: jax.Array, comms: Seam = LOCAL, budget_mb: float = 0.0,
+                   mask_BL: jax.Array, comms: Seam = LOCAL, logits: Logits = Logits(),
                    dot_general: matmul.DotGeneral = jax.lax.dot_general,
                    head_stored: tuple[str, str] = ("embed", "vocab")
                    ) -> tuple[jax.Array, jax.Array]:
   """(loss sum, token count) of the head `h_BLD @ head_DV` (both in the compute dtype; the
-  logits are fp32), chunked by `num_chunks` when its fp32 logits exceed `budget_mb` MiB per
-  device (`train.logits_chunk_mb`). The head's products are `dot_general`'s (the model's,
+  logits in `logits.dtype`), chunked by `num_chunks` when its logits exceed `logits.chunk_mb`
+  MiB per device. The head's products are `dot_general`'s (the model's,
   `Llama.dot_general`); `head_stored`: the head weight's dim names in its stored order
   (`Llama.head_stored`: a tied head is the embedding, [vocab, embed])."""
   b, l, _ = h_BLD.shape
-  n = num_chunks(comms.local_shape((b, l, head_DV.shape[-1]), LOGITS_NAMES), budget_mb)
+  dtype = jnp.dtype(logits.dtype)
+  n = num_chunks(comms.local_shape((b, l, head_DV.shape[-1]), LOGITS_NAMES), logits.chunk_mb,
+                 dtype.itemsize)
   if n == 1:
     with jax.named_scope("head"):
-      logits = matmul.einsum_f32("BLD,DV->BLV", h_BLD, head_DV, h_BLD.dtype, dot_general)
-    return cross_entropy_sums(comms.activation(logits, LOGITS_NAMES), labels_BL, mask_BL, comms)
+      if dtype == jnp.float32:  # the backward's products in the compute dtype, not fp32
+        logits_BLV = matmul.einsum_f32("BLD,DV->BLV", h_BLD, head_DV, h_BLD.dtype, dot_general)
+      else:
+        logits_BLV = matmul.contract("BLD,DV->BLV", h_BLD, head_DV, dot_general,
+                                     preferred_element_type=dtype)
+    return cross_entropy_sums(comms.activation(logits_BLV, LOGITS_NAMES), labels_BL, mask_BL,
+                              comms)
   mask = mask_BL.astype(jnp.float32)
   with jax.named_scope("head_loss_chunked"):
-    return (_chunked(h_BLD, head_DV, labels_BL, mask, comms, n, dot_general, head_stored),
-            jnp.sum(mask))
+    return (_chunked(h_BLD, head_DV, labels_BL, mask, comms, n, dtype, dot_general,
+                     head_stored), jnp.sum(mask))
 
 
 def _split(x: jax.Array, n: int) -> jax.Array:
@@ -137,10 +158,11 @@ def _merge(x: jax.Array) -> jax.Array:
   return jnp.moveaxis(x, 0, 2).reshape(b, c * n, *x.shape[3:])
 
 
-def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int,
+def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int, logits_dtype,
              dot_general: matmul.DotGeneral = jax.lax.dot_general,
              head_stored: tuple[str, str] = ("embed", "vocab")) -> jax.Array:
-  """Loss sum over n chunks; custom_vjp: the gradients are made in the forward's scan.
+  """Loss sum over n chunks; custom_vjp: the gradients are made in the forward's scan. The
+  head's product writes each chunk's logits in `logits_dtype`; the softmax reads them as fp32.
 
   Sums over tokens stay per device inside the scan: the loss and dW are accumulated as
   [S, Q, ...] with S = batch shards and Q = sequence shards (1 x 1 when arrays are already a
@@ -159,7 +181,8 @@ def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int,
 
   def chunk_loss(head_DV, h_BCD, labels_BC, mask_BC, with_grads: bool):
     logits = comms.activation(matmul.contract("BCD,DV->BCV", h_BCD, head_DV, dot_general,
-                                              preferred_element_type=jnp.float32), LOGITS_NAMES)
+                                              preferred_element_type=logits_dtype),
+                              LOGITS_NAMES).astype(jnp.float32)
     m, s = max_sum_exp(logits, comms)
     hit, token_loss = _label_loss(logits, labels_BC, m, s, comms)
     loss_SQ = jnp.sum(by_shard(token_loss * mask_BC), axis=(1, 3))
@@ -205,7 +228,7 @@ def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int,
 
 def mtp_terms(model, x_BLD: jax.Array, labels_BL: jax.Array, mask_BL: jax.Array,
               positions: Positions | jax.Array | None = None, comms: Seam = LOCAL,
-              remat: str = "none", budget_mb: float = 0.0, embed_VD: jax.Array | None = None,
+              remat: str = "none", logits: Logits = Logits(), embed_VD: jax.Array | None = None,
               head_DV: jax.Array | None = None) -> dict[str, jax.Array]:
   """Multi-token prediction's terms for one micro-batch (`jscale.model.mtp`), token sums over
   this device's targets like the main loss's `head_loss_sums` (`accumulate.TOKEN_SUMS`):
@@ -220,7 +243,7 @@ def mtp_terms(model, x_BLD: jax.Array, labels_BL: jax.Array, mask_BL: jax.Array,
                                               embed_VD), start=1):
     h_BLD = comms.enter_tensor_parallel(h_BLD).astype(head_DV.dtype)
     sums.append(head_loss_sums(h_BLD, head_DV, mtp.shift(labels_BL, d), mtp.shift(mask_BL, d),
-                               comms, budget_mb, model.head_dot, model.head_stored)[0])
+                               comms, logits, model.head_dot, model.head_stored)[0])
   per_depth = jnp.stack(sums)
   return {"mtp_loss": per_depth,
           "mtp_objective": model.cfg.mtp.loss_weight * jnp.mean(per_depth)}

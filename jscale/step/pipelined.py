@@ -23,7 +23,7 @@ from jscale.parallel.comms import Comms
 from jscale.parallel.pipeline import executor, lockstep, placement, schedules
 from jscale.parallel.pipeline import program as prog_lib
 from jscale.step.accumulate import Grads, batch_sums, split_microbatches, token_count
-from jscale.step.loss import head_loss_sums, mtp_terms
+from jscale.step.loss import Logits, head_loss_sums, mtp_terms
 
 
 class Settings(NamedTuple):
@@ -31,11 +31,11 @@ class Settings(NamedTuple):
   model: ModelConfig
   pipeline: PipelineConfig
   remat: str  # train.remat
-  logits_chunk_mb: float  # train.logits_chunk_mb
+  logits: Logits  # train.logits_chunk_mb, train.logits_dtype
 
   @classmethod
   def of(cls, cfg: Config) -> "Settings":
-    return cls(cfg.model, cfg.pipeline, cfg.train.remat, cfg.train.logits_chunk_mb)
+    return cls(cfg.model, cfg.pipeline, cfg.train.remat, Logits.of(cfg.train))
 
   @property
   def chunk_remat(self) -> str:
@@ -88,13 +88,13 @@ def stage_fns(s: Settings, graphdef: nnx.GraphDef, comms: Comms, params: Any,
   def head_loss(shared, x_bLD, labels_bL, mask_bL, positions):
     m = model(shared)
     h_bLD, head_DV = m.head_inputs(x_bLD, comms)
-    loss, _ = head_loss_sums(h_bLD, head_DV, labels_bL, mask_bL, comms, s.logits_chunk_mb,
+    loss, _ = head_loss_sums(h_bLD, head_DV, labels_bL, mask_bL, comms, s.logits,
                              m.head_dot)
     if s.model.mtp is None:
       return loss, 0.0, {}
     # Token sums, as the loss: the executor scales all three by the step's 1 / token count.
     terms = mtp_terms(m, x_bLD, labels_bL, mask_bL, positions, comms, s.remat,
-                      s.logits_chunk_mb, head_DV=head_DV)
+                      s.logits, head_DV=head_DV)
     return loss, terms["mtp_objective"], {"mtp_loss": terms["mtp_loss"]}
 
   return executor.StageFns(embed, layers, head_loss)

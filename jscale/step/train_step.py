@@ -21,7 +21,7 @@ from jscale.optim import lr_schedule, make_optimizer
 from jscale.parallel.comms import LOCAL, Comms
 from jscale.step import pipelined, router_bias
 from jscale.step.accumulate import Batch, accumulate_grads
-from jscale.step.loss import head_loss_sums, mtp_terms
+from jscale.step.loss import Logits, head_loss_sums, mtp_terms
 from jscale.step.state import State, merge
 
 
@@ -44,13 +44,13 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
                                            remat=cfg.train.remat)
       h_BLD, head_DV = model.head_inputs(x_BLD, comms, embed_VD)
       loss_sum, count = head_loss_sums(h_BLD, head_DV, mb["labels"], mb["loss_mask"], comms,
-                                       cfg.train.logits_chunk_mb, model.head_dot,
+                                       Logits.of(cfg.train), model.head_dot,
                                        model.head_stored)
       stats = moe_lib.with_objective(stats, moe) if moe is not None else stats
       if cfg.model.mtp is not None:
         stats = {**stats, **mtp_terms(model, x_BLD, mb["labels"], mb["loss_mask"],
                                       positions, comms, cfg.train.remat,
-                                      cfg.train.logits_chunk_mb, embed_VD, head_DV)}
+                                      Logits.of(cfg.train), embed_VD, head_DV)}
     return loss_sum, count, stats
 
   return loss_fn

@@ -74,3 +74,20 @@ def test_the_check_sees_an_fp32_cotangent():
                     "bf16")
   assert len(bad) == 2 and all(d.operands == ("f32", "f32") for d in bad)
   assert all("transpose" in d.location for d in bad)
+
+
+@pytest.mark.parametrize("chunk_mb", ["0", "0.01"])
+def test_bf16_logits_leave_only_the_chunked_head_gradient_in_fp32(chunk_mb):
+  """`train.logits_dtype=bfloat16`: the head's product writes bf16 logits (by default, fp32
+  from its accumulator); of the head's products only the chunked loss's dW, summed over chunks,
+  still writes fp32."""
+  vocab = str(small_config(None, *BF16).model.vocab_size)
+  head = lambda d: vocab in d.lhs_shape.split("x") + d.rhs_shape.split("x")
+  outs = {}
+  for dtype in ("float32", "bfloat16"):
+    found = [d for d in _dots(1, "mesh.data=1", f"train.logits_chunk_mb={chunk_mb}",
+                              f"train.logits_dtype={dtype}") if head(d)]
+    assert found and all(d.operands == ("bf16", "bf16") for d in found), found
+    outs[dtype] = sum(d.out == "f32" for d in found)
+  chunked = chunk_mb != "0"
+  assert outs == {"float32": 1 + chunked, "bfloat16": int(chunked)}, outs

@@ -31,18 +31,22 @@ def test_num_chunks():
   assert loss_lib.num_chunks((2, 1024, 128256), 256) == 4
   assert loss_lib.num_chunks((1, 96, 128256), 10) == 6          # needs 5: the next divisor
   assert loss_lib.num_chunks((1, 4, 128256), 0.1) == 4          # at most one position each
+  assert loss_lib.num_chunks((4, 4096, 128256), 1024, 2) == 4   # bf16 logits: half the bytes
 
 
-@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_chunked_equals_unchunked(dtype, tol):
+@pytest.mark.parametrize("dtype, logits, tol", [(jnp.float32, "float32", 1e-5),
+                                                 (jnp.bfloat16, "float32", 2e-2),
+                                                 (jnp.bfloat16, "bfloat16", 2e-2)])
+def test_chunked_equals_unchunked(dtype, logits, tol):
   """Loss, dh and dW of the chunked custom_vjp (4 chunks) equal autodiff of the unchunked
-  loss, under a cotangent other than 1; forward-only evaluation gives the same loss."""
+  loss, under a cotangent other than 1, with fp32 and with bf16 logits; forward-only
+  evaluation gives the same loss."""
   h, w, labels, mask = _inputs(dtype)
-  budget = 2 * 32 * 1000 * 4 / 2**20 / 4  # a quarter of the logits: 4 chunks
-  assert loss_lib.num_chunks((2, 32, 1000), budget) == 4
+  budget = 2 * 32 * 1000 * jnp.dtype(logits).itemsize / 2**20 / 4  # a quarter: 4 chunks
+  assert loss_lib.num_chunks((2, 32, 1000), budget, jnp.dtype(logits).itemsize) == 4
 
   def f(h, w, budget):
-    s, n = loss_lib.head_loss_sums(h, w, labels, mask, budget_mb=budget)
+    s, n = loss_lib.head_loss_sums(h, w, labels, mask, logits=loss_lib.Logits(budget, logits))
     return 0.37 * s, n
 
   (want, n_want), g_want = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(h, w, 0.0)
@@ -155,6 +159,48 @@ def test_chunked_loss_reads_the_logits_twice():
   """Each chunk's fp32 logits are reduced once (max and sum-exp together, the label logit
   beside them) and read once more for the softmax gradient: no separate max over the vocab."""
   h, w, labels, mask = _inputs(jnp.bfloat16)
-  f = lambda h, w: loss_lib.head_loss_sums(h, w, labels, mask, budget_mb=0.03)[0]
+  f = lambda h, w: loss_lib.head_loss_sums(h, w, labels, mask, logits=loss_lib.Logits(0.03))[0]
   jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(h, w).jaxpr
   assert sorted(_vocab_reductions(jaxpr, 1000)) == ["reduce", "reduce_sum"]
+
+
+def _vocab_dots(jaxpr, vocab: int) -> list[str]:
+  """Output dtypes of the dot_generals that make logits ([batch, positions, `vocab]`; not the
+  head's dW), in `jaxpr` and its inner ones."""
+  found = []
+  for eqn in jaxpr.eqns:
+    shape = getattr(eqn.outvars[0].aval, "shape", ()) if eqn.outvars else ()
+    if eqn.primitive.name == "dot_general" and len(shape) == 3 and shape[-1] == vocab:
+      out = eqn.outvars[0].aval
+      found.append(str(out.dtype))
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          found += _vocab_dots(inner, vocab)
+  return found
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.03])
+def test_bf16_logits_are_written_in_bf16_and_train_as_fp32(budget):
+  """`train.logits_dtype=bfloat16`: every product that makes logits writes them in bf16 (what
+  halves the loss's passes over them), chunked or not; the loss and both gradients stay within
+  bf16's rounding of the fp32-logits loss."""
+  h, w, labels, mask = _inputs(jnp.bfloat16)
+
+  def f(h, w, dtype):
+    return loss_lib.head_loss_sums(h, w, labels, mask, logits=loss_lib.Logits(budget, dtype))[0]
+
+  grad = lambda dtype: jax.value_and_grad(f, argnums=(0, 1))
+  for dtype in ("float32", "bfloat16"):
+    forward = jax.make_jaxpr(lambda h, w: f(h, w, dtype))(h, w).jaxpr
+    assert set(_vocab_dots(forward, 1000)) == {dtype}
+  # (fp32 logits' custom backward replays the bf16 product for its pullback, dead code)
+  both = jax.make_jaxpr(lambda h, w: grad("bfloat16")(h, w, "bfloat16"))(h, w).jaxpr
+  assert set(_vocab_dots(both, 1000)) == {"bfloat16"}
+  want, g_want = jax.jit(grad("float32"), static_argnums=2)(h, w, "float32")
+  got, g_got = jax.jit(grad("bfloat16"), static_argnums=2)(h, w, "bfloat16")
+  np.testing.assert_allclose(got, want, rtol=5e-3)
+  for a, b in zip(g_got, g_want):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.abs(a - b).max() <= 3e-2 * np.abs(b).max()
