@@ -37,27 +37,29 @@ def decay_mask(params) -> Any:
       lambda path, _: not any("norm" in str(getattr(k, "key", k)) for k in path), params)
 
 
-def sumsq(x: jax.Array, shards: int = 1) -> jax.Array:
-  """sum(x * x) in fp32. Arrays with 3+ dims (stacked layers) are reduced one slice of the
-  leading dim at a time: backends that do not fuse the square into the reduction (XLA:CPU) then
-  hold one layer's g*g, not the whole model's. `shards`: how many ways a global (GSPMD) array's
-  leading dim is split (pipeline stages): the loop then takes one slice of every shard at a
-  time, each on its own device, where slicing the split dim would make XLA all-gather the
-  whole array on every iteration."""
-  x = x.astype(jnp.float32)
-  if x.ndim >= 3:
+def sumsq(x: jax.Array, shards: int = 1, by_slice: bool = True) -> jax.Array:
+  """sum(x * x) in fp32. `by_slice`: arrays with 3+ dims (stacked layers) are reduced one slice
+  of the leading dim at a time, for backends that do not fuse the square into the reduction
+  (XLA:CPU: each loop trip holds one layer's g*g, not the whole model's). Where they do
+  (XLA:GPU), one reduction over the whole array also fuses the conversion of a bf16 gradient
+  (`step.compute_copies`), which a loop would make XLA write out in fp32 first. `shards`: how
+  many ways a global (GSPMD) array's leading dim is split (pipeline stages): the loop then takes
+  one slice of every shard at a time, each on its own device, where slicing the split dim would
+  make XLA all-gather the whole array on every iteration."""
+  square = lambda s: jnp.sum(jnp.square(s.astype(jnp.float32)))
+  if x.ndim >= 3 and by_slice:
     if shards > 1 and x.shape[0] % shards == 0:
       x = x.reshape(shards, x.shape[0] // shards, *x.shape[1:]).swapaxes(0, 1)
-    return jnp.sum(jax.lax.map(lambda s: jnp.sum(s * s), x))
-  return jnp.sum(x * x)
+    return jnp.sum(jax.lax.map(square, x))
+  return square(x)
 
 
-def global_norm(tree, shards: Any = None) -> jax.Array:
+def global_norm(tree, shards: Any = None, by_slice: bool = True) -> jax.Array:
   """sqrt(sum of squares) over all leaves, in fp32 (see `sumsq`; `shards`: a tree like `tree`
   of each leaf's leading-dim split, or None)."""
   leaves = jax.tree.leaves(tree)
   splits = jax.tree.leaves(shards) if shards is not None else [1] * len(leaves)
-  return jnp.sqrt(sum((sumsq(x, n) for x, n in zip(leaves, splits)),
+  return jnp.sqrt(sum((sumsq(x, n, by_slice) for x, n in zip(leaves, splits)),
                       jnp.zeros((), jnp.float32)))
 
 

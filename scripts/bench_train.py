@@ -86,6 +86,10 @@ ROWS: dict[str, tuple[str, ...]] = {
     "dsv3-16b-3L selective b2 bf16 moments": (
         "model.preset=deepseek_v3_16b", "model.n_layers=3", "train.batch_size=2",
         "train.remat=selective", "train.moments_dtype=bfloat16"),
+    # and the head's logits in bf16 (softmax and loss fp32): half the bytes of the loss's passes
+    "dsv3-16b-3L selective b2 bf16 moments bf16 logits": (
+        "model.preset=deepseek_v3_16b", "model.n_layers=3", "train.batch_size=2",
+        "train.remat=selective", "train.moments_dtype=bfloat16", "train.logits_dtype=bfloat16"),
     # and its routed experts in FP8, current scaling per expert (tiled: jscale/fp8/grouped.py)
     "dsv3-16b-3L selective b2 bf16 moments fp8 experts": (
         "model.preset=deepseek_v3_16b", "model.n_layers=3", "train.batch_size=2",

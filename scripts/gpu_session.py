@@ -159,6 +159,7 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
         ("bench_train: DeepSeek-V3 16B-like, 3 layers + MTP", [PY, "scripts/bench_train.py",
          "--exact", "--steps", "15", "--only",
          "dsv3-16b-3L selective b2,dsv3-16b-3L selective b2 bf16 moments,"
+         "dsv3-16b-3L selective b2 bf16 moments bf16 logits,"
          "dsv3-16b-3L selective b2 bf16 moments fp8 experts,"
          "dsv3-16b-3L selective b2 bf16 moments fp8 experts rows", "--out",
          "results/bench_train_deepseek.md"], {},

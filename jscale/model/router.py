@@ -33,6 +33,7 @@ from jscale.config import MoeConfig
 from jscale.model.seam import Seam
 
 BIAS = "router_bias"  # the bias's parameter name (the train step finds its leaves by it)
+WEIGHT = "router"  # the router weight's (fp32 logits on purpose: `step.compute_copies`)
 
 
 @jax.custom_vjp

@@ -88,7 +88,12 @@ class Comms(Seam):
 
   def grad_norm(self, grads: Any) -> jax.Array:
     """Global L2 norm of the synced gradients (whatever devices their pieces live on)."""
-    return global_norm(grads)
+    return global_norm(grads, by_slice=self.norm_by_slice())
+
+  def norm_by_slice(self) -> bool:
+    """Whether the gradient norm reduces a stacked gradient layer by layer (`optim.sumsq`):
+    where the step runs on XLA:CPU, which does not fuse the square into the reduction."""
+    return self.kernel_device().platform == "cpu"
 
   # ---------------------------------------------------------------- the optimizer's ZeRO
 

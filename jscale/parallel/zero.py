@@ -78,6 +78,7 @@ class XlaZero:
   local_batch_axes: tuple[str, ...]
   _sharding: Callable[[P], Any]
   with_manual_axes: Callable[[frozenset[str]], Any]
+  norm_by_slice: Callable[[], bool]  # `Comms.norm_by_slice`
 
 
   def gather_params(self, params: Any, dtype: Any) -> Any:
@@ -165,7 +166,7 @@ class XlaZero:
     size = self.layouts.mesh.shape
     lead = lambda s: math.prod(size[a] for a in spec_axes(P(s[0]) if len(s) else P()))
     shards = jax.tree.map(lead, self.layouts.grads, is_leaf=lambda x: isinstance(x, P))
-    return global_norm(grads, shards)
+    return global_norm(grads, shards, self.norm_by_slice())
 
   def over_batch(self, fn, params, dot_state, batch, scale):
     """`fn(comms, params, dot_state, batch, scale) -> (grads, loss, stats, new dot_state)`, the
@@ -267,6 +268,7 @@ class ManualZero:
   sp: bool
   fsdp: int
   dp_axes: tuple[str, ...]
+  norm_by_slice: Callable[[], bool]  # `Comms.norm_by_slice`
 
 
   def _init_zero(self, bucket_mb: float) -> None:
@@ -418,6 +420,6 @@ class ManualZero:
     for g, s in zip(jax.tree.leaves(grads),
                     jax.tree.leaves(self.layouts.opt, is_leaf=lambda x: isinstance(x, P))):
       axes = tuple(sorted(a for a in spec_axes(s) if self.mesh.shape[a] > 1))
-      groups[axes] = groups.get(axes, 0.0) + sumsq(g)
+      groups[axes] = groups.get(axes, 0.0) + sumsq(g, by_slice=self.norm_by_slice())
     total = sum(jax.lax.psum(v, axes) if axes else v for axes, v in groups.items())
     return jnp.sqrt(total)

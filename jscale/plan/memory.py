@@ -182,6 +182,21 @@ def cast_weights(model: ModelConfig, lay: Layout) -> float:
   return jnp.dtype(model.dtype).itemsize * layer_psi / (model.stack_layers / lay.stage + extra)
 
 
+def compute_copies(model: ModelConfig, lay: Layout) -> float:
+  """Bytes the layer stacks' compute-dtype copies add at the step's peak
+  (`jscale.step.compute_copies`: cast once a step, held to the optimizer). Fitted to XLA:GPU's
+  buffer assignment (llama3_1b on 1 and 8 H100s, `tests/plan/test_gpu_compile.py`): about half
+  the copies' bytes, since where the stacks' gradients stay bf16 (one device) the copies take
+  the fp32 gradients' place, and where they are summed over micro-batches or devices in fp32
+  they do not (data 2 x sequence 4: +1.0 of 2.0 GB). None under ZeRO-3, which cast each
+  layer's shard before gathering it already, or ZeRO-2 and pipelines, which differentiate the
+  masters (`compute_copies.applies`); fp32 compute has no copies."""
+  itemsize = jnp.dtype(model.dtype).itemsize
+  if lay.stage > 1 or (lay.zero_stage >= 2 and lay.fsdp > 1) or itemsize >= 4:
+    return 0.0
+  return 0.5 * itemsize * local_param_split(model, lay)[0]
+
+
 def vocab_gradient_bytes(model: ModelConfig, lay: Layout) -> float:
   """One fp32 vocabulary-sized gradient (head or embedding) on one device: the unit of the
   loss's and the backward's vocabulary-sized buffers in the making (the head's running sum and
@@ -318,7 +333,7 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   # The loss's peak holds no gradient yet, except under accumulation the running sum.
   loss = loss_workspace(model, lay, tokens) + vocab_weight - (0 if lay.accum > 1 else grads)
   held = held_head_grads(model, lay, tokens)  # MTP's: its loss comes last, the backward next
-  workspace = max(loss, backward) + held
+  workspace = max(loss, backward) + held + compute_copies(model, lay)
   if zero >= 3 and lay.accum == 1:  # the launcher's pipelined all-gather (`xla_flags`: not
     workspace += vocab_weight  # with accumulation) holds a prefetched vocabulary weight (fitted)
   return Memory(params, grads, optimizer, activations, workspace)

@@ -19,7 +19,7 @@ from jscale.model import moe as moe_lib
 from jscale.model import positions as positions_lib
 from jscale.optim import lr_schedule, make_optimizer
 from jscale.parallel.comms import LOCAL, Comms
-from jscale.step import pipelined, router_bias
+from jscale.step import compute_copies, pipelined, router_bias
 from jscale.step.accumulate import Batch, accumulate_grads
 from jscale.step.loss import Logits, head_loss_sums, mtp_terms
 from jscale.step.state import State, merge
@@ -80,6 +80,7 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
   loss_fn = make_loss_fn(graphdef, cfg, comms)
   stages = pipelined.Settings.of(cfg)
   balance = router_bias.balanced(cfg.model.moe)
+  copies = compute_copies.applies(cfg.fp8, cfg.parallel, cfg.mesh)
 
   def step(state: State, batch: Batch):
     _check_positions(batch, batch_sharding, cfg.data.document_mask)
@@ -87,7 +88,9 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
     if comms.stages > 1:
       out = pipelined.grads(stages, graphdef, comms, params, batch, state.get("dot_state"))
     else:
-      out = accumulate_grads(loss_fn, params, batch, cfg.train.microbatches, comms,
+      # bf16 gradients for the layer stacks' matrices, where `compute_copies.applies`
+      wrt = compute_copies.compute_copies(params, cfg.model.dtype) if copies else params
+      out = accumulate_grads(loss_fn, wrt, batch, cfg.train.microbatches, comms,
                              state.get("dot_state"))
     loss, count, stats, dot_state = out.loss, out.count, out.stats, out.dot_state
     grads = comms.sync_grads(out.grads)
