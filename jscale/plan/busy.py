@@ -57,14 +57,14 @@ class Fit:
   non-negative least squares on the sweep's H100 programs (results/estimate_vs_compiled.jsonl:
   `estimate_vs_compiled.py fit`; tests/plan/test_busy.py fails until they are refit when the
   sweep changes). Each multiplies the seconds of one pass of its term."""
-  residual: float = 58.4  # over the residual stream of every layer (d_model wide)
-  hidden: float = 9.12  # over the MLP's hidden activations (split over tensor)
-  sequence_parallel: float = 93.0  # SP: over the whole residual stream (gathers, slices)
-  saved: float = 4.5  # over what each layer saves for its backward (written, read back)
-  weights: float = 16.3  # per extra micro-batch, over the device's bf16 weights (ZeRO-0/1/2)
+  residual: float = 58.3  # over the residual stream of every layer (d_model wide)
+  hidden: float = 9.0  # over the MLP's hidden activations (split over tensor)
+  sequence_parallel: float = 92.8  # SP: over the whole residual stream (gathers, slices)
+  saved: float = 4.52  # over what each layer saves for its backward (written, read back)
+  weights: float = 16.1  # per extra micro-batch, over the device's bf16 weights (ZeRO-0/1/2)
   weight_shards: float = 64.5  # the same over the ZeRO-2/3 shard
-  pressure: float = 33.4  # over all activations, per unit of memory share past PRESSURE_FROM
-  ring_hop_s: float = 0.872e-3  # context parallelism: per micro-batch, layer and ring doubling
+  pressure: float = 34.1  # over all activations, per unit of memory share past PRESSURE_FROM
+  ring_hop_s: float = 0.874e-3  # context parallelism: per micro-batch, layer and ring doubling
 
 
 FIT = Fit()

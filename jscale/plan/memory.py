@@ -188,9 +188,8 @@ def compute_copies(model: ModelConfig, lay: Layout) -> float:
   buffer assignment (llama3_1b on 1 and 8 H100s, `tests/plan/test_gpu_compile.py`): about half
   the copies' bytes, since where the stacks' gradients stay bf16 (one device) the copies take
   the fp32 gradients' place, and where they are summed over micro-batches or devices in fp32
-  they do not (data 2 x sequence 4: +1.0 of 2.0 GB). None under ZeRO-3, which cast each
-  layer's shard before gathering it already, or ZeRO-2 and pipelines, which differentiate the
-  masters (`compute_copies.applies`); fp32 compute has no copies."""
+  they do not (data 2 x sequence 4: +1.0 of 2.0 GB). None under ZeRO-2/3 over fsdp or a
+  pipeline, which differentiate the masters (`compute_copies.applies`), or in fp32."""
   itemsize = jnp.dtype(model.dtype).itemsize
   if lay.stage > 1 or (lay.zero_stage >= 2 and lay.fsdp > 1) or itemsize >= 4:
     return 0.0

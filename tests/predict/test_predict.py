@@ -241,7 +241,8 @@ def test_llama3_1b_as_configured_predicts_at_least_45_percent_mfu(llama3_1b):
   # rematerialises nothing; with a topology's default (0.8 x the card) it recomputed 86
   # instructions of this step.
   assert ".remat" not in text
-  assert r.by_category["gemm"] > 0.5 * r.step_s and r.exposed_collectives_s == 0.0
+  # (exposed = step - busy time: two float sums, equal up to rounding on one device)
+  assert r.by_category["gemm"] > 0.5 * r.step_s and r.exposed_collectives_s < 1e-9
   assert r.fits and 10 * 2**30 < r.memory_bytes < r.memory_limit < 80 * 2**30
 
 
