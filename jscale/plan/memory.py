@@ -28,6 +28,7 @@ from jscale.parallel import expert_exchange
 from jscale.parallel.pipeline import lockstep, program, schedules
 from jscale.parallel.pipeline.table import W
 from jscale.plan.layout import Layout
+from jscale.step import compute_copies as copies_lib
 from jscale.step.loss import num_chunks
 from jscale.xla_flags import MEM_FRACTION
 
@@ -188,10 +189,10 @@ def compute_copies(model: ModelConfig, lay: Layout) -> float:
   buffer assignment (llama3_1b on 1 and 8 H100s, `tests/plan/test_gpu_compile.py`): about half
   the copies' bytes, since where the stacks' gradients stay bf16 (one device) the copies take
   the fp32 gradients' place, and where they are summed over micro-batches or devices in fp32
-  they do not (data 2 x sequence 4: +1.0 of 2.0 GB). None under ZeRO-2/3 over fsdp or a
-  pipeline, which differentiate the masters (`compute_copies.applies`), or in fp32."""
+  they do not (data 2 x sequence 4: +1.0 of 2.0 GB). None where the step differentiates the
+  masters (`compute_copies.applies`: the planner's layouts are bf16, not FP8), or in fp32."""
   itemsize = jnp.dtype(model.dtype).itemsize
-  if lay.stage > 1 or (lay.zero_stage >= 2 and lay.fsdp > 1) or itemsize >= 4:
+  if itemsize >= 4 or not copies_lib.applies(False, lay.zero_stage, lay.fsdp, lay.stage):
     return 0.0
   return 0.5 * itemsize * local_param_split(model, lay)[0]
 

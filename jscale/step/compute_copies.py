@@ -30,14 +30,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jscale.config import Fp8Config, MeshConfig, ParallelConfig
 from jscale.model import router
 
 
-def applies(fp8: Fp8Config, parallel: ParallelConfig, mesh: MeshConfig) -> bool:
-  """Whether a (non-pipelined) step differentiates compute copies: not under FP8, nor under
-  ZeRO-2/3 over fsdp > 1 (see the module docstring)."""
-  return not fp8.enabled and not (parallel.zero_stage >= 2 and mesh.fsdp > 1)
+def applies(fp8: bool, zero_stage: int, fsdp: int, stages: int) -> bool:
+  """Whether the step differentiates compute copies (see the module docstring): not under FP8
+  (`fp8.enabled`), nor ZeRO-2/3 over fsdp > 1, nor in a pipeline (`stages` > 1), whose executor
+  differentiates each chunk's masters."""
+  return not fp8 and not (zero_stage >= 2 and fsdp > 1) and stages == 1
 
 
 def copied(path: tuple, leaf: jax.Array) -> bool:

@@ -37,7 +37,7 @@ class Logits(NamedTuple):
 
   @classmethod
   def of(cls, train) -> "Logits":
-    """From a `TrainConfig`."""
+    """From a `TrainConfig` (not imported: the loss takes no config)."""
     return cls(train.logits_chunk_mb, train.logits_dtype)
 
 
