@@ -11,6 +11,12 @@ the launches and walks the structure.
 Bytes are what a fused kernel must move: each operand once (a parameter read only through a
 dynamic-slice counts the slice; the buffer a dynamic-update-slice updates in place counts
 nothing, and the write is the update alone) plus the result.
+
+XLA:GPU's dynamic-slice fusion (`--xla_gpu_enable_dynamic_slice_fusion`, on by default in the
+XLA of jax 0.11; off in 0.10's, which fails to compile a train step with it) wraps one kernel,
+its hero (a custom call: a Pallas kernel, cuBLAS, cuDNN), with the slices it reads and the
+dynamic-update-slice its result goes into: the kernel runs on those addresses, with no copy in
+or out. Such a fusion is its hero's launch on the slices (`_sliced_hero`).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "afte
          "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain", "iota",
          "broadcast", "reshape"}
 _F8 = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e5m2fnuz", "f8e4m3fnuz")
+# What a dynamic-slice fusion may wrap (its hero); the rest of its body is slicing.
+_HEROES = ("custom-call", "fusion", "dot", "convolution")
 _CALLS = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation|"
                     r"branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
 
@@ -158,6 +166,8 @@ class Program:
       return Launch(name, op, "transfer", "host offload", op_name, bytes=moved)
     if op.endswith("-start") or op in ("async-update", "async-done"):
       return None  # copy-start / send / recv: not on a train step's path
+    if op == "fusion" and (hero := self._sliced_hero(name, attrs, callees)) is not None:
+      return hero
     launch = Launch(name, op, "memory", op, op_name, bytes=self._bytes(comp, shape, attrs))
     if op == "fusion":
       kind = re.search(r"kind=(\w+)", attrs).group(1)
@@ -172,6 +182,21 @@ class Program:
     elif op == "dot":
       self._gemm(launch, [], attrs, comp)
     return launch
+
+  def _sliced_hero(self, name: str, attrs: str, callees: list[str]) -> Launch | None:
+    """A dynamic-slice fusion's launch: its hero's, with the operands and result as the hero
+    sees them (the slices it reads, the update it writes in place), under the fusion's name
+    (what XLA schedules). None: not a dynamic-slice fusion, or none with a hero."""
+    config = _json_after(attrs, "custom_fusion_config") or {}
+    if config.get("name") != "dynamic_slice_fusion" or not callees:
+      return None
+    fused = callees[0]
+    for hero, shape, op, hero_attrs in self.comps[fused]:
+      if op in _HEROES:
+        launch = self._launch(fused, hero, shape, op, hero_attrs,
+                              _callees(hero_attrs, self.comps), _attr(hero_attrs, "op_name"))
+        return launch and dataclasses.replace(launch, name=name)
+    return None
 
   def _host_slice_bytes(self, callees: list[str]) -> int | None:
     """Bytes an async fusion on a host-memory buffer moves over the host link: the slice its
