@@ -2,6 +2,8 @@
 
   python scripts/bench_moe_gpu.py                 # both parts -> results/bench_moe_gpu.{md,csv}
   python scripts/bench_moe_gpu.py --part kernels  # grouped matmul TFLOP/s (+ a tile sweep)
+  python scripts/bench_moe_gpu.py --part kernels --shapes deepseek --no-sweep \
+      --out results/bench_moe_gpu_deepseek.md  # at DeepSeek-V3's expert widths
   python scripts/bench_moe_gpu.py --part train --only dropless
   python scripts/bench_moe_gpu.py --quick         # CPU smoke run of the plumbing (interpreter)
 
@@ -11,7 +13,10 @@
    per row, `jscale.fp8.grouped_kernel`, its quantisation included), the tiled
    XLA matmul (`jscale.model.grouped_tiles`), XLA's jax.lax.ragged_dot (8x the FLOPs on GPU),
    tokamax's ragged_dot when it imports, and a dense matmul of the same FLOPs (the ceiling). Timing: `kernel_timing` (profiler kernel time where it works, else a
-   back-to-back loop).
+   back-to-back loop). `--shapes deepseek`: the DeepSeek-V3 16B proxy's expert products
+   instead, 49152 rows (8192 tokens x top-6) in 64 groups: 2048 -> 1408 (gate or up alone: the
+   kernel's 64-column tiles, `rates.GROUPED_NARROW`), 2048 -> 2816 ([gate | up], as the model
+   runs them) and 1408 -> 2048 (down).
 2. train: a 1B-wide MoE (16 layers, d_model 2048, 8 experts of d_ff 2048, top-2, vocab 32k,
    seq 4096, batch 4, bf16, attention auto = cuDNN), one `python -m jscale.train` process per
    row (`bench_train.run_row`): dropless with the kernel, with the tiled XLA matmul and with
@@ -45,6 +50,9 @@ ROWS: dict[str, tuple[str, ...]] = {
 QUICK_ROWS = {"dropless ragged_dot": ("model.n_layers=2", "model.moe.n_experts=4",
                                       "model.moe.d_ff=128", "train.batch_size=4",
                                       "model.dtype=float32", "train.seq_len=64")}
+# --shapes: name -> [(rows, K, N, groups)] timed by the kernels part.
+SHAPES = {"default": [(32768, 2048, 2048, 8)],
+          "deepseek": [(49152, 2048, 1408, 64), (49152, 2048, 2816, 64), (49152, 1408, 2048, 64)]}
 # (tile_m, tile_n, tile_k, max_concurrent_steps, grid_tile_width) tried beside the default.
 SWEEP = [(128, 128, 64, 3, 8), (128, 128, 64, 3, 1), (128, 128, 64, 3, 16), (64, 128, 64, 4, 8),
          (128, 64, 64, 4, 8), (64, 128, 128, 3, 8), (128, 128, 128, 2, 8)]
@@ -77,6 +85,8 @@ def kernel_rows(m: int, k: int, n: int, g: int, sweep: bool, quick: bool) -> lis
                                                 interpret=quick),
            "tiled (XLA)": lambda a, b, s: grouped_tiles.grouped_dot(a, b, s, a.dtype),
            "ragged_dot": jax.lax.ragged_dot}
+  if g > 8:  # XLA:GPU runs it densely against every group: g times the FLOPs, not timed
+    del impls["ragged_dot"]
   if sweep and not quick:
     for t in SWEEP:
       b = gm.GmmBlocks(*t)
@@ -133,6 +143,8 @@ def main() -> None:
   p.add_argument("--part", choices=("all", "kernels", "train"), default="all")
   p.add_argument("--only", default="", help="train rows whose name contains one of these (,)")
   p.add_argument("--no-sweep", action="store_true", help="kernels: the default tiles only")
+  p.add_argument("--shapes", choices=tuple(SHAPES), default="default",
+                 help="kernels: the products timed (default: 32768 x 2048 -> 2048, 8 groups)")
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--quick", action="store_true", help="CPU smoke run (tiny, interpreter)")
   p.add_argument("--out", default="results/bench_moe_gpu.md")
@@ -140,8 +152,9 @@ def main() -> None:
   import bench_train  # pylint: disable=import-outside-toplevel
   out = []
   if args.part in ("all", "kernels"):
-    shape = (256, 128, 128, 2) if args.quick else (32768, 2048, 2048, 8)
-    rows = kernel_rows(*shape, sweep=not args.no_sweep, quick=args.quick)
+    shapes = [(256, 128, 128, 2)] if args.quick else SHAPES[args.shapes]
+    rows = [r for shape in shapes
+            for r in kernel_rows(*shape, sweep=not args.no_sweep, quick=args.quick)]
     out.append(write_table(rows, KERNEL_COLUMNS, args.out.replace(".md", "_kernels.md")))
   if args.part in ("all", "train"):
     chosen = {n: o for n, o in (QUICK_ROWS if args.quick else ROWS).items()

@@ -78,6 +78,16 @@ ATTENTION: dict[tuple[str, bool, int], list[tuple[int, float, float]]] = {
 # H100's (as attention's). Measured at one shape: groups of 4096 rows, where a real router's
 # groups are smaller and uneven.
 GROUPED = {"grouped_matmul": 732e12, "transposed_grouped_matmul": 501e12}
+# The row-grouped kernel where its output is too narrow for two 128-column warpgroup tiles
+# (`hopper_config.fit` halves them to 64 columns): DeepSeek-V3's experts, 1408 wide
+# (= 11 x 128). In the 16B proxy's step on an H200 (results/h200_measured/
+# bench_train_deepseek.md, jax 0.11.2's own program, 2026-11-28) its 24 launches took 17.1 ms a
+# step; the 11 whose output is 2048 wide (128-column tiles) at 732 take 4.25 of it, so the 13
+# 1408 wide ran at 13 x 283.5 GFLOP / 12.9 ms = 286 TFLOP/s. Derived from one step's kernel
+# total, not timed alone (`bench_moe_gpu.py --part kernels --shapes deepseek` times each
+# width). The transposed kernel there: 9 launches in 5.45 ms, 467 TFLOP/s, within 7% of
+# GROUPED's at either width, so it keeps its one rate.
+GROUPED_NARROW = 286e12
 # RMSNorm kernels, fraction of the copy bandwidth (results/h200_measured/bench_kernels.md, N
 # 16384, D 2048 / 4096 averaged; the backward's share derived from fwd+bwd minus fwd).
 NORM = {("hopper", "fwd"): 0.87, ("hopper", "bwd"): 0.75,

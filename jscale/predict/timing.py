@@ -11,7 +11,8 @@ Cost rules, per launch (`rates.Chip` holds the constants and their sources):
 - attention (cuDNN's fused kernels, jscale's Pallas flash kernels): FLOPs over the rate
   measured for that kernel, sequence length and head dim (`rates.ATTENTION`).
 - other Pallas kernels: RMSNorm at its measured share of copy bandwidth; the grouped matmul
-  and its transposed (dW) kernel at their measured bf16 rates (`rates.GROUPED`; on e4m3
+  and its transposed (dW) kernel at their measured bf16 rates (`rates.GROUPED`; the
+  row-grouped kernel on 64-column tiles at `rates.GROUPED_NARROW`; on e4m3
   operands scaled by the FP8:bf16 peak, as XLA's FP8 gemms are: no FP8 rate measured); any
   other as a roofline, flagged.
 - everything else (XLA's loop / input / Triton fusions, copies, dynamic-update-slices): bytes
@@ -38,6 +39,7 @@ import dataclasses
 import math
 import re
 
+import jax.numpy as jnp
 import numpy as np
 
 from jscale import hardware
@@ -45,6 +47,7 @@ from jscale.analysis import volume
 from jscale.parallel.pipeline.program import TICK_SCOPE
 from jscale.predict import rates
 from jscale.predict.launches import Branches, Item, Launch, Loop
+from pallas_kernels.grouped_matmul import hopper_config as gmm_config
 
 _TILES = ((128, 256), (256, 128), (128, 128))
 
@@ -112,8 +115,7 @@ def _pallas_kernel(x: Launch, chip: rates.Chip) -> Timed:
     return Timed(x, x.bytes / (chip.hbm_bytes_s * share), chip.fit.launch_s, "measured")
   if "grouped_matmul" in name:
     x.flops = _grouped_flops(x)
-    kind = "transposed_grouped_matmul" if "transposed" in name else "grouped_matmul"
-    rate, note = rates.GROUPED[kind], f"{kind}: rate at 8 x 4096 rows"
+    rate, note = _grouped_rate(x)
     if x.dtype == "f8":  # as XLA's FP8 gemms: the bf16 efficiency at the FP8 peak
       rate *= chip.peak["f8"] / chip.peak["bf16"]
       note += ", bf16's, scaled to the FP8 peak (no FP8 rate measured)"
@@ -121,6 +123,21 @@ def _pallas_kernel(x: Launch, chip: rates.Chip) -> Timed:
     return Timed(x, t, chip.fit.launch_s, "measured", note=note)
   t = x.bytes / chip.hbm_bytes_s
   return Timed(x, t, chip.fit.launch_s, "roofline", note=f"{name}: no measured rate")
+
+
+def _grouped_rate(x: Launch) -> tuple[float, str]:
+  """(FLOP/s, note) of a grouped matmul kernel: its measured rate, the row-grouped kernel's
+  lower one where its output columns tile narrower than the default (`rates.GROUPED_NARROW`)."""
+  if "transposed" in x.label:
+    return rates.GROUPED["transposed_grouped_matmul"], "transposed_grouped_matmul: 8 x 4096 rows"
+  f8 = x.dtype == "f8"
+  default = gmm_config.DEFAULT_FP8 if f8 else gmm_config.DEFAULT
+  n, k = x.mnk[2], x.mnk[3]
+  tiles = gmm_config.fit(default, k, n, jnp.float8_e4m3fn if f8 else jnp.bfloat16)
+  if n and tiles.tile_n < default.tile_n:
+    return rates.GROUPED_NARROW, (f"grouped_matmul: {tiles.tile_n}-column tiles for {n} "
+                                  f"columns, the rate of DeepSeek-V3's 1408")
+  return rates.GROUPED["grouped_matmul"], "grouped_matmul: 8 x 4096 rows"
 
 
 def _grouped_flops(x: Launch) -> float:
