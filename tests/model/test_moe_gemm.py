@@ -162,20 +162,25 @@ def _lowered_for_hopper(*overrides) -> str:
 
 def test_moe_layer_with_the_kernel_lowers_for_hopper():
   # The model's path (MoE module -> seam -> GroupedDot -> kernels) compiled for a GPU: forward
-  # gate / up / down, their dx and dW — nine Mosaic GPU kernels, no XLA grouped matmul left.
+  # [gate | up] (one product) and down, their dx and dW — six Mosaic GPU kernels, no XLA
+  # grouped matmul left.
   text = _lowered_for_hopper("model.moe.gemm=pallas")
-  assert text.count("custom_call @mosaic_gpu") == 9
+  calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+  assert len(calls) == 6
   assert "chlo.ragged_dot" not in text and "stablehlo.ragged_dot" not in text
+  # gate and up fused: the forward writes [rows, 2 x d_ff], their dW [experts, d_model, 2 x d_ff]
+  ends = [line.rstrip().rsplit("-> ", 1)[1] for line in calls]
+  assert ends.count("tensor<1024x512xbf16>") == 1 and ends.count("tensor<8x256x512xbf16>") == 1
 
 
 FP8_ROWS = ("fp8.enabled=true", "fp8.targets=[experts]", "fp8.experts_scaling=row")
 
 
 def test_fp8_experts_scaled_per_row_lower_to_e4m3_kernels():
-  # Forward and dx of gate / up / down take e4m3 operands; the three dW kernels stay bf16.
+  # Forward and dx of [gate | up] and down take e4m3 operands; the two dW kernels stay bf16.
   text = _lowered_for_hopper("model.moe.gemm=pallas", *FP8_ROWS)
   calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
-  assert len(calls) == 9 and sum("f8E4M3FN" in line for line in calls) == 6
+  assert len(calls) == 6 and sum("f8E4M3FN" in line for line in calls) == 4
   assert "dot_general" not in "".join(line for line in text.splitlines() if "f8E4M3FN" in line)
 
 
