@@ -173,25 +173,39 @@ class RowTile:
   size: jax.Array
 
   @classmethod
-  def of(cls, sizes_ref, n_groups: int, tile: int, visit) -> "RowTile":
-    """Visits run group by group, block by block; a block that straddles a boundary is visited
-    once per group it holds (so there are at most cdiv(M, tile) + groups - 1 visits). Unrolled
-    over the groups (an MoE has few) with selects, as JAX's ragged_dot_mgpu does."""
-    zero = jnp.int32(0)
-    end = group = block = g_start = g_end = zero
-    for i in range(n_groups):
-      start, end = end, end + sizes_ref[i]
-      first_block = lax.div(start, jnp.int32(tile))
-      n_blocks = lax.div(end - 1, jnp.int32(tile)) + 1 - first_block
-      first_visit = first_block + i
-      mine = (first_visit <= visit) & (visit < first_visit + n_blocks)
-      block = lax.select(mine, visit - i, block)
-      group = lax.select(mine, jnp.int32(i), group)
-      g_start = lax.select(mine, start, g_start)
-      g_end = lax.select(mine, end, g_end)
+  def table(cls, sizes, tile: int, visits: int) -> "RowTile":
+    """Every visit's RowTile, each field an int32 array [visits] (`sizes`: rows per group, the
+    tail group of rows past the groups last). Visits run group by group, block by block; a
+    block that straddles a boundary is visited once per group it holds, so there are at most
+    cdiv(M, tile) + groups - 1 of them. Computed by XLA before the kernel (megablox's group
+    metadata; the transposed kernel's starts / ends), so a visit reads its four numbers: found
+    in the kernel, each visit looped over every group (65 steps for DeepSeek-V3's experts)."""
+    sizes = sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first_block = lax.div(starts, jnp.int32(tile))
+    n_blocks = lax.div(ends - 1, jnp.int32(tile)) + 1 - first_block  # truncating division
+    first_visit = first_block + jnp.arange(sizes.shape[0], dtype=jnp.int32)
+    visit = jnp.arange(visits, dtype=jnp.int32)[:, None]
+    mine = (first_visit <= visit) & (visit < first_visit + n_blocks)  # [visits, groups]
+    # At most one group claims a visit; none: group 0, block 0, no rows.
+    last = jnp.max(jnp.where(mine, jnp.arange(sizes.shape[0], dtype=jnp.int32), -1), axis=1)
+    found = last >= 0
+    group = jnp.maximum(last, 0)
+    block = jnp.where(found, visit[:, 0] - group, 0)
+    g_start, g_end = (jnp.where(found, x[group], 0) for x in (starts, ends))
     row0 = block * tile
     lo, hi = jnp.maximum(g_start, row0), jnp.minimum(g_end, row0 + tile)
     return cls(group=group, block=block, start=lo - row0, size=jnp.maximum(hi - lo, 0))
+
+  def fields(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(group, block, start, size): `table`'s arrays in the order `at` reads them."""
+    return self.group, self.block, self.start, self.size
+
+  @classmethod
+  def at(cls, refs, visit) -> "RowTile":
+    """Visit `visit`'s RowTile read from `table`'s four arrays (as kernel refs, same order)."""
+    return cls(*(ref[visit] for ref in refs))
 
 
 def store_rows(src_smem, dst_gmem, row0, start, size, max_rows: int) -> None:

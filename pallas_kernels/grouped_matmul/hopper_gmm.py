@@ -5,6 +5,8 @@ dlhs = dout @ rhs[i]^T. Output tiles are tile_m rows x 2 * tile_n columns; a row
 straddles a group boundary is visited once per group and each visit stores only its group's
 rows (megablox's scheme, JAX's `ragged_dot_mgpu.py`), so no tile mixes two groups' weights and
 no padding is computed. Rows past sum(group_sizes) come out zero, as jax.lax.ragged_dot's do.
+Which group and rows each visit owns is a table XLA computes before the launch
+(`hopper_config.RowTile.table`), read in O(1) per visit however many groups there are.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def gmm(lhs_MK: jax.Array, rhs: jax.Array, sizes_G: jax.Array, *, blocks: C.GmmB
   sizes = sizes_G.astype(jnp.int32)
   sizes = jnp.concatenate([sizes, (m - jnp.sum(sizes))[None]])
   visits, grid_n = pl.cdiv(m, tm) + g, n // cta_n
+  tiles = C.RowTile.table(sizes, tm, visits)
   max_rows = min(tm, m)
   layout = C.transforms(lhs_MK.dtype)
 
@@ -51,7 +54,8 @@ def gmm(lhs_MK: jax.Array, rhs: jax.Array, sizes_G: jax.Array, *, blocks: C.GmmB
         wg_axis="wg", num_compute_wgs=C.COMPUTE_WGS,
         max_concurrent_steps=blocks.max_concurrent_steps, compute_context=context)
 
-  def grouped_matmul(sizes_gmem, lhs_gmem, rhs_gmem, out_gmem):  # the name GPU profiles show
+  def grouped_matmul(groups_gmem, blocks_gmem, starts_gmem, sizes_gmem, lhs_gmem, rhs_gmem,
+                     out_gmem):  # the name GPU profiles show
     unused = lambda *_, **__: None
     zero_tile = C.RowTile(*(jnp.int32(0),) * 4)
     allocs = pipeline(zero_tile, 0, unused, unused).get_allocations(lhs_gmem, rhs_gmem.at[0])
@@ -65,7 +69,7 @@ def gmm(lhs_MK: jax.Array, rhs: jax.Array, sizes_G: jax.Array, *, blocks: C.GmmB
       @plgpu.nd_loop((visits * grid_n,), collective_axes="sm")
       def _visit(info):
         mi, ni = plgpu.planar_snake(info.index[0], (visits, grid_n), 1, blocks.grid_tile_width)
-        tile = C.RowTile.of(sizes_gmem, g + 1, tm, mi)
+        tile = C.RowTile.at((groups_gmem, blocks_gmem, starts_gmem, sizes_gmem), mi)
         # The tail group (rows past the last group) and empty visits multiply nothing.
         live = (tile.group < g) & (tile.size > 0)
 
@@ -101,4 +105,4 @@ def gmm(lhs_MK: jax.Array, rhs: jax.Array, sizes_G: jax.Array, *, blocks: C.GmmB
   kernel = plgpu.kernel(grouped_matmul,
                         out_type=jax.ShapeDtypeStruct((m, n), out_dtype or lhs_MK.dtype),
                         **C.kernel_args(interpret))
-  return kernel(sizes, lhs_MK, rhs)
+  return kernel(*tiles.fields(), lhs_MK, rhs)

@@ -14,6 +14,7 @@ import pytest
 from close import assert_close
 from pallas_kernels.grouped_matmul import (DEFAULT, GmmBlocks, check_shapes, grouped_matmul,
                                            loop_reference, reference)
+from pallas_kernels.grouped_matmul import hopper_config as C
 
 ON_HOPPER = (jax.default_backend() == "gpu"
              and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
@@ -30,6 +31,24 @@ def _operands(dtype=jnp.bfloat16):
   rhs = (jax.random.normal(keys[1], (4, K, N), jnp.float32) / np.sqrt(K)).astype(dtype)
   dout = jax.random.normal(keys[2], (M, N), jnp.float32).astype(dtype)
   return lhs, rhs, dout
+
+
+@pytest.mark.parametrize("sizes", [[60, 0, 70, 100, 26], [0, 256, 0, 0, 0], [0, 0, 0, 0, 256],
+                                   [128, 0, 0, 0, 128], list(np.random.default_rng(0).multinomial(
+                                       2000, [1 / 65] * 65))])
+def test_each_row_is_stored_by_exactly_one_visit_of_its_group(sizes):
+  """The visits' table (`RowTile.table`, computed before the kernel): every row of every group,
+  the tail of rows past them included (the last entry), falls in exactly one visit of its own
+  group, within cdiv(M, tile) + groups visits; the other visits store nothing."""
+  tile, m = 128, sum(sizes)
+  visits = -(-m // tile) + len(sizes) - 1
+  t = C.RowTile.table(jnp.asarray(sizes), tile, visits)
+  owner = np.full(m, -1)
+  for group, block, start, size in zip(*(np.asarray(f) for f in t.fields())):
+    rows = np.arange(block * tile + start, block * tile + start + size)
+    assert (owner[rows] == -1).all()  # no row twice
+    owner[rows] = group
+  np.testing.assert_array_equal(owner, np.repeat(np.arange(len(sizes)), sizes))
 
 
 @pytest.mark.parametrize("case", list(SIZES))
