@@ -85,8 +85,11 @@ GROUPED = {"grouped_matmul": 732e12, "transposed_grouped_matmul": 501e12}
 # step; the 11 whose output is 2048 wide (128-column tiles) at 732 take 4.25 of it, so the 13
 # 1408 wide ran at 13 x 283.5 GFLOP / 12.9 ms = 286 TFLOP/s. Derived from one step's kernel
 # total, not timed alone (`bench_moe_gpu.py --part kernels --shapes deepseek` times each
-# width). The transposed kernel there: 9 launches in 5.45 ms, 467 TFLOP/s, within 7% of
-# GROUPED's at either width, so it keeps its one rate.
+# width). The other candidate it cannot rule out: in that step each visit found its group in a
+# loop over all 64 (8 where GROUPED was measured), which would slow the wide launches too; the
+# kernel now reads it from a table (`hopper_config.RowTile.table`), not yet measured. The
+# transposed kernel there: 9 launches in 5.45 ms, 467 TFLOP/s, within 7% of GROUPED's at
+# either width, so it keeps its one rate.
 GROUPED_NARROW = 286e12
 # RMSNorm kernels, fraction of the copy bandwidth (results/h200_measured/bench_kernels.md, N
 # 16384, D 2048 / 4096 averaged; the backward's share derived from fwd+bwd minus fwd).
