@@ -148,7 +148,7 @@ WINDOWS = np.round(np.arange(0.0, 0.76, 0.01), 2)
 REGATHER_FROM = np.round(np.arange(0.5, 0.96, 0.05), 2)
 # fitted on a grid or outside the sweep (`cost.Exposure`)
 NOT_SHARES = ("zero3_window", "regather_from", "host_offload", "pipeline_pace",
-              "split_backward", "expert_chunks_2", "expert_chunks_4")
+              "split_backward")
 
 
 def _fit_shares(flat: list, passes: busy.Fit, window: float, regather_from: float

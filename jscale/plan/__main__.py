@@ -170,13 +170,12 @@ SCANS = {"true": (True,), "false": (False,), "both": (True, False)}
 
 
 def _compile(rows, args, gpu, devices) -> list[dict]:
-  """`verify.compare` of each row in order (in each of --collectives' modes, or manual alone
-  for a layout only it runs; --schedule-costs' schedules, --scan-layers' loops), a progress
-  line each on stderr, until --compile-budget-s has gone (the rest are said to be left out)."""
+  """`verify.compare` of each row in order (in each of --collectives' modes and
+  --schedule-costs' schedules, --scan-layers' loops), a progress line each on stderr, until
+  --compile-budget-s has gone (the rest are said to be left out)."""
   from jscale.plan import verify
   start, out = time.monotonic(), []
-  modes = lambda row: ("manual",) if row.layout.manual_only else MODES[args.collectives]
-  todo = [(row, mode, costs, scan) for row in rows for mode in modes(row)
+  todo = [(row, mode, costs, scan) for row in rows for mode in MODES[args.collectives]
           for costs in COSTS[args.schedule_costs] for scan in SCANS[args.scan_layers]]
   for i, (row, mode, costs, scan) in enumerate(todo):
     if i and time.monotonic() - start > args.compile_budget_s:  # the first always compiles

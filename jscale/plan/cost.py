@@ -66,14 +66,6 @@ class Exposure:
   # 1b b4, 3b b2, the 8b shape at b1 and b2; not fitted on the sweep, whose two pipeline-free
   # offload rows also run ZeRO-3 and TP)
   host_offload: float = 0.87
-  # The expert exchange in 2 or 4 slices (`parallel.expert_chunks`), each slice's all-to-alls
-  # under the others' expert matmuls: the share of the all-to-all time a sliced step still
-  # costs. Not fitted on the sweep (no MoE there): the DeepSeek-V3 16B proxy compiled for 64
-  # H100s (results/expert_overlap_h100.md at 6a90023), whose step is 8.6 / 14.1 ms shorter
-  # with 2 / 4 slices than whole, of 46.2 ms of all-to-all: 1 - 8.6 / 46.2, 1 - 14.1 / 46.2
-  # (the slices' own cost included). The planner offers slices across nodes only (`layout`).
-  expert_chunks_2: float = 0.814
-  expert_chunks_4: float = 0.695
   pipeline_pace: float = 0.993
   # each W run as an op of its own (a split backward) costs this much more of a tick: the
   # executor's B and W branches each take the chunk's backward apart (ZB-H1, ZB-V)
@@ -189,10 +181,8 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
         model.mtp.depth if model.mtp is not None else 0)
     routed = tokens * model.moe.top_k * model.d_model * c
     # The buffer's own slice stays put, but volumes omit the (n-1)/n factor throughout.
-    c = lay.expert_chunks  # sliced: hidden in part under the other slices' expert matmuls
-    out.append(Transfer("expert", "token dispatch + combine all-to-all, fwd and bwd" + (
-        f", in {c} slices" if c > 1 else ""), "all-to-all", 4 * moe_layers * routed,
-        nodes("expert"), "", f"expert_chunks_{c}" if c > 1 else ""))
+    out.append(Transfer("expert", "token dispatch + combine all-to-all, fwd and bwd",
+                        "all-to-all", 4 * moe_layers * routed, nodes("expert"), ""))
   if lay.stage > 1:
     # Every tick of the executed schedule sends on each of its channels, one activation-sized
     # message each (jscale's shard_map program: idle ticks send too): an activation forward

@@ -18,8 +18,6 @@ from jscale.validate.on_mesh import xla_layout_why_not
 
 REMATS = ("none", "selective", "offload", "full")
 MICRO_BATCHES = (1, 2, 4, 8, 16)
-# parallel.expert_chunks offered with expert parallelism (manual mode's sliced exchange)
-EXPERT_CHUNKS = (1, 2, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +38,6 @@ class Layout:
   accum: int = 1  # micro-batches per optimizer step (pipeline.microbatches under a pipeline)
   moments: str = "float32"  # train.moments_dtype (a choice the planner is given, not a lever)
   context: str = "ring"  # parallel.context_impl with sequence > 1: ring | ulysses
-  # parallel.expert_chunks with expert > 1: the exchange in slices, each hidden under the
-  # others' expert matmuls (manual mode's, `parallel.expert_exchange`)
-  expert_chunks: int = 1
 
   def size(self, axis: str) -> int:
     return getattr(self, axis)
@@ -63,11 +58,6 @@ class Layout:
   def ulysses(self) -> bool:
     """Context parallelism by Ulysses' all-to-alls (not the ring)."""
     return self.sequence > 1 and self.context == "ulysses"
-
-  @property
-  def manual_only(self) -> bool:
-    """Whether only manual mode runs it (the sliced expert exchange)."""
-    return self.expert_chunks > 1
 
   def nodes(self, axis: str, gpus_per_node: int) -> int:
     """Nodes one group of `axis` spans (1: all its devices share a node)."""
@@ -92,8 +82,6 @@ class Layout:
       out.append(f"train.moments_dtype={self.moments}")
     if self.ulysses:
       out.append("parallel.context_impl=ulysses")
-    if self.manual_only:
-      out += ["parallel.collectives=manual", f"parallel.expert_chunks={self.expert_chunks}"]
     if self.stage > 1:
       out += [f"pipeline.schedule={self.schedule}", f"pipeline.microbatches={self.accum}",
               f"pipeline.virtual_stages={self.virtual_stages}", "train.microbatches=1"]
@@ -111,8 +99,6 @@ class Layout:
       parts[[p.startswith("tensor") for p in parts].index(True)] += "+sp"
     if self.ulysses:
       parts[[p.startswith("sequence") for p in parts].index(True)] += "(ulysses)"
-    if self.manual_only:
-      parts[[p.startswith("expert") for p in parts].index(True)] += f"/{self.expert_chunks}"
     if self.stage > 1:
       v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
       parts[[p.startswith("stage") for p in parts].index(True)] += f"({self.schedule}{v})"
@@ -131,8 +117,7 @@ def layout_of(cfg: Config, sizes: dict[str, int]) -> Layout:
                 sequence_parallel=cfg.parallel.sequence_parallel, schedule=cfg.pipeline.schedule,
                 virtual_stages=cfg.pipeline.virtual_stages, remat=t.remat,
                 mbs=t.batch_size // ways // accum, accum=accum, moments=t.moments_dtype,
-                context=cfg.parallel.context_impl if sizes["sequence"] > 1 else "ring",
-                expert_chunks=cfg.parallel.expert_chunks if sizes["expert"] > 1 else 1)
+                context=cfg.parallel.context_impl if sizes["sequence"] > 1 else "ring")
 
 
 def _factorizations(n: int, k: int) -> Iterator[tuple[int, ...]]:
@@ -188,24 +173,8 @@ def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
               continue
             for remat in REMATS:
               for context in _contexts(model, sequence, tensor):
-                lay = Layout(data, stage, fsdp, expert, sequence, tensor, zero, sp, pipe[0],
-                             pipe[1], remat, mbs, accum, moments, context)
-                for chunks in _expert_chunks(model, lay, seq, gpus_per_node):
-                  yield dataclasses.replace(lay, expert_chunks=chunks)
-
-
-def _expert_chunks(model: ModelConfig, lay: Layout, seq: int,
-                   gpus_per_node: int) -> tuple[int, ...]:
-  """parallel.expert_chunks' choices for `lay`: the dropless exchange in slices that divide
-  the tokens a device routes per micro-batch (`validate.experts`' rule), where it crosses
-  nodes. Inside one node the exchange is short and slicing gains little or loses (the
-  DeepSeek-V3 16B proxy compiled for 8 H100s: 2 slices 0.4 ms faster a step, 4 slices 2.8
-  slower; results/expert_overlap_h100.md)."""
-  if (lay.expert == 1 or model.moe is None or model.moe.dispatch != "dropless"
-      or lay.nodes("expert", gpus_per_node) == 1):
-    return (1,)
-  tokens = lay.mbs * seq // lay.sequence
-  return tuple(c for c in EXPERT_CHUNKS if tokens % c == 0)
+                yield Layout(data, stage, fsdp, expert, sequence, tensor, zero, sp,
+                             pipe[0], pipe[1], remat, mbs, accum, moments, context)
 
 
 def _contexts(model: ModelConfig, sequence: int, tensor: int) -> tuple[str, ...]:

@@ -1,7 +1,6 @@
 """The layout planner (`jscale.plan`): the playbook's published figures, the enumeration against
 jscale's own validation, and the estimate against the compiled program on simulated devices."""
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -92,10 +91,9 @@ def test_pipelines_split_the_stack_after_the_dense_prefix():
 
 @pytest.mark.parametrize("preset", ["tiny_moe", "tiny"])
 def test_every_candidate_passes_jscale_validation(preset):
-  """In the mode each layout runs in (xla, or manual for the sliced expert exchange): the
-  planner offers no layout the validator refuses, such as the pipelines XLA's SPMD partitioner
-  aborts on (ZeRO-2 with fsdp and tensor; see scripts/sweep_layout_compiles.py for the
-  compiled sweep)."""
+  """In the default (xla) mode: the planner offers no layout the validator refuses, such as
+  the pipelines XLA's SPMD partitioner aborts on (ZeRO-2 with fsdp and tensor; see
+  scripts/sweep_layout_compiles.py for the compiled sweep)."""
   from jscale import validate
   from jscale.mesh import make_mesh
   model = _model(f"model.preset={preset}")
@@ -107,8 +105,7 @@ def test_every_candidate_passes_jscale_validation(preset):
   seen = set()
   for lay in lays:
     key = (lay.data, lay.stage, lay.fsdp, lay.expert, lay.sequence, lay.tensor, lay.schedule,
-           lay.sequence_parallel, lay.zero_stage, lay.context, lay.remat == "offload",
-           lay.expert_chunks)
+           lay.sequence_parallel, lay.zero_stage, lay.context, lay.remat == "offload")
     if key in seen:
       continue
     seen.add(key)
@@ -117,21 +114,7 @@ def test_every_candidate_passes_jscale_validation(preset):
   # offload is a lever under pipelines too, and Ulysses where the heads divide
   assert [lay for lay in lays if lay.remat == "offload" and lay.stage > 1]
   assert [lay for lay in lays if lay.ulysses]
-  if model.moe:  # the sliced expert exchange, in manual mode: offered across nodes only
-    assert {lay.expert_chunks for lay in lays} == {1}
-    nodes_of_2 = [lay for lay in candidates(model, 8, SEQ, 16, gpus_per_node=2)
-                  if lay.expert_chunks > 1]
-    assert {(lay.expert_chunks, lay.nodes("expert", 2) > 1) for lay in nodes_of_2} == {
-        (2, True), (4, True)}
-    checked = {}
-    for lay in nodes_of_2:
-      checked.setdefault((lay.data, lay.stage, lay.fsdp, lay.expert, lay.sequence, lay.tensor,
-                          lay.zero_stage, lay.expert_chunks), lay)
-    for lay in checked.values():
-      overrides = lay.overrides(SEQ, 2)
-      assert "parallel.collectives=manual" in overrides
-      cfg = load_config(None, [f"model.preset={preset}", *SMALL, *overrides])
-      validate.check_mesh(cfg, make_mesh(cfg.mesh))
+  if model.moe:
     return
   # ... and it refuses the layouts that aborted the compile, before it
   zero2 = ["mesh.fsdp=2", "mesh.tensor=2", "parallel.zero_stage=2"]
@@ -396,26 +379,3 @@ def test_each_mtp_depth_holds_one_more_head_gradient():
   grow = (memory.estimate(model(), lay, 4096).workspace -
           memory.estimate(model("model.mtp=null"), lay, 4096).workspace)
   assert grow >= vocab
-
-
-def test_sliced_expert_exchange_is_priced_by_its_exposed_share():
-  """The expert exchange in slices (`parallel.expert_chunks`, manual mode) keeps its volume and
-  is left exposed by `cost.Exposure`'s share: DeepSeek-V3 671B on 1,024 H100s, its exchange
-  over 8 nodes, is estimated faster in 2 and faster still in 4 slices, which its overrides
-  run."""
-  model = load_config(None, ["model.preset=deepseek_v3_671b",
-                              "model.moe.receive_factor=1.25"]).model
-  gpu, seq = hardware.GPUS["h100"], 4096
-  base = Layout(fsdp=16, expert=64, zero_stage=3, remat="full", mbs=4)
-  lays = [dataclasses.replace(base, expert_chunks=c) for c in (1, 2, 4)]
-  a2a = [next(t for t in cost.transfers(model, lay, seq, 8) if t.kind == "all-to-all")
-         for lay in lays]
-  assert len({t.bytes for t in a2a}) == 1 and a2a[0].nodes == 8
-  assert a2a[0].exposed_seconds() == a2a[0].seconds()
-  for t, share in zip(a2a[1:], (cost.EXPOSURE.expert_chunks_2, cost.EXPOSURE.expert_chunks_4)):
-    assert t.exposed_seconds() == pytest.approx(share * t.seconds())
-  steps = [evaluate(model, lay, seq, gpu).cost.step_s for lay in lays]
-  assert steps[0] > steps[1] > steps[2]
-  assert {"parallel.collectives=manual", "parallel.expert_chunks=4"} <= set(
-      lays[2].overrides(seq, 8))
-  assert lays[2].describe().startswith("fsdp16(z3) expert64/4")
