@@ -189,9 +189,9 @@ class RowTile:
     visit = jnp.arange(visits, dtype=jnp.int32)[:, None]
     mine = (first_visit <= visit) & (visit < first_visit + n_blocks)  # [visits, groups]
     # At most one group claims a visit; none: group 0, block 0, no rows.
-    last = jnp.max(jnp.where(mine, jnp.arange(sizes.shape[0], dtype=jnp.int32), -1), axis=1)
-    found = last >= 0
-    group = jnp.maximum(last, 0)
+    claimant = jnp.max(jnp.where(mine, jnp.arange(sizes.shape[0], dtype=jnp.int32), -1), axis=1)
+    found = claimant >= 0
+    group = jnp.maximum(claimant, 0)
     block = jnp.where(found, visit[:, 0] - group, 0)
     g_start, g_end = (jnp.where(found, x[group], 0) for x in (starts, ends))
     row0 = block * tile
