@@ -40,7 +40,6 @@ def gmm(lhs_MK: jax.Array, rhs: jax.Array, sizes_G: jax.Array, *, blocks: C.GmmB
   sizes = sizes_G.astype(jnp.int32)
   sizes = jnp.concatenate([sizes, (m - jnp.sum(sizes))[None]])
   visits, grid_n = pl.cdiv(m, tm) + g, n // cta_n
-  tiles = C.RowTile.table(sizes, tm, visits)
   max_rows = min(tm, m)
   layout = C.transforms(lhs_MK.dtype)
 
@@ -105,4 +104,4 @@ def gmm(lhs_MK: jax.Array, rhs: jax.Array, sizes_G: jax.Array, *, blocks: C.GmmB
   kernel = plgpu.kernel(grouped_matmul,
                         out_type=jax.ShapeDtypeStruct((m, n), out_dtype or lhs_MK.dtype),
                         **C.kernel_args(interpret))
-  return kernel(*tiles.fields(), lhs_MK, rhs)
+  return kernel(*C.RowTile.table(sizes, tm, visits).fields(), lhs_MK, rhs)
