@@ -64,10 +64,11 @@ MOE_H100X8 = ("model.dtype=bfloat16", "checkpoint.every=0", "train.batch_size=8"
 def test_sliced_exchange_is_scheduled_under_the_other_slices_matmuls_on_h100s():
   """In the XLA:GPU program for 8 H100s, two slices put the Hopper grouped-matmul kernels of
   one slice between the start and done of the other's ragged all-to-alls (the windows of one
-  exchange hold few), and the predictor's exposed collective time falls by over a quarter
-  (28 -> 19 us; 16 -> 7.8 before the step differentiated bf16 copies of the layer weights,
-  `step.compute_copies`, when each layer's weight casts were more work to hide under, in a
-  step 0.5 ms longer)."""
+  exchange hold few), and the predictor's exposed collective time falls by over a tenth
+  (23.5 -> 19.7 us since the experts' gate and up run as one grouped matmul, fewer kernels to
+  hide under; 28 -> 19 before; 16 -> 7.8 before the step differentiated bf16 copies of the
+  layer weights, `step.compute_copies`, when each layer's weight casts were more work to hide
+  under, in a step 0.5 ms longer)."""
   held, exposed = {}, {}
   for chunks in (1, 2):
     cfg = load_config("configs/tiny.yaml", [*MOE_H100X8, f"parallel.expert_chunks={chunks}"])
@@ -76,4 +77,4 @@ def test_sliced_exchange_is_scheduled_under_the_other_slices_matmuls_on_h100s():
     exposed[chunks] = predict.predict_config(cfg, "h100x8", text, memory_bytes=memory,
                                              remat=remat).exposed_collectives_s
   assert held[2] >= 2 * held[1] + 8, held
-  assert exposed[2] < 0.75 * exposed[1], exposed
+  assert exposed[2] < 0.9 * exposed[1], exposed

@@ -154,7 +154,8 @@ def test_h100s_receive_into_the_bounded_buffer():
                           r"fusion\(\)", text)
   assert programs[2][1] < 0.8 * programs[0][1]
   # The planner's estimate counts the rows the experts run on (`memory.receive_ratio`: 8x and
-  # 2x the assignments): 374 and 158 MiB against the compiled 406 and 178 (it said 122 for
-  # both before).
+  # 2x the assignments): 378 and 162 MiB against the compiled 376 and 166 (406 and 178 before
+  # the experts' gate and up ran as one grouped matmul; the estimate said 122 for both before
+  # it counted the received rows).
   for factor, (_, held) in programs.items():
-    assert 0.85 < estimates[factor] / held < 1.0
+    assert 0.85 < estimates[factor] / held < 1.05
