@@ -9,16 +9,10 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
+from jscale import predict
 from jscale.analysis import gpu_target
-
-if not gpu_target.available():
-  pytest.skip("needs JAX's CUDA plugin and cuDNN to compile for GPUs: pip install -e "
-              "'.[gpu-compile]' (.ci/run does)", allow_module_level=True)
-
-# pylint: disable=wrong-import-position
-from jscale import predict  # noqa: E402
-from jscale.predict import launches  # noqa: E402
-from pallas_kernels.grouped_matmul import grouped_matmul  # noqa: E402
+from jscale.predict import launches
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 # Cut from the DeepSeek-V3 16B proxy's step as jax 0.11.2 compiled it on an H200
 # (results/h200_measured/dsv3_proxy_step_h200.hlo.txt.gz; the kernels' modules left out): in
@@ -107,6 +101,7 @@ def _scan_of_kernel(dynamic_slice_fusion: bool) -> str:
   return lowered.compile(compiler_options=options).as_text()
 
 
+@pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
 def test_the_same_kernels_with_the_slices_read_in_place():
   """XLA:GPU's own compile of a layer scan, with and without dynamic-slice fusion: the same
   kernels with the same FLOPs, and with the fusion the weight slices and gradient updates are
