@@ -156,8 +156,8 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
           "results/bench_fp8_curves_loss.png"]),
     ],
     "deepseek": [  # issue 41: MFU of a DeepSeek-V3 16B-like shape on one GPU; issue 50: FP8 experts
-        ("bench_moe_gpu: the grouped matmul at DeepSeek-V3's expert widths (1408 alone on "
-         "64-column tiles, [gate | up] 2816, down)",
+        ("bench_moe_gpu: the grouped matmul at DeepSeek-V3's expert widths (1408 padded to "
+         "whole tiles and on 64-column ones, [gate | up] 2816, down)",
          [PY, "scripts/bench_moe_gpu.py", "--part", "kernels", "--shapes", "deepseek",
           "--no-sweep", "--out", "results/bench_moe_gpu_deepseek.md"], {},
          ["results/bench_moe_gpu_deepseek_kernels.md",

@@ -78,8 +78,9 @@ ATTENTION: dict[tuple[str, bool, int], list[tuple[int, float, float]]] = {
 # H100's (as attention's). Measured at one shape: groups of 4096 rows, where a real router's
 # groups are smaller and uneven.
 GROUPED = {"grouped_matmul": 732e12, "transposed_grouped_matmul": 501e12}
-# The row-grouped kernel where its output is too narrow for two 128-column warpgroup tiles
-# (`hopper_config.fit` halves them to 64 columns): DeepSeek-V3's experts, 1408 wide
+# The row-grouped kernel on 64-column warpgroup tiles (`hopper_config.fit` halves them where
+# asked to tile a width of 128-column ones it does not divide; by default the kernel pads such
+# a width to whole tiles instead, `hopper_config.covering`): DeepSeek-V3's experts, 1408 wide
 # (= 11 x 128). In the 16B proxy's step on an H200 (results/h200_measured/
 # bench_train_deepseek.md, jax 0.11.2's own program, 2026-11-28) its 24 launches took 17.1 ms a
 # step; the 11 whose output is 2048 wide (128-column tiles) at 732 take 4.25 of it, so the 13

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul import hopper_config as C
 from pallas_kernels.grouped_matmul.hopper_gmm import gmm
@@ -25,10 +26,24 @@ class _Static:
   interpret: bool
 
 
+def _covered(lhs, rhs, sizes, blocks: C.GmmBlocks, interpret: bool, transpose_rhs=False,
+             out_dtype=None):
+  """`gmm` with rhs's output columns zero-padded to whole CUDA-block tiles (`C.covering`) and
+  the padding sliced off the result (XLA fuses the pad into the copy that makes rhs, the slice
+  into the result's reader)."""
+  axis = 1 if transpose_rhs else 2
+  n, k = rhs.shape[axis], rhs.shape[3 - axis]
+  wide = C.covering(n, blocks)
+  if wide > n:
+    rhs = jnp.pad(rhs, [(0, wide - n) if a == axis else (0, 0) for a in range(3)])
+  out = gmm(lhs, rhs, sizes, blocks=C.fit(blocks, k, wide, lhs.dtype),
+            transpose_rhs=transpose_rhs, out_dtype=out_dtype, interpret=interpret)
+  return out[:, :n] if wide > n else out
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _gmm(lhs, rhs, sizes, cfg: _Static):
-  k, n = rhs.shape[1:]
-  return gmm(lhs, rhs, sizes, blocks=C.fit(cfg.blocks, k, n), interpret=cfg.interpret)
+  return _covered(lhs, rhs, sizes, cfg.blocks, cfg.interpret)
 
 
 def _gmm_fwd(lhs, rhs, sizes, cfg):
@@ -37,10 +52,8 @@ def _gmm_fwd(lhs, rhs, sizes, cfg):
 
 def _gmm_bwd(cfg, res, dout):
   lhs, rhs, sizes = res
-  k, n = rhs.shape[1:]
   dout = dout.astype(lhs.dtype)
-  dlhs = gmm(dout, rhs, sizes, blocks=C.fit(cfg.blocks, n, k), transpose_rhs=True,
-             interpret=cfg.interpret)
+  dlhs = _covered(dout, rhs, sizes, cfg.blocks, cfg.interpret, transpose_rhs=True)
   drhs = weight_gradient(lhs, dout, sizes, blocks=cfg.blocks, interpret=cfg.interpret)
   return dlhs, drhs, None
 
@@ -58,11 +71,18 @@ def why_not(lhs, rhs, group_sizes, blocks: C.GmmBlocks | None = None,
                       C.fit(blocks, *rhs.shape[1:]) if rhs.ndim == 3 else blocks)
   if forward is not None:
     return forward
-  k, n = rhs.shape[1:]
+  g, k, n = rhs.shape
   dout = jax.ShapeDtypeStruct((lhs.shape[0], n), lhs.dtype)
   dlhs = C.problem(dout, rhs, group_sizes, C.fit(blocks, n, k), transpose_rhs=True)
   if dlhs is not None:
     return dlhs
+  # As launched: the output columns padded to whole tiles (`_covered`), forward and dlhs.
+  for rows, contract, out in ((lhs, k, n), (dout, n, k)):
+    wide = C.covering(out, blocks)
+    launched = C.problem(rows, jax.ShapeDtypeStruct((g, contract, wide), rhs.dtype),
+                         group_sizes, C.fit(blocks, contract, wide))
+    if launched is not None:
+      return launched
   if k % blocks.tile_m:
     return (f"K={k} is not a multiple of tile_m={blocks.tile_m} (the weight "
             f"gradient's output rows): use model.moe.gemm=tiled for this width")
@@ -100,11 +120,11 @@ def fp8_matmul(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, 
   in fp32 and rounded to `out_dtype` (bf16 / fp16). rhs comes [G, N, K], contraction minor, as
   wgmma reads 8-bit operands; unscaled: the caller applies its scales to the result
   (`jscale.fp8.grouped_kernel`). Not differentiable. Shapes that do not tile raise ValueError."""
-  blocks, why = _fp8_fitted(lhs_MK, rhs_GNK, group_sizes_G, blocks, out_dtype)
+  _, why = _fp8_fitted(lhs_MK, rhs_GNK, group_sizes_G, blocks, out_dtype)
   if why is not None:
     raise ValueError(why)
-  return gmm(lhs_MK, rhs_GNK, group_sizes_G, blocks=blocks, transpose_rhs=True,
-             out_dtype=out_dtype, interpret=interpret)
+  return _covered(lhs_MK, rhs_GNK, group_sizes_G, blocks or C.DEFAULT_FP8, interpret,
+                  transpose_rhs=True, out_dtype=out_dtype)
 
 
 def weight_gradient(lhs_MK: jax.Array, dout_MN: jax.Array, group_sizes_G: jax.Array, *,

@@ -6,6 +6,8 @@ transposed in HBM there), and lower for `cuda` through the real Mosaic GPU pipel
 transposed reads and register layouts the GPU uses. On an H100 they also run compiled.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,6 +78,37 @@ def test_gradients_match_ragged_dot():
   assert_close("dlhs", dlhs, want_dlhs, 1e-2)
   assert_close("drhs", drhs, want_drhs, 1e-2)
   assert not np.any(np.asarray(drhs[1], np.float32))  # the empty group's weights get zero
+
+
+def test_widths_between_whole_tiles_are_padded_values_and_gradients():
+  """An output width that is not whole CUDA-block tiles (here 384 = 1.5 x 256, as DeepSeek-V3's
+  1408 = 5.5 x 256) runs padded to them, forward (N) and dlhs (K): the same values and
+  gradients as ragged_dot, the padding never in the result."""
+  blocks = dataclasses.replace(SMALL, tile_n=128)
+  keys = jax.random.split(jax.random.key(1), 3)
+  w = 384
+  lhs = jax.random.normal(keys[0], (M, w), jnp.float32).astype(jnp.bfloat16)
+  rhs = (jax.random.normal(keys[1], (4, w, w), jnp.float32) / np.sqrt(w)).astype(jnp.bfloat16)
+  dout = jax.random.normal(keys[2], (M, w), jnp.float32).astype(jnp.bfloat16)
+  sizes = jnp.array(SIZES["uneven_empty_tail"], jnp.int32)
+  assert C.covering(w, blocks) == 512 and C.fit(blocks, w, 512).tile_n == 128
+  out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes, blocks=blocks, interpret=True),
+                     lhs, rhs)
+  f32 = lambda x: x.astype(jnp.float32)
+  want, ref_vjp = jax.vjp(lambda a, b: reference(a, b, sizes), f32(lhs), f32(rhs))
+  assert out.shape == (M, w)
+  assert_close("padded forward", out, want, 1e-2)
+  for name, got, ref in zip(("dlhs", "drhs"), vjp(dout), ref_vjp(f32(dout))):
+    assert got.shape == ref.shape
+    assert_close(f"padded {name}", got, ref, 1e-2)
+
+
+def test_deepseek_width_runs_whole_tiles_padded():
+  """DeepSeek-V3 16B's experts (2048 -> 1408): dlhs of the down product (1408 wide) launches on
+  1536 columns of whole 128-column warpgroup tiles, not 1408 on 64-column ones."""
+  text = _lowered(1024, 1408, 2048, 8)
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
+  assert "tensor<1024x1536xbf16>" in text and "stablehlo.pad" in text
 
 
 def _lowered(m, k, n, g, blocks=DEFAULT):
