@@ -182,7 +182,7 @@ def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
   abstract_model = nnx.eval_shape(lambda: state_lib.create_model(cfg))
   graphdef = nnx.split(abstract_model)[0]
   layouts = Layouts(abstract_model, mesh, cfg.parallel)
-  abstract = jax.eval_shape(lambda: state_lib.init_state(cfg))
+  abstract = jax.eval_shape(lambda: state_lib.init_state(cfg, stages=mesh.shape["stage"]))
   state_shardings = layouts.state(make_optimizer(cfg.train), abstract)
   comms = (ManualComms(layouts, cfg.parallel.bucket_mb, cfg.parallel.collective_matmul,
                        cfg.parallel.expert_chunks)

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jscale.config import ParallelConfig
 from jscale.model import matmul
+from jscale.step import compute_copies
 
 Rules = dict[str, tuple[str, ...]]
 
@@ -120,13 +121,17 @@ class Layouts:
                         is_leaf=lambda x: isinstance(x, P))
 
   def state(self, optimizer: optax.GradientTransformation, abstract_state: dict) -> dict:
-    """NamedShardings for the whole train state {params, opt_state, step, rng[, dot_state]}."""
+    """NamedShardings for the whole train state {params, opt_state, step, rng[, dot_state,
+    copies]}."""
     opt = optax.tree_map_params(optimizer, lambda _, s: s, abstract_state["opt_state"], self.opt,
                                 transform_non_params=lambda _: P(),
                                 is_leaf=lambda x: isinstance(x, P))
     specs = {"params": self.params, "opt_state": opt, "step": P(), "rng": P()}
     if "dot_state" in abstract_state:
       specs["dot_state"] = self.dot_state
+    if compute_copies.KEY in abstract_state:  # laid out as the masters they are cast from
+      specs[compute_copies.KEY] = compute_copies.select(self.params,
+                                                        abstract_state[compute_copies.KEY])
     return self.named(specs)
 
   def batch(self) -> NamedSharding:

@@ -53,7 +53,9 @@ def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer, train_iter
     # init_from params are in model layer order; pipelines with v > 1 store chunk order.
     params = rt.params_to_storage(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     optimizer = make_optimizer(cfg.train)
-    state = jax.jit(lambda p, d: state_lib.state_from_params(p, optimizer, cfg.train.seed, d),
+    copies = state_lib.copies_dtype(cfg, rt.mesh.shape["stage"])
+    state = jax.jit(lambda p, d: state_lib.state_from_params(p, optimizer, cfg.train.seed, d,
+                                                             copies),
                     out_shardings=rt.state_shardings)(params, state.get("dot_state"))
   return state, 0
 

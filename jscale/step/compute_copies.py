@@ -4,10 +4,14 @@ The model keeps fp32 master weights and casts each to the compute dtype (`model.
 layer uses it, so every layer's product makes its weight's gradient in bf16 and autodiff
 converts it to fp32 at the cast. Under the layer scan that conversion writes each stack's whole
 fp32 gradient (zeroed first, then layer by layer), which the global norm and Adam then read.
-The step differentiates with respect to bf16 copies of the stacked matrices instead, cast once
-a step: the same gradient values (each is one product's bf16 output), kept in bf16 until the
-optimizer's fusions read them, so half the bytes are zeroed, written and read twice. On the
-DeepSeek-V3 16B proxy, XLA:GPU's step is predicted 2.6 ms (2.5%) shorter.
+The step differentiates with respect to bf16 copies of the stacked matrices instead: the same
+gradient values (each is one product's bf16 output), kept in bf16 until the optimizer's fusions
+read them, so half the bytes are zeroed, written and read twice. On the DeepSeek-V3 16B proxy,
+XLA:GPU's step is predicted 2.6 ms (2.5%) shorter. The train state keeps the copies across
+steps (`KEY`, Megatron's bf16 parameters beside its fp32 main ones): each update writes the
+next ones in Adam's own pass over the masters, where a cast at the step's start read the fp32
+masters again (6 bytes a parameter where 2 do): the proxy 103.6 -> 101.4 ms predicted, 0.4 GiB
+more at its peak. Checkpoints hold the masters only; a restore casts the copies from them.
 
 Exact only for a weight that a layer casts whole and uses in one product: every matrix of a
 layer stack (ndim >= 3: a leading layers axis) except the MoE router's, whose logits are fp32
@@ -52,3 +56,55 @@ def compute_copies(params: Any, dtype: Any) -> Any:
   dtype = jnp.dtype(dtype)
   return jax.tree_util.tree_map_with_path(
       lambda path, x: x.astype(dtype) if copied(path, x) else x, params)
+
+
+# The copies kept across steps: the train state's "copies" (`init_state`), written by each
+# step's update from the new masters, in the same fusion as Adam's (one pass over the weights
+# where a cast at the next step's start reads the fp32 masters again: 4 bytes a parameter less).
+# Never checkpointed: restored states get them cast from the masters (`attach`).
+KEY = "copies"
+
+
+def stored(params: dict, dtype: Any) -> dict:
+  """The `copied` leaves of `params` (a pure nested dict) cast to `dtype`, in a nested dict
+  holding only them: the train state's "copies"."""
+  def pick(path: tuple, node: Any) -> Any:
+    if not isinstance(node, dict):
+      return node.astype(dtype) if copied(path, node) else None
+    kept = {k: pick(path + (jax.tree_util.DictKey(k),), v) for k, v in node.items()}
+    kept = {k: v for k, v in kept.items() if v is not None}
+    return kept or None
+  return pick((), params) or {}
+
+
+def merged(params: dict, copies: dict) -> dict:
+  """`params` with each leaf that `copies` holds replaced by its copy (what the step
+  differentiates)."""
+  return {k: (merged(v, copies[k]) if isinstance(v, dict) else copies[k]) if k in copies else v
+          for k, v in params.items()}
+
+
+def select(tree: dict, copies: dict) -> dict:
+  """The entries of `tree` (a tree like params: their shardings, specs) at the paths `copies`
+  holds."""
+  return {k: select(tree[k], v) if isinstance(v, dict) else tree[k] for k, v in copies.items()}
+
+
+def kept(fp8: bool, zero_stage: int, fsdp: int, stages: int, dtype: Any) -> bool:
+  """Whether the train state keeps the copies: where the step differentiates them (`applies`)
+  and the compute dtype is not the masters' fp32."""
+  return applies(fp8, zero_stage, fsdp, stages) and jnp.dtype(dtype) != jnp.float32
+
+
+def without(state: dict) -> dict:
+  """`state` as checkpointed: without the copies."""
+  return {k: v for k, v in state.items() if k != KEY}
+
+
+def attach(state: dict, abstract_copies: Any) -> dict:
+  """A state restored without its copies, with them cast from the masters, laid out as
+  `abstract_copies` (the abstract state's, ShapeDtypeStructs with shardings) says."""
+  dtype = jax.tree.leaves(abstract_copies)[0].dtype
+  shardings = jax.tree.map(lambda a: a.sharding, abstract_copies)
+  copies = jax.jit(lambda p: stored(p, dtype), out_shardings=shardings)(state["params"])
+  return {**state, KEY: copies}

@@ -3,7 +3,9 @@
 State is a plain pytree, `{"params", "opt_state", "step", "rng"}`, with params as a pure nested
 dict of fp32 master weights (nnx.to_pure_dict layout), so orbax saves it as is; with FP8's
 delayed scaling also `"dot_state"`, the linear layers' amax histories (`matmul.DotState`),
-stacked with the layers they belong to.
+stacked with the layers they belong to; where the step differentiates compute-dtype copies of
+the layer stacks' matrices, also `"copies"`, kept across steps and never checkpointed
+(`jscale.step.compute_copies`).
 
 Under a pipeline with several chunks per stage the layer stack is stored in chunk order, as
 the schedule places them (`jscale.parallel.pipeline.placement`); `params_to_storage` is the one
@@ -25,6 +27,7 @@ from jscale.fp8 import linears as fp8_linears
 from jscale.model import llama, matmul
 from jscale.optim import make_optimizer
 from jscale.parallel.pipeline import placement
+from jscale.step import compute_copies
 
 State = dict[str, Any]
 
@@ -83,12 +86,24 @@ def restack(state: State, n_layers: int, stages: int, saved: PipelineConfig,
 
 
 def state_from_params(params, optimizer: optax.GradientTransformation, seed: int,
-                      dot_state: Any = None) -> State:
+                      dot_state: Any = None, copies_dtype: Any = None) -> State:
+  """A fresh train state around `params`; `copies_dtype`: also the compute-dtype copies the
+  step differentiates (`compute_copies.kept`), cast from them."""
   state = {"params": params, "opt_state": optimizer.init(params),
            "step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(jax.random.key(seed))}
   if dot_state:
     state["dot_state"] = dot_state
+  if copies_dtype is not None and (copies := compute_copies.stored(params, copies_dtype)):
+    state[compute_copies.KEY] = copies
   return state
+
+
+def copies_dtype(cfg: Config, stages: int) -> Any:
+  """The dtype of the state's compute copies (`compute_copies.kept`), None where it keeps
+  none."""
+  keep = compute_copies.kept(cfg.fp8.enabled, cfg.parallel.zero_stage, cfg.mesh.fsdp, stages,
+                             cfg.model.dtype)
+  return jnp.dtype(cfg.model.dtype) if keep else None
 
 
 def init_state(cfg: Config, shardings: Any = None, stages: int = 1) -> State:
@@ -107,6 +122,6 @@ def init_state(cfg: Config, shardings: Any = None, stages: int = 1) -> State:
                                            cfg.pipeline)
     params = stored(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     return state_from_params(params, optimizer, cfg.train.seed,
-                             stored(initial_dot_state(model)))
+                             stored(initial_dot_state(model)), copies_dtype(cfg, stages))
 
   return jax.jit(init, out_shardings=shardings)()

@@ -68,6 +68,18 @@ def _check_positions(batch: Batch, batch_sharding: Any, documents: bool) -> None
                      "apply Runtime.reorder() to each batch (the train loop does)")
 
 
+def _differentiated(state: State, dtype: Any, copies: bool) -> Any:
+  """What the step differentiates: the masters, or where `compute_copies.applies` bf16 copies of
+  the layer stacks' matrices (bf16 gradients): the state's own, kept from the last update, or
+  cast here where it keeps none."""
+  params = state["params"]
+  if not copies:
+    return params
+  if compute_copies.KEY in state:
+    return compute_copies.merged(params, state[compute_copies.KEY])
+  return compute_copies.compute_copies(params, dtype)
+
+
 def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
                     state_shardings: Any = None, batch_sharding: Any = None) -> Callable:
   """Returns jitted `step(state, batch) -> (state, metrics)`; the state buffers are donated.
@@ -89,8 +101,7 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
     if comms.stages > 1:
       out = pipelined.grads(stages, graphdef, comms, params, batch, state.get("dot_state"))
     else:
-      # bf16 gradients for the layer stacks' matrices, where `compute_copies.applies`
-      wrt = compute_copies.compute_copies(params, cfg.model.dtype) if copies else params
+      wrt = _differentiated(state, cfg.model.dtype, copies)
       out = accumulate_grads(loss_fn, wrt, batch, cfg.train.microbatches, comms,
                              state.get("dot_state"))
     loss, count, stats, dot_state = out.loss, out.count, out.stats, out.dot_state
@@ -119,6 +130,8 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
                  "rng": state["rng"]}
     if dot_state:
       new_state["dot_state"] = dot_state
+    if compute_copies.KEY in state:  # the next step's copies, cast from the new masters
+      new_state[compute_copies.KEY] = compute_copies.stored(params, cfg.model.dtype)
     return new_state, metrics
 
   if state_shardings is None:

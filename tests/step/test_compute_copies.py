@@ -2,9 +2,12 @@
 (`jscale.step.compute_copies`): the same gradients as with respect to the fp32 masters, which
 leaves are copied, and the gradient norm that reads them without a per-layer loop on GPUs."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import deepseek_case
@@ -16,7 +19,9 @@ from jscale.optim import sumsq
 from jscale.step import state as state_lib
 from jscale.step import train_step as ts
 from jscale.step.accumulate import accumulate_grads
-from jscale.step.compute_copies import compute_copies, copied
+from jscale.ckpt import checkpoint as ckpt_lib
+from jscale.data import make_train_iterator
+from jscale.step.compute_copies import KEY, compute_copies, copied, stored
 
 # The tiny DeepSeek-V3 at a CPU size: MLA, a dense first layer, sigmoid-routed experts with the
 # balancing bias and a shared expert, and an MTP module sharing the embedding and head.
@@ -79,3 +84,67 @@ def test_the_norm_reads_a_bf16_stack_whole_on_gpus():
   cfg = small_config(None, "mesh.data=1")
   assert runtime.build(cfg, jax.devices()[:1]).comms.norm_by_slice()
   assert not runtime.build(cfg, gpu_target.devices("h100x1")).comms.norm_by_slice()
+
+
+def _same(a, b, what: str) -> None:
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    assert x.dtype == y.dtype, (what, path)
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                  err_msg=f"{what} {jax.tree_util.keystr(path)}")
+
+
+def test_the_state_keeps_the_copies_each_step_writes_from_its_masters():
+  """A bf16 model's state keeps the copies across steps: each step differentiates them and
+  casts the next ones from its new masters, so they stay the masters cast, and the run is the
+  one a step casting at its start makes (losses and masters bit-equal over 3 steps). An fp32
+  model keeps none."""
+  cfg = small_config(None, *DEEPSEEK)
+  kept, cast = state_lib.init_state(cfg), state_lib.init_state(cfg)
+  del cast[KEY]  # the state a step without kept copies sees: it casts the masters itself
+  assert set(jax.tree.leaves(jax.tree.map(lambda x: str(x.dtype), kept[KEY]))) == {"bfloat16"}
+  _same(kept[KEY], stored(kept["params"], jnp.bfloat16), "initial copies")
+  step, batch = ts.make_train_step(cfg, state_lib.model_graphdef(cfg)), _batch(cfg)
+  for i in range(3):
+    kept, m_kept = step(kept, batch)
+    cast, m_cast = step(cast, batch)
+    assert float(m_kept["loss"]) == float(m_cast["loss"]) and KEY not in cast
+    _same(kept["params"], cast["params"], f"masters after step {i}")
+    _same(kept[KEY], stored(kept["params"], jnp.bfloat16), f"copies after step {i}")
+  assert KEY not in state_lib.init_state(small_config(None))
+
+
+def test_the_step_reads_no_master_it_keeps_a_copy_of():
+  """In the train step's program, no kept master is cast to bf16 (the copies are the state's):
+  the fp32 masters of copied leaves are read only by the optimizer's update."""
+  cfg = small_config(None, *DEEPSEEK)
+  state = state_lib.init_state(cfg)
+  step = ts.make_train_step(cfg, state_lib.model_graphdef(cfg))
+  jaxpr = jax.make_jaxpr(step)(state, _batch(cfg)).jaxpr.eqns[0].params["jaxpr"].jaxpr
+  leaves = jax.tree_util.tree_leaves_with_path(state)
+  masters = {v for (path, _), v in zip(leaves, jaxpr.invars)
+             if path[0].key == "params" and copied(path[1:], _)}
+  assert masters
+  casts = [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"
+           and e.params["new_dtype"] == jnp.bfloat16 and set(e.invars) & masters]
+  assert not casts, casts[:2]
+
+
+def test_checkpoints_hold_no_copies_and_restoring_casts_them(tmp_path, data_cache):
+  """The checkpoint keeps the masters only (its format is unchanged); a restored state gets its
+  copies cast from them, laid out as the run's."""
+  cfg = small_config(None, *DEEPSEEK, "train.batch_size=8", "checkpoint.async_save=false",
+                     f"train.output_dir={tmp_path}/run", f"data.cache_dir={data_cache}")
+  rt = runtime.build(cfg)
+  state = rt.init_state()
+  data = make_train_iterator(cfg.data, cfg.train.seq_len, cfg.train.batch_size, 0, 1)
+  ckptr = ckpt_lib.Checkpointer(cfg, {"config": {}})
+  assert ckptr.save(1, state, data, force=True)
+  ckptr.wait()
+  saved = ocp.StandardCheckpointer().metadata(os.path.join(ckptr.directory, "1", "state"))
+  assert KEY not in saved.item_metadata.tree and "params" in saved.item_metadata.tree
+  back = ckptr.restore(1, rt.abstract_state(), data)
+  ckptr.close()
+  assert set(back) == set(state)
+  _same(back[KEY], state[KEY], "restored copies")
+  assert jax.tree.map(lambda x: x.sharding, back[KEY]) == jax.tree.map(lambda x: x.sharding,
+                                                                      state[KEY])
