@@ -210,10 +210,17 @@ def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int, logits_dty
       loss, dh, dw = chunk_loss(head_DV, *x, with_grads=True)
       return (carry[0] + loss, carry[1] + dw), dh
 
-    zeros = (per_shard(jnp.zeros(shards, jnp.float32)),
-             per_shard(jnp.zeros(shards + head_DV.shape, jnp.float32), "embed", "vocab"))
-    (loss, dw_SQDV), dh = jax.lax.scan(body, zeros, chunks(h_BLD, labels_BL, mask_BL))
+    # The first chunk outside the loop starts the sums: no zeroed fp32 [D, V] accumulator
+    # (0.28 ms a head on an H100 at vocab 102,400). The barrier keeps the chunks one after the
+    # other where XLA inlines a one-trip loop (two chunks), as the loop does: one chunk's
+    # logits at a time (else +2.1 GiB on the DeepSeek-V3 16B proxy).
+    xs = chunks(h_BLD, labels_BL, mask_BL)
+    loss, dh0, dw_SQDV = chunk_loss(head_DV, *(x[0] for x in xs), with_grads=True)
+    (loss, dw_SQDV, dh0), rest = jax.lax.optimization_barrier(
+        ((loss, dw_SQDV, dh0), tuple(x[1:] for x in xs)))
+    (loss, dw_SQDV), dh = jax.lax.scan(body, (loss, dw_SQDV), rest)
     dw_DV = comms.weight_grad(jnp.sum(dw_SQDV, axis=(0, 1)), ("embed", "vocab"), head_stored)
+    dh = jnp.concatenate([dh0[None], dh], axis=0)
     return jnp.sum(loss), (_merge(dh), dw_DV.astype(head_DV.dtype))
 
   def backward(res, g):

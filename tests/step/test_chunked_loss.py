@@ -157,11 +157,37 @@ def _vocab_reductions(jaxpr, vocab: int) -> list[str]:
 
 def test_chunked_loss_reads_the_logits_twice():
   """Each chunk's fp32 logits are reduced once (max and sum-exp together, the label logit
-  beside them) and read once more for the softmax gradient: no separate max over the vocab."""
+  beside them) and read once more for the softmax gradient: no separate max over the vocab.
+  The chunk's code is traced twice: the first chunk, which starts the sums, and the loop's."""
   h, w, labels, mask = _inputs(jnp.bfloat16)
   f = lambda h, w: loss_lib.head_loss_sums(h, w, labels, mask, logits=loss_lib.Logits(0.03))[0]
   jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(h, w).jaxpr
-  assert sorted(_vocab_reductions(jaxpr, 1000)) == ["reduce", "reduce_sum"]
+  assert sorted(_vocab_reductions(jaxpr, 1000)) == ["reduce", "reduce", "reduce_sum",
+                                                     "reduce_sum"]
+
+
+def _eqns(jaxpr):
+  """Every equation of `jaxpr` and its inner ones."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _eqns(inner)
+
+
+def test_chunked_head_gradient_is_not_summed_into_zeros():
+  """The first chunk's dW starts the sum over chunks: no fp32 [D, V] accumulator is filled with
+  zeros (at vocab 102,400 and d_model 2048 that is 0.8 GB written before the first product)."""
+  h, w, labels, mask = _inputs(jnp.bfloat16)
+  f = lambda h, w: loss_lib.head_loss_sums(h, w, labels, mask, logits=loss_lib.Logits(0.03))[0]
+  jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(h, w).jaxpr
+  head = [e for e in _eqns(jaxpr) if e.outvars and
+          getattr(e.outvars[0].aval, "shape", ())[-2:] == w.shape]
+  assert any(e.primitive.name == "dot_general" for e in head)  # the dW products are found
+  filled = [e for e in head if e.primitive.name == "broadcast_in_dim"]
+  assert not filled, filled
 
 
 def _vocab_dots(jaxpr, vocab: int) -> list[str]:
