@@ -27,6 +27,7 @@ from jscale.parallel.context.ulysses import whole_sequence
 from jscale.parallel.manual import ManualComms
 from jscale.parallel.xla import XlaComms
 from jscale.sharding import Layouts
+from jscale.step import compute_copies as copies_lib
 from jscale.step import state as state_lib
 from jscale.step import train_step as ts
 from jscale.validate import experts as validate_experts
@@ -183,7 +184,8 @@ def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Runtime:
   graphdef = nnx.split(abstract_model)[0]
   layouts = Layouts(abstract_model, mesh, cfg.parallel)
   abstract = jax.eval_shape(lambda: state_lib.init_state(cfg, stages=mesh.shape["stage"]))
-  state_shardings = layouts.state(make_optimizer(cfg.train), abstract)
+  state_shardings = layouts.state(make_optimizer(cfg.train), abstract,
+                                  [k for k in (copies_lib.KEY,) if k in abstract])
   comms = (ManualComms(layouts, cfg.parallel.bucket_mb, cfg.parallel.collective_matmul,
                        cfg.parallel.expert_chunks)
            if cfg.parallel.collectives == "manual" else XlaComms(layouts))

@@ -20,7 +20,6 @@ from jax.sharding import PartitionSpec as P
 
 from jscale.config import ParallelConfig
 from jscale.model import matmul
-from jscale.step import compute_copies
 
 Rules = dict[str, tuple[str, ...]]
 
@@ -92,6 +91,11 @@ def logical_names(abstract_model: nnx.Module, kind: Any = nnx.Param) -> Any:
       is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
+def _at_paths(tree: dict, sub: dict) -> dict:
+  """The entries of `tree` at the paths of `sub` (a nested dict with some of its keys)."""
+  return {k: _at_paths(tree[k], v) if isinstance(v, dict) else tree[k] for k, v in sub.items()}
+
+
 class Layouts:
   """Every PartitionSpec of the train state for one config and mesh."""
 
@@ -120,18 +124,19 @@ class Layouts:
     return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
                         is_leaf=lambda x: isinstance(x, P))
 
-  def state(self, optimizer: optax.GradientTransformation, abstract_state: dict) -> dict:
-    """NamedShardings for the whole train state {params, opt_state, step, rng[, dot_state,
-    copies]}."""
+  def state(self, optimizer: optax.GradientTransformation, abstract_state: dict,
+            like_params: Sequence[str] = ()) -> dict:
+    """NamedShardings for the whole train state {params, opt_state, step, rng[, dot_state]};
+    `like_params`: its other keys, each a sub-tree of params laid out as they are (the step's
+    compute copies, `jscale.step.compute_copies`)."""
     opt = optax.tree_map_params(optimizer, lambda _, s: s, abstract_state["opt_state"], self.opt,
                                 transform_non_params=lambda _: P(),
                                 is_leaf=lambda x: isinstance(x, P))
     specs = {"params": self.params, "opt_state": opt, "step": P(), "rng": P()}
     if "dot_state" in abstract_state:
       specs["dot_state"] = self.dot_state
-    if compute_copies.KEY in abstract_state:  # laid out as the masters they are cast from
-      specs[compute_copies.KEY] = compute_copies.select(self.params,
-                                                        abstract_state[compute_copies.KEY])
+    for key in like_params:
+      specs[key] = _at_paths(self.params, abstract_state[key])
     return self.named(specs)
 
   def batch(self) -> NamedSharding:

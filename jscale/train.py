@@ -44,8 +44,9 @@ def _initial_state(rt: runtime.Runtime, ckptr: ckpt_lib.Checkpointer, train_iter
   params or random init."""
   cfg = rt.cfg
   if plan.step is not None:  # intact: `_start` moved any damaged newer step aside
-    return _restacked(rt, ckptr.restore(plan.step, rt.abstract_state(), train_iter), plan), \
-        plan.step
+    abstract = rt.abstract_state()
+    saved = ckptr.restore(plan.step, state_lib.as_saved(abstract), train_iter)
+    return state_lib.from_saved(_restacked(rt, saved, plan), abstract), plan.step
   state = rt.init_state()
   if cfg.checkpoint.init_from:
     model = state_lib.merge(rt.graphdef, state["params"], state.get("dot_state"))
@@ -146,7 +147,7 @@ def run(cfg: Config, *, stop_after: int | None = None) -> dict[str, Any]:
                        console, signals)
       if out.stopped is None:
         signals.phase = "reading the last checkpoint back"
-        unsaved = ckptr.check_last(out.state, train_iter, _warn_once)
+        unsaved = ckptr.check_last(state_lib.as_saved(out.state), train_iter, _warn_once)
         if unsaved:
           out.stopped, out.message = "unsaved", unsaved
     finally:

@@ -35,7 +35,6 @@ from jax.experimental import multihost_utils
 from jscale.ckpt import integrity
 from jscale.config import Config, ConfigError
 from jscale.data import checkpoint_restore, checkpoint_save
-from jscale.step import compute_copies
 
 Warn = Callable[[str], None]
 
@@ -155,8 +154,7 @@ class Checkpointer:
     """Saves if `step` is on the interval (or `force`); returns whether a save started."""
     if not (force or self.due(step)) or step == self.last_saved:
       return False
-    items = dict(state=ocp.args.StandardSave(compute_copies.without(state)),
-                 data=checkpoint_save(data_iter))
+    items = dict(state=ocp.args.StandardSave(state), data=checkpoint_save(data_iter))
     if self.meta:
       items["meta"] = ocp.args.JsonSave({**self.meta, "step": step})
     started = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -167,13 +165,7 @@ class Checkpointer:
   def restore(self, step: int, abstract_state: Any, data_iter: Any) -> Any:
     """Restores the state (with the shardings of `abstract_state`) and the iterator in place.
     A step saved by another number of processes gives every process its global data position
-    (`integrity.global_position`; `newest_intact` admits no other). The compute copies are not
-    saved: cast from the restored masters (`compute_copies.attach`)."""
-    copies = abstract_state.get(compute_copies.KEY)
-    saved = self._restore(step, compute_copies.without(abstract_state), data_iter)
-    return saved if copies is None else compute_copies.attach(saved, copies)
-
-  def _restore(self, step: int, abstract_state: Any, data_iter: Any) -> Any:
+    (`integrity.global_position`; `newest_intact` admits no other)."""
     step_dir = os.path.join(self.directory, str(step))
     if os.path.exists(os.path.join(step_dir, "data", _own_position())):
       return self._manager.restore(step, args=ocp.args.Composite(

@@ -63,7 +63,7 @@ class Fit:
   saved: float = 4.52  # over what each layer saves for its backward (written, read back)
   weights: float = 16.1  # per extra micro-batch, over the device's bf16 weights (ZeRO-0/1/2)
   weight_shards: float = 64.5  # the same over the ZeRO-2/3 shard
-  pressure: float = 34.1  # over all activations, per unit of memory share past PRESSURE_FROM
+  pressure: float = 33.2  # over all activations, per unit of memory share past PRESSURE_FROM
   ring_hop_s: float = 0.874e-3  # context parallelism: per micro-batch, layer and ring doubling
 
 

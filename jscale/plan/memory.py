@@ -87,22 +87,33 @@ def local_params(model: ModelConfig, lay: Layout) -> float:
 
 def local_param_split(model: ModelConfig, lay: Layout) -> tuple[float, float]:
   """`local_params` as (the layer stack's, the rest: embedding, head, final norm)."""
+  d, t = model.d_model, lay.tensor
+  vocab = model.vocab_size * d / t * (1 if model.tie_embeddings else 2)
+  return sum(layer_param_split(model, lay)), vocab + d
+
+
+def layer_param_split(model: ModelConfig, lay: Layout) -> tuple[float, float]:
+  """The layers' parameters on one device as (their matrices but the routers': what the step
+  keeps compute copies of, `jscale.step.compute_copies.copied`; the rest: norms' scales, MLA's
+  latent norms, routers)."""
   d, f, t = model.d_model, model.d_ff, lay.tensor
-  attn = attention_params(model)[0] / t  # (MLA's down projections and norms: split too, ~5%)
-  dense = attn + 3 * d * f / t + 2 * d
-  if model.moe is None:
-    block = dense
-  else:
+  attn, attn_matrices = attention_params(model)  # (MLA's down projections and norms: split
+  matrices = attn_matrices / t + 3 * d * f / t     # over tensor too, ~5%)
+  small = (attn - attn_matrices) / t + 2 * d
+  dense = (matrices, small)
+  if model.moe is not None:
     m = model.moe
-    block = attn + 2 * d + (d * m.n_experts + m.n_experts * 3 * d * (m.d_ff or f) /
-                            (t * lay.expert) + 3 * d * m.shared_d_ff / t)
+    matrices = attn_matrices / t + (m.n_experts * 3 * d * (m.d_ff or f) / (t * lay.expert)
+                                    + 3 * d * m.shared_d_ff / t)
+    small += d * m.n_experts
   # The scanned stack is split over stages; the dense prefix (`moe.first_dense`, run with the
   # embedding) and the MTP modules (with the head) are on every stage, as those are.
-  layers = model.stack_layers / lay.stage * block + model.first_dense * dense
+  per_stage = model.stack_layers / lay.stage
+  out = [per_stage * x + model.first_dense * y for x, y in zip((matrices, small), dense)]
   if model.mtp is not None:
-    layers += model.mtp.depth * (block + 2 * d * d + 3 * d)
-  vocab = model.vocab_size * d / t * (1 if model.tie_embeddings else 2)
-  return layers, vocab + d
+    out[0] += model.mtp.depth * (matrices + 2 * d * d)
+    out[1] += model.mtp.depth * (small + 3 * d)
+  return out[0], out[1]
 
 
 def tokens_per_microbatch(lay: Layout, seq: int) -> int:
@@ -183,18 +194,24 @@ def cast_weights(model: ModelConfig, lay: Layout) -> float:
   return jnp.dtype(model.dtype).itemsize * layer_psi / (model.stack_layers / lay.stage + extra)
 
 
-def compute_copies(model: ModelConfig, lay: Layout) -> float:
-  """Bytes the layer stacks' compute-dtype copies add at the step's peak
-  (`jscale.step.compute_copies`: cast once a step, held to the optimizer). Fitted to XLA:GPU's
-  buffer assignment (llama3_1b on 1 and 8 H100s, `tests/plan/test_gpu_compile.py`): about half
-  the copies' bytes, since where the stacks' gradients stay bf16 (one device) the copies take
-  the fp32 gradients' place, and where they are summed over micro-batches or devices in fp32
-  they do not (data 2 x sequence 4: +1.0 of 2.0 GB). None where the step differentiates the
-  masters (`compute_copies.applies`: the planner's layouts are bf16, not FP8), or in fp32."""
-  itemsize = jnp.dtype(model.dtype).itemsize
-  if itemsize >= 4 or not copies_lib.applies(False, lay.zero_stage, lay.fsdp, lay.stage):
+def kept_copies(model: ModelConfig, lay: Layout) -> float:
+  """Bytes of the compute-dtype copies the train state keeps (`jscale.step.compute_copies.kept`:
+  the layers' matrices but the routers', split as their masters; none under ZeRO-2/3 over fsdp,
+  in pipelines, or in fp32)."""
+  if not copies_lib.kept(False, lay.zero_stage, lay.fsdp, lay.stage, model.dtype):
     return 0.0
-  return 0.5 * itemsize * local_param_split(model, lay)[0]
+  return jnp.dtype(model.dtype).itemsize * layer_param_split(model, lay)[0]
+
+
+def narrow_gradients(model: ModelConfig, lay: Layout) -> float:
+  """Bytes the layers' matrices' gradients save at the compute dtype (`jscale.step.
+  compute_copies`: the step differentiates the kept copies) against fp32, where no step sums
+  them in fp32: over micro-batches (whose sum is fp32) or devices (gradients are converted
+  before any data-parallel sum). Fitted to XLA:GPU's buffer assignment: 13 llama3_1b / 3b / 8b
+  layouts on 1 and 8 H100s (`scripts/planner_vs_gpu.py`), rest within 15%."""
+  if not kept_copies(model, lay):
+    return 0.0
+  return (4 - jnp.dtype(model.dtype).itemsize) * layer_param_split(model, lay)[0]
 
 
 def vocab_gradient_bytes(model: ModelConfig, lay: Layout) -> float:
@@ -284,8 +301,11 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   n = local_params(model, lay)
   f = lay.fsdp
   zero = lay.zero_stage
-  params = 4 * n / (f if zero >= 3 else 1)
+  params = 4 * n / (f if zero >= 3 else 1) + kept_copies(model, lay)
   grads = 4 * n / (f if zero >= 2 else 1)
+  narrow = narrow_gradients(model, lay)
+  if lay.accum == 1 and lay.data * lay.fsdp * lay.sequence * lay.expert == 1:
+    grads -= narrow  # one device's step: the copies' gradients reach Adam in bf16
   optimizer = moment_bytes(lay) * n / (f if zero >= 1 else 1)
   tokens = tokens_per_microbatch(lay, seq)
   # (the dense prefix and MTP blocks counted as one more chunk's layers each, on every stage)
@@ -320,7 +340,7 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   if zero >= 2:
     backward += vocab
   if lay.accum > 1 and not pipe:
-    backward += grads
+    backward += grads - narrow  # a micro-batch's, in bf16 for the copies, beside the fp32 sum
     if zero == 2:  # the micro-batch's vocabulary gradients in full (a tied embedding's halves
       backward += 2 * vocab  # and their sum) before their reduce-scatter into the sum's shard
   if not model.tie_embeddings:
@@ -333,7 +353,7 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   # The loss's peak holds no gradient yet, except under accumulation the running sum.
   loss = loss_workspace(model, lay, tokens) + vocab_weight - (0 if lay.accum > 1 else grads)
   held = held_head_grads(model, lay, tokens)  # MTP's: its loss comes last, the backward next
-  workspace = max(loss, backward) + held + compute_copies(model, lay)
+  workspace = max(loss, backward) + held
   if zero >= 3 and lay.accum == 1:  # the launcher's pipelined all-gather (`xla_flags`: not
     workspace += vocab_weight  # with accumulation) holds a prefetched vocabulary weight (fitted)
   return Memory(params, grads, optimizer, activations, workspace)

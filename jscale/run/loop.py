@@ -30,6 +30,7 @@ from jscale.config import Config
 from jscale.infer import evaluate
 from jscale.run import console as console_lib
 from jscale.run import preemption, scheduled
+from jscale.step import state as state_lib
 
 
 @dataclasses.dataclass
@@ -156,7 +157,7 @@ def train(cfg: Config, rt: runtime.Runtime, state: Any, start: int, end: int, tr
     if done == end:
       signals.phase = "the final checkpoint save"
     saving = cfg.checkpoint.every > 0 and (done == end or stop or timed)
-    if ckptr.save(done, state, train_iter, force=saving):
+    if ckptr.save(done, state_lib.as_saved(state), train_iter, force=saving):
       timer.reset()
       clock.restart(done)  # ... and the save's wait
     if stop:

@@ -61,7 +61,7 @@ def compute_copies(params: Any, dtype: Any) -> Any:
 # The copies kept across steps: the train state's "copies" (`init_state`), written by each
 # step's update from the new masters, in the same fusion as Adam's (one pass over the weights
 # where a cast at the next step's start reads the fp32 masters again: 4 bytes a parameter less).
-# Never checkpointed: restored states get them cast from the masters (`attach`).
+# Never checkpointed: restored states get them cast from the masters (`state.from_saved`).
 KEY = "copies"
 
 
@@ -84,27 +84,7 @@ def merged(params: dict, copies: dict) -> dict:
           for k, v in params.items()}
 
 
-def select(tree: dict, copies: dict) -> dict:
-  """The entries of `tree` (a tree like params: their shardings, specs) at the paths `copies`
-  holds."""
-  return {k: select(tree[k], v) if isinstance(v, dict) else tree[k] for k, v in copies.items()}
-
-
 def kept(fp8: bool, zero_stage: int, fsdp: int, stages: int, dtype: Any) -> bool:
   """Whether the train state keeps the copies: where the step differentiates them (`applies`)
   and the compute dtype is not the masters' fp32."""
   return applies(fp8, zero_stage, fsdp, stages) and jnp.dtype(dtype) != jnp.float32
-
-
-def without(state: dict) -> dict:
-  """`state` as checkpointed: without the copies."""
-  return {k: v for k, v in state.items() if k != KEY}
-
-
-def attach(state: dict, abstract_copies: Any) -> dict:
-  """A state restored without its copies, with them cast from the masters, laid out as
-  `abstract_copies` (the abstract state's, ShapeDtypeStructs with shardings) says."""
-  dtype = jax.tree.leaves(abstract_copies)[0].dtype
-  shardings = jax.tree.map(lambda a: a.sharding, abstract_copies)
-  copies = jax.jit(lambda p: stored(p, dtype), out_shardings=shardings)(state["params"])
-  return {**state, KEY: copies}

@@ -98,6 +98,24 @@ def state_from_params(params, optimizer: optax.GradientTransformation, seed: int
   return state
 
 
+def as_saved(state: State) -> State:
+  """`state` as checkpoints hold it: without the compute copies (cast again on restore)."""
+  return {k: v for k, v in state.items() if k != compute_copies.KEY}
+
+
+def from_saved(saved: State, abstract_state: State) -> State:
+  """A state restored from a checkpoint (`as_saved`), with the compute copies the run's
+  `abstract_state` (ShapeDtypeStructs with shardings) holds cast from its masters."""
+  abstract = abstract_state.get(compute_copies.KEY)
+  if abstract is None:
+    return saved
+  dtype = jax.tree.leaves(abstract)[0].dtype
+  shardings = jax.tree.map(lambda a: a.sharding, abstract)
+  copies = jax.jit(lambda p: compute_copies.stored(p, dtype),
+                   out_shardings=shardings)(saved["params"])
+  return {**saved, compute_copies.KEY: copies}
+
+
 def copies_dtype(cfg: Config, stages: int) -> Any:
   """The dtype of the state's compute copies (`compute_copies.kept`), None where it keeps
   none."""

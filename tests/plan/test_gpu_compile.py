@@ -230,8 +230,9 @@ def test_accumulation_leaves_out_the_pipelined_all_gather(zero):
   move a gather across the micro-batch loop the pipeliner peels its first iteration, and the
   copy's saved activations get buffers of their own (Llama-3 70B's planned layout under ZeRO-3:
   74.9 GiB per step, over an H100; llama3_1b under ZeRO-2: 67.3 against 40.6 GiB; its first
-  4 layers, compiled here: 7.2 against 5.3 (ZeRO-2), 6.4 against 4.3 (ZeRO-3)). If this stops
-  holding, the flag can come back."""
+  4 layers, compiled here: 7.2 against 5.3 (ZeRO-2), 6.4 against 4.3 (ZeRO-3); since the
+  chunked loss's first chunk starts its sums, 5.1 against 4.3 GiB and 5.3 against 4.4). If this
+  stops holding, the flag can come back."""
   cfg = load_config(None, ["model.preset=llama3_1b", "model.n_layers=4", "model.dtype=bfloat16",
                            "train.seq_len=4096", "train.remat=selective", "mesh.data=1",
                            "mesh.fsdp=8", f"parallel.zero_stage={zero}", "train.batch_size=32",
@@ -240,7 +241,7 @@ def test_accumulation_leaves_out_the_pipelined_all_gather(zero):
   lowered = rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(cfg))
   temp = lambda o: lowered.compile(compiler_options=o).memory_analysis().temp_size_in_bytes
   assert "xla_gpu_enable_pipelined_all_gather" not in xla_flags.compiler_options(cfg)
-  assert temp(xla_flags.compiler_options()) > 1.3 * temp(xla_flags.compiler_options(cfg))
+  assert temp(xla_flags.compiler_options()) > 1.15 * temp(xla_flags.compiler_options(cfg))
 
 
 def test_xla_zero3_reduce_scatters_start_as_their_gradients_are_ready():

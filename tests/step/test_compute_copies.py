@@ -130,19 +130,21 @@ def test_the_step_reads_no_master_it_keeps_a_copy_of():
 
 
 def test_checkpoints_hold_no_copies_and_restoring_casts_them(tmp_path, data_cache):
-  """The checkpoint keeps the masters only (its format is unchanged); a restored state gets its
-  copies cast from them, laid out as the run's."""
+  """What the run saves holds the masters only (the checkpoint format is unchanged); a restored
+  state gets its copies cast from them, laid out as the run's (`state.as_saved` /
+  `from_saved`, as `jscale.train` and the loop call them)."""
   cfg = small_config(None, *DEEPSEEK, "train.batch_size=8", "checkpoint.async_save=false",
                      f"train.output_dir={tmp_path}/run", f"data.cache_dir={data_cache}")
   rt = runtime.build(cfg)
   state = rt.init_state()
   data = make_train_iterator(cfg.data, cfg.train.seq_len, cfg.train.batch_size, 0, 1)
   ckptr = ckpt_lib.Checkpointer(cfg, {"config": {}})
-  assert ckptr.save(1, state, data, force=True)
+  assert ckptr.save(1, state_lib.as_saved(state), data, force=True)
   ckptr.wait()
   saved = ocp.StandardCheckpointer().metadata(os.path.join(ckptr.directory, "1", "state"))
   assert KEY not in saved.item_metadata.tree and "params" in saved.item_metadata.tree
-  back = ckptr.restore(1, rt.abstract_state(), data)
+  abstract = rt.abstract_state()
+  back = state_lib.from_saved(ckptr.restore(1, state_lib.as_saved(abstract), data), abstract)
   ckptr.close()
   assert set(back) == set(state)
   _same(back[KEY], state[KEY], "restored copies")
