@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jscale.config import MeshConfig
 from jscale.model import router
 
 
@@ -42,6 +43,12 @@ def applies(fp8: bool, zero_stage: int, fsdp: int, stages: int) -> bool:
   (`fp8.enabled`), nor ZeRO-2/3 over fsdp > 1, nor in a pipeline (`stages` > 1), whose executor
   differentiates each chunk's masters."""
   return not fp8 and not (zero_stage >= 2 and fsdp > 1) and stages == 1
+
+
+def fsdp_of(mesh: MeshConfig) -> int:
+  """The fsdp degree `applies` weighs: within and across nodes (`mesh.fsdp * mesh.dcn_fsdp`);
+  -1, all the devices the other axes leave, counts as more than one."""
+  return 2 if mesh.fsdp == -1 else mesh.fsdp * mesh.dcn_fsdp
 
 
 def copied(path: tuple, leaf: jax.Array) -> bool:

@@ -119,8 +119,8 @@ def from_saved(saved: State, abstract_state: State) -> State:
 def copies_dtype(cfg: Config, stages: int) -> Any:
   """The dtype of the state's compute copies (`compute_copies.kept`), None where it keeps
   none."""
-  keep = compute_copies.kept(cfg.fp8.enabled, cfg.parallel.zero_stage, cfg.mesh.fsdp, stages,
-                             cfg.model.dtype)
+  keep = compute_copies.kept(cfg.fp8.enabled, cfg.parallel.zero_stage,
+                             compute_copies.fsdp_of(cfg.mesh), stages, cfg.model.dtype)
   return jnp.dtype(cfg.model.dtype) if keep else None
 
 

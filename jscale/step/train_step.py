@@ -92,8 +92,8 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
   loss_fn = make_loss_fn(graphdef, cfg, comms)
   stages = pipelined.Settings.of(cfg)
   balance = router_bias.balanced(cfg.model.moe)
-  copies = compute_copies.applies(cfg.fp8.enabled, cfg.parallel.zero_stage, cfg.mesh.fsdp,
-                                  comms.stages)
+  copies = compute_copies.applies(cfg.fp8.enabled, cfg.parallel.zero_stage,
+                                  compute_copies.fsdp_of(cfg.mesh), comms.stages)
 
   def step(state: State, batch: Batch):
     _check_positions(batch, batch_sharding, cfg.data.document_mask)

@@ -150,3 +150,14 @@ def test_checkpoints_hold_no_copies_and_restoring_casts_them(tmp_path, data_cach
   _same(back[KEY], state[KEY], "restored copies")
   assert jax.tree.map(lambda x: x.sharding, back[KEY]) == jax.tree.map(lambda x: x.sharding,
                                                                       state[KEY])
+
+
+@pytest.mark.parametrize("mesh, zero, kept", [
+    ("mesh.fsdp=8 mesh.data=1", 2, False), ("mesh.fsdp=-1 mesh.data=1", 3, False),
+    ("mesh.fsdp=1 mesh.dcn_fsdp=2 mesh.data=-1", 2, False), ("mesh.fsdp=8 mesh.data=1", 1, True),
+    ("mesh.fsdp=1", 3, True)])
+def test_zero2_and_3_over_fsdp_differentiate_the_masters_however_fsdp_is_given(mesh, zero, kept):
+  """ZeRO-2/3 over fsdp > 1 keep no copies, whether fsdp is given within nodes, across them
+  (`mesh.dcn_fsdp`) or as -1 (the devices left): the step there differentiates the masters."""
+  cfg = small_config(None, *DEEPSEEK, *mesh.split(), f"parallel.zero_stage={zero}")
+  assert (state_lib.copies_dtype(cfg, 1) is not None) == kept
