@@ -205,10 +205,11 @@ def kept_copies(model: ModelConfig, lay: Layout) -> float:
 
 def narrow_gradients(model: ModelConfig, lay: Layout) -> float:
   """Bytes the layers' matrices' gradients save at the compute dtype (`jscale.step.
-  compute_copies`: the step differentiates the kept copies) against fp32, where no step sums
-  them in fp32: over micro-batches (whose sum is fp32) or devices (gradients are converted
-  before any data-parallel sum). Fitted to XLA:GPU's buffer assignment: 13 llama3_1b / 3b / 8b
-  layouts on 1 and 8 H100s (`scripts/planner_vs_gpu.py`), rest within 15%."""
+  compute_copies`: the step differentiates the kept copies) against fp32. `estimate` counts
+  the saving where no step sums them in fp32: over micro-batches (whose sum is fp32) or devices
+  (gradients are converted before any data-parallel sum). Fitted to XLA:GPU's buffer
+  assignment: 13 llama3_1b / 3b / 8b layouts on 1 and 8 H100s (`scripts/planner_vs_gpu.py`),
+  rest within 15%."""
   if not kept_copies(model, lay):
     return 0.0
   return (4 - jnp.dtype(model.dtype).itemsize) * layer_param_split(model, lay)[0]

@@ -57,12 +57,11 @@ def copied(path: tuple, leaf: jax.Array) -> bool:
   return leaf.ndim >= 3 and router.WEIGHT not in keys
 
 
-def compute_copies(params: Any, dtype: Any) -> Any:
+def compute_copies(params: dict, dtype: Any) -> dict:
   """`params` with each `copied` leaf cast to the compute `dtype`: what the step differentiates
-  with respect to (a no-op where `dtype` is the parameters' own)."""
-  dtype = jnp.dtype(dtype)
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: x.astype(dtype) if copied(path, x) else x, params)
+  with respect to where the state keeps no copies (a no-op where `dtype` is the parameters'
+  own)."""
+  return merged(params, stored(params, dtype))
 
 
 # The copies kept across steps: the train state's "copies" (`init_state`), written by each
@@ -78,9 +77,9 @@ def stored(params: dict, dtype: Any) -> dict:
   def pick(path: tuple, node: Any) -> Any:
     if not isinstance(node, dict):
       return node.astype(dtype) if copied(path, node) else None
-    kept = {k: pick(path + (jax.tree_util.DictKey(k),), v) for k, v in node.items()}
-    kept = {k: v for k, v in kept.items() if v is not None}
-    return kept or None
+    held = {k: pick(path + (jax.tree_util.DictKey(k),), v) for k, v in node.items()}
+    held = {k: v for k, v in held.items() if v is not None}
+    return held or None
   return pick((), params) or {}
 
 

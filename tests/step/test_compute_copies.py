@@ -121,8 +121,8 @@ def test_the_step_reads_no_master_it_keeps_a_copy_of():
   step = ts.make_train_step(cfg, state_lib.model_graphdef(cfg))
   jaxpr = jax.make_jaxpr(step)(state, _batch(cfg)).jaxpr.eqns[0].params["jaxpr"].jaxpr
   leaves = jax.tree_util.tree_leaves_with_path(state)
-  masters = {v for (path, _), v in zip(leaves, jaxpr.invars)
-             if path[0].key == "params" and copied(path[1:], _)}
+  masters = {v for (path, leaf), v in zip(leaves, jaxpr.invars)
+             if path[0].key == "params" and copied(path[1:], leaf)}
   assert masters
   casts = [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"
            and e.params["new_dtype"] == jnp.bfloat16 and set(e.invars) & masters]
