@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 GPU_OVERLAP_FLAGS = (
     "--xla_gpu_enable_latency_hiding_scheduler=true",
     "--xla_gpu_enable_pipelined_all_gather=true",
@@ -88,12 +90,37 @@ def with_overlap_flags(xla_flags: str, cfg=None) -> str:
   return " ".join(missing + xla_flags.split())
 
 
-def compiler_options(cfg=None) -> dict[str, bool | int]:
-  """The overlap flags for `cfg` as `Lowered.compile(compiler_options=...)` takes them: what a
-  step compiled for GPUs elsewhere (`jscale.analysis`) needs to be the launcher's program."""
+# jax 0.11's XLA replaced the collective pipeliner's three booleans by modes (openxla/xla#45836):
+# DebugOptions fields `xla_gpu_pipeline_{all_gather,all_reduce,reduce_scatter}` of enum
+# CollectivePipeliningMode, and the XLA_FLAGS booleans still parse ("[Deprecated] True maps to
+# --xla_gpu_pipeline_all_gather=on", read from jax 0.11.2's plugin). As compile options, which
+# name DebugOptions fields, the booleans are refused ("No such compile option:
+# 'xla_gpu_enable_pipelined_all_reduce'", `jscale.predict` under jax 0.11.2 on an H200,
+# 2026-11-29); jax 0.10.2 takes them. From 0.11 they are left out, so a step compiled for
+# prediction pipelines as XLA's default mode decides where the launcher's asks for "on"; the
+# enum's spelling as a compile option is not yet checked on a 0.11 install.
+_FLAG_ONLY_FROM = (0, 11)
+_FLAG_ONLY = ("xla_gpu_enable_pipelined_all_gather", "xla_gpu_enable_pipelined_reduce_scatter",
+              "xla_gpu_enable_pipelined_all_reduce")
+
+
+def pipeliner_booleans_are_options(jax_version: tuple[int, ...] | None = None) -> bool:
+  """Whether `jax_version`'s XLA (default: the running one) takes the collective pipeliner's
+  booleans as compile options."""
+  return tuple(jax_version or jax.__version_info__)[:2] < _FLAG_ONLY_FROM
+
+
+def compiler_options(cfg=None, jax_version: tuple[int, ...] | None = None
+                     ) -> dict[str, bool | int]:
+  """The overlap flags for `cfg` as `Lowered.compile(compiler_options=...)` takes them under
+  `jax_version` (default: the running jax's): what a step compiled for GPUs elsewhere
+  (`jscale.analysis`) needs to be the launcher's program."""
+  leave_out = () if pipeliner_booleans_are_options(jax_version) else _FLAG_ONLY
   out = {}
   for flag in overlap_flags(cfg):
     name, value = flag[2:].split("=")
+    if name in leave_out:
+      continue
     out[name] = value == "true" if value in ("true", "false") else int(value)
   return out
 

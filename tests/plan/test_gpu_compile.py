@@ -224,6 +224,8 @@ def test_estimate_against_xla_gpu(model, n, lay):
   assert r["volume_compiled"] == pytest.approx(r["volume_estimate"], rel=0.10, abs=1), r
 
 
+@pytest.mark.skipif(not xla_flags.pipeliner_booleans_are_options(),
+                    reason="this jax's XLA takes the pipeliner's booleans from XLA_FLAGS only")
 @pytest.mark.parametrize("zero", [2, 3])
 def test_accumulation_leaves_out_the_pipelined_all_gather(zero):
   """The launcher's overlap flags leave XLA's pipelined all-gather out with micro-batches: to

@@ -333,6 +333,10 @@ def test_launcher_xla_flags_exist_in_this_jaxlib():
     assert "--xla_gpu_enable_pipelined_all_gather=true" not in xla_flags.with_overlap_flags("", acc)
   assert "--xla_gpu_enable_pipelined_all_gather=true" in xla_flags.overlap_flags()
   assert xla_flags.compiler_options()["xla_gpu_all_gather_combine_threshold_bytes"] == 2**27
+  # jax 0.11's XLA refuses the pipeliner's booleans as compile options (XLA_FLAGS still parse)
+  assert xla_flags.compiler_options(None, (0, 10, 2))["xla_gpu_enable_pipelined_all_reduce"]
+  assert not [k for k in xla_flags.compiler_options(None, (0, 11, 2)) if "pipelined" in k]
+  assert not xla_flags.pipeliner_booleans_are_options((0, 12, 0))
   # xla mode's ZeRO-3 keeps each weight's gradient reduce-scatter apart (8 MiB), manual 128 MiB
   rs = "xla_gpu_reduce_scatter_combine_threshold_bytes"
   for mode, want in (("xla", 2**23), ("manual", 2**27)):
