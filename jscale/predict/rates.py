@@ -65,6 +65,11 @@ ATTENTION: dict[tuple[str, bool, int], list[tuple[int, float, float]]] = {
     ("cudnn", True, 64): [(2048, 318, 290), (4096, 415, 369), (8192, 460, 434)],
     ("cudnn", True, 128): [(4096, 552, 457), (8192, 608, 507)],
     ("cudnn", False, 128): [(4096, 653, 537)],
+    # MLA's head 192 (V's 128 padded to Q's 192), from the DeepSeek-V3 16B proxy's traced step
+    # on the H200 (results/h200_measured/dsv3_proxy_h200_2026-11-29.xplane.pb.gz, b 2, 16
+    # heads): 4 forward launches 0.406 ms each, 4 backward 1.734 ms + cuDNN's dO·O pass 0.053
+    # ms; 206 GFLOP forward, so 508 TFLOP/s forward, 329 forward + backward.
+    ("cudnn", True, 192): [(4096, 508, 329)],
     # jscale's Hopper (Mosaic GPU) kernel and the portable Pallas (Triton) one, on the H200
     # (results/h200_measured/bench_kernels.md, profiler kernel time).
     ("hopper", True, 64): [(4096, 419, 354)],
@@ -80,18 +85,12 @@ ATTENTION: dict[tuple[str, bool, int], list[tuple[int, float, float]]] = {
 GROUPED = {"grouped_matmul": 732e12, "transposed_grouped_matmul": 501e12}
 # The row-grouped kernel on 64-column warpgroup tiles (`hopper_config.fit` halves them where
 # asked to tile a width of 128-column ones it does not divide; by default the kernel pads such
-# a width to whole tiles instead, `hopper_config.covering`): DeepSeek-V3's experts, 1408 wide
-# (= 11 x 128). In the 16B proxy's step on an H200 (results/h200_measured/
-# bench_train_deepseek.md, jax 0.11.2's own program, 2026-11-28) its 24 launches took 17.1 ms a
-# step; the 11 whose output is 2048 wide (128-column tiles) at 732 take 4.25 of it, so the 13
-# 1408 wide ran at 13 x 283.5 GFLOP / 12.9 ms = 286 TFLOP/s. Derived from one step's kernel
-# total, not timed alone (`bench_moe_gpu.py --part kernels --shapes deepseek` times each
-# width). The other candidate it cannot rule out: in that step each visit found its group in a
-# loop over all 64 (8 where GROUPED was measured), which would slow the wide launches too; the
-# kernel now reads it from a table (`hopper_config.RowTile.table`), not yet measured. The
-# transposed kernel there: 9 launches in 5.45 ms, 467 TFLOP/s, within 7% of GROUPED's at
-# either width, so it keeps its one rate.
-GROUPED_NARROW = 286e12
+# a width to whole tiles instead, `hopper_config.covering`): timed alone on the H200 at
+# DeepSeek-V3's 1408 (results/h200_measured/bench_moe_gpu_deepseek_kernels.md, 2026-11-29:
+# 49152 rows in 64 uneven groups, 2048 -> 1408), 477 TFLOP/s forward. The 286 derived before
+# from the 2026-11-28 step's kernel total was the kernel's old per-visit search over the 64
+# groups (it now reads a table), not the narrow tiles.
+GROUPED_NARROW = 477e12
 # RMSNorm kernels, fraction of the copy bandwidth (results/h200_measured/bench_kernels.md, N
 # 16384, D 2048 / 4096 averaged; the backward's share derived from fwd+bwd minus fwd).
 NORM = {("hopper", "fwd"): 0.87, ("hopper", "bwd"): 0.75,
