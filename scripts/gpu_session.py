@@ -14,6 +14,7 @@ There, one device-tool call per part, `carry: [".whl"]`:
   python3 scripts/gpu_session.py run memory_h200  # the same on an H200 (measured 2026-11-28)
   python3 scripts/gpu_session.py run curves  # issue 18: FP8's 200-step loss curves
   python3 scripts/gpu_session.py run long_context  # issues 51/52: 8B at 32k, document mask
+  python3 scripts/gpu_session.py run pipeline_modes  # jax 0.11's spelling of the pipeliner modes
   python3 scripts/gpu_session.py plan        # every part's commands, runnable by hand
 A part installs the wheels into /tmp/site (no network there), runs its commands in order, each
 with what is left of --budget-s (default 540 s, under the tool's 600), logs to $OUT/<part>.log
@@ -191,6 +192,19 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
           "1b selective b4,1b selective b4 document mask", "--out",
           "results/bench_train_documents.md"], {},
          ["results/bench_train_documents.md", "results/bench_train_documents.csv"]),
+    ],
+    # jax >= 0.11 refuses the pipeliner's booleans as compile options (jscale/xla_flags.py):
+    # which spelling of its `xla_gpu_pipeline_*` modes does it take? (seconds, no GPU work)
+    "pipeline_modes": [
+        ("compile options: the collective pipeliner's modes under this jax",
+         [PY, "-c", "import jax, jax.numpy as jnp\n"
+          "low = jax.jit(lambda x: x * 2).lower(jnp.ones(4))\n"
+          "for v in ('COLLECTIVE_PIPELINING_MODE_ON', 'on', 'ON', 2, True):\n"
+          "  try:\n"
+          "    low.compile(compiler_options={'xla_gpu_pipeline_all_gather': v}); print('takes', "
+          "repr(v))\n"
+          "  except Exception as e:  # the probe is the point: which spelling XLA parses\n"
+          "    print('refuses', repr(v), str(e).splitlines()[0][:120])"], {}, []),
     ],
     "fp8": [
         ("bench_fp8: FP8 gemms and llama3_1b rows", [PY, "scripts/bench_fp8.py", "--only",
