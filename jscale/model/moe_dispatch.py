@@ -48,10 +48,10 @@ def ragged_ffn(x_AD: jax.Array, sizes_E: jax.Array, w: ExpertWeights, dtype,
   (Megatron's fused fc1): the same values, half the launches, and twice the output width, which
   the Hopper kernel tiles better. DeepSeek-V3's experts are 1408 wide = 5.5 x 256, not whole
   CUDA-block tiles, which the kernel pads its output columns to (`hopper_config.covering`: 9%
-  more products; on 64-column tiles it ran 477 TFLOP/s forward against 545 at 2816, H200); together they are 2816 =
-  11 x 256, no padding. Where the weights are sliced from a layer stack, jax 0.10's XLA writes
-  the concatenation in the slices' own copy; jax 0.11's reads a slice in place (dynamic-slice
-  fusion) but copies a concatenation."""
+  more products; on 64-column tiles it ran 477 TFLOP/s forward against 545 at 2816, H200);
+  together they are 2816 = 11 x 256, no padding. Where the weights are sliced from a layer
+  stack, jax 0.10's XLA writes the concatenation in the slices' own copy; jax 0.11's reads a
+  slice in place (dynamic-slice fusion) but copies a concatenation."""
   dot = lambda x, m: gemm(x, m, sizes_E, dtype)
   x_AD = checkpoint_name(x_AD, "moe_in")
   gate_up_AF = dot(x_AD, jnp.concatenate([w.gate_EDF, w.up_EDF], axis=-1))
