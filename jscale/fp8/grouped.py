@@ -69,10 +69,16 @@ def _quantize_tiles(x_T, scale_T, fmt):
 
 
 def _weights_per_tile(qw_EKN: jax.Array, expert_T: jax.Array) -> jax.Array:
-  # FP8 values gathered as their bytes (a gather moves bits; it need not know the format)
-  bytes_ = jnp.take(jax.lax.bitcast_convert_type(qw_EKN, jnp.uint8), expert_T, axis=0,
-                    mode="clip")
-  return jax.lax.bitcast_convert_type(bytes_, qw_EKN.dtype)
+  """[T, K, N]: each tile's expert's FP8 weights, gathered as their bits (a gather need not
+  know the format), four values to a 32-bit word where N allows. One byte at a time, the
+  DeepSeek-V3 16B proxy's weight gathers ran at ~5% of an H200's bandwidth (by their count
+  and 2:1 sizes, its [gate | up] tiles' 2.6 GB took 15.5 ms a launch; results/h200_measured/
+  bench_train_deepseek_2026-11-29.md); as words, not yet measured."""
+  bits = (jax.lax.bitcast_convert_type(qw_EKN.reshape(*qw_EKN.shape[:2], -1, 4), jnp.uint32)
+          if qw_EKN.shape[-1] % 4 == 0 else jax.lax.bitcast_convert_type(qw_EKN, jnp.uint8))
+  got = jax.lax.bitcast_convert_type(jnp.take(bits, expert_T, axis=0, mode="clip"),
+                                     qw_EKN.dtype)
+  return got.reshape(expert_T.shape[0], *qw_EKN.shape[1:])
 
 
 @jax.custom_vjp

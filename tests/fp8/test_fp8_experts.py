@@ -7,6 +7,8 @@ a scale per row of every operand (`fp8.experts_scaling: row`, all e4m3). The 200
 loss beside bf16 (8 seeds; a CI test of one seed took 11 minutes here and would bound little:
 single seeds' pairs differ by up to 7%): scripts/fp8_experts.py -> results/fp8_experts_loss.md."""
 
+import re
+
 import deepseek_case
 import jax
 import jax.numpy as jnp
@@ -154,6 +156,10 @@ def test_xla_gpu_keeps_the_expert_products_fp8_on_an_h100():
   # XLA may swap a product's operands: e5m2 gradients against e4m3 weights or activations
   assert {tuple(sorted((d.lhs, d.rhs))) for d in products} == {("f8e4m3fn", "f8e4m3fn"),
                                                                ("f8e4m3fn", "f8e5m2")}
+  # The tiles' FP8 weights are gathered as 32-bit words (`grouped._weights_per_tile`): one
+  # byte at a time, the H200 ran the 16B proxy's at ~5% of its bandwidth.
+  gathered = re.findall(r"= (\w+)\[[\d,]*\][^ ]* gather\(", compiled.as_text())
+  assert "u32" in gathered and not {"u8", "f8e4m3fn", "f8e5m2"} & set(gathered), gathered
 
 
 
