@@ -197,14 +197,7 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
     # which spelling of its `xla_gpu_pipeline_*` modes does it take? (seconds, no GPU work)
     "pipeline_modes": [
         ("compile options: the collective pipeliner's modes under this jax",
-         [PY, "-c", "import jax, jax.numpy as jnp\n"
-          "low = jax.jit(lambda x: x * 2).lower(jnp.ones(4))\n"
-          "for v in ('COLLECTIVE_PIPELINING_MODE_ON', 'on', 'ON', 2, True):\n"
-          "  try:\n"
-          "    low.compile(compiler_options={'xla_gpu_pipeline_all_gather': v}); print('takes', "
-          "repr(v))\n"
-          "  except Exception as e:  # the probe is the point: which spelling XLA parses\n"
-          "    print('refuses', repr(v), str(e).splitlines()[0][:120])"], {}, []),
+         [PY, "scripts/pipeline_modes.py"], {}, []),
     ],
     "fp8": [
         ("bench_fp8: FP8 gemms and llama3_1b rows", [PY, "scripts/bench_fp8.py", "--only",
