@@ -15,6 +15,7 @@ There, one device-tool call per part, `carry: [".whl"]`:
   python3 scripts/gpu_session.py run curves  # issue 18: FP8's 200-step loss curves
   python3 scripts/gpu_session.py run long_context  # issues 51/52: 8B at 32k, document mask
   python3 scripts/gpu_session.py run pipeline_modes  # jax 0.11's spelling of the pipeliner modes
+  python3 scripts/gpu_session.py run followup_50  # issue 50: FP8 word gathers, proxy, modes
   python3 scripts/gpu_session.py plan        # every part's commands, runnable by hand
 A part installs the wheels into /tmp/site (no network there), runs its commands in order, each
 with what is left of --budget-s (default 540 s, under the tool's 600), logs to $OUT/<part>.log
@@ -192,6 +193,24 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
           "1b selective b4,1b selective b4 document mask", "--out",
           "results/bench_train_documents.md"], {},
          ["results/bench_train_documents.md", "results/bench_train_documents.csv"]),
+    ],
+    # Issue 50 after the 2026-11-29 lease, in one call: the FP8 tiled experts since their weights
+    # gather as 32-bit words (198 ms with byte gathers), the proxy again beside it, the kernel at
+    # DeepSeek's widths on balanced groups, and the pipeliner modes' spelling under this jax.
+    "followup_50": [
+        ("compile options: the collective pipeliner's modes under this jax",
+         [PY, "scripts/pipeline_modes.py"], {}, []),
+        ("bench_train: the proxy, and FP8 experts per expert (tiled, word gathers)",
+         [PY, "scripts/bench_train.py", "--exact", "--steps", "15", "--only",
+          "dsv3-16b-3L selective b2 bf16 moments fp8 experts,"
+          "dsv3-16b-3L selective b2 bf16 moments bf16 logits", "--out",
+          "results/bench_train_deepseek.md"], {},
+         ["results/bench_train_deepseek.md", "results/bench_train_deepseek.csv"]),
+        ("bench_moe_gpu: the grouped matmul at DeepSeek-V3's widths, balanced groups",
+         [PY, "scripts/bench_moe_gpu.py", "--part", "kernels", "--shapes", "deepseek",
+          "--no-sweep", "--out", "results/bench_moe_gpu_deepseek.md"], {},
+         ["results/bench_moe_gpu_deepseek_kernels.md",
+          "results/bench_moe_gpu_deepseek_kernels.csv"]),
     ],
     # jax >= 0.11 refuses the pipeliner's booleans as compile options (jscale/xla_flags.py):
     # which spelling of its `xla_gpu_pipeline_*` modes does it take? (seconds, no GPU work)
