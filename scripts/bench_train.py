@@ -6,6 +6,7 @@ device time goes, per (preset, batch, remat, attention) setting.
   python scripts/bench_train.py --only 3b,8b --out results/bench_train_large.md
   python scripts/bench_train.py --steps 30 -- train.seq_len=8192   # extra overrides, every row
   python scripts/bench_train.py --quick              # CPU smoke run of the script itself
+  python scripts/bench_train.py --only 1b --keep results/kept   # + each row's program, trace
 
 Each row is one `python -m jscale.train` process (an out-of-memory row fails alone) on
 configs/tiny.yaml's data (stdlib bytes; the vocab is the preset's, so the head is full size)
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import gzip
 import json
 import os
 import shutil
@@ -117,8 +119,9 @@ COMMON = ("model.dtype=bfloat16", "train.seq_len=4096", "checkpoint.every=0", "t
 
 
 def run_row(name: str, overrides: tuple[str, ...], steps: int, every: int, workdir: str,
-            extra: tuple[str, ...]) -> dict:
-  """One training process; its steady-state metrics and profile summary as a table row."""
+            extra: tuple[str, ...], keep: str | None = None) -> dict:
+  """One training process; its steady-state metrics and profile summary as a table row.
+  `keep`: a folder that gets the row's step program and trace, gzipped (`_kept`)."""
   out = os.path.join(workdir, name.replace(" ", "_"))
   first = steps - every + 1  # the last logging interval is traced, and not timed
   cmd = [sys.executable, "-m", "jscale.train", "--config", "configs/tiny.yaml", *COMMON,
@@ -160,8 +163,23 @@ def run_row(name: str, overrides: tuple[str, ...], steps: int, every: int, workd
               "profile": profile.format_summary(s, top=12)}
   dump = os.path.join(out, "hlo")
   pred = predicted(dump, measured)
+  if keep:
+    _kept(dump, profile.find_trace(out), keep, name.replace(" ", "_"))
   shutil.rmtree(dump, ignore_errors=True)  # a GPU host's /tmp is small
   return {**measured, **pred}
+
+
+def _kept(dump_dir: str, trace: str, keep: str, slug: str) -> None:
+  """<keep>/<slug>.hlo.txt.gz (the step program XLA dumped) and <slug>.xplane.pb.gz (its
+  trace): what joins measured kernels to predicted ones, name by name."""
+  os.makedirs(keep, exist_ok=True)
+  found = sorted(glob.glob(os.path.join(dump_dir, f"*{STEP_MODULE}*after_optimizations.txt")),
+                 key=os.path.getsize)
+  for src, dst in ((found[-1] if found else None, f"{slug}.hlo.txt.gz"),
+                   (trace, f"{slug}.xplane.pb.gz")):
+    if src:
+      with open(src, "rb") as f, gzip.open(os.path.join(keep, dst), "wb") as g:
+        shutil.copyfileobj(f, g)
 
 
 def predicted(dump_dir: str, row: dict) -> dict:
@@ -210,6 +228,8 @@ def main() -> None:
   p.add_argument("--every", type=int, default=5, help="logging interval (timed blocks)")
   p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny rows")
   p.add_argument("--out", default="results/bench_train.md")
+  p.add_argument("--keep", default=None,
+                 help="a folder for each row's step program and trace (gzipped)")
   p.add_argument("extra", nargs="*", help="overrides added to every row")
   args = p.parse_args()
   # Asked in a child: starting JAX here would take 75% of the GPU's memory away from the
@@ -231,7 +251,7 @@ def main() -> None:
   rows = []
   with tempfile.TemporaryDirectory(prefix="bench_train_") as work:
     for n, o in chosen.items():  # the tables after every row: a run cut short keeps its rows
-      rows.append(run_row(n, o, args.steps, args.every, work, extra))
+      rows.append(run_row(n, o, args.steps, args.every, work, extra, args.keep))
       table = write_tables(rows, args.out)
   print(table)
 

@@ -195,8 +195,9 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
          ["results/bench_train_documents.md", "results/bench_train_documents.csv"]),
     ],
     # Issue 50 after the 2026-11-29 lease, in one call: the FP8 tiled experts since their weights
-    # gather as 32-bit words (198 ms with byte gathers), the proxy again beside it, the kernel at
-    # DeepSeek's widths on balanced groups, and the pipeliner modes' spelling under this jax.
+    # gather as 32-bit words (198 ms with byte gathers), the proxy again beside it (both rows'
+    # step programs and traces kept, to join measured kernels to predicted ones by name), the
+    # kernel at DeepSeek's widths on balanced groups, and the pipeliner modes' spelling.
     "followup_50": [
         ("compile options: the collective pipeliner's modes under this jax",
          [PY, "scripts/pipeline_modes.py"], {}, []),
@@ -204,13 +205,14 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
          [PY, "scripts/bench_train.py", "--exact", "--steps", "15", "--only",
           "dsv3-16b-3L selective b2 bf16 moments fp8 experts,"
           "dsv3-16b-3L selective b2 bf16 moments bf16 logits", "--out",
-          "results/bench_train_deepseek.md"], {},
-         ["results/bench_train_deepseek.md", "results/bench_train_deepseek.csv"]),
+          "results/bench_train_deepseek.md", "--keep", "results/kept"], {},
+         ["results/bench_train_deepseek.md", "results/bench_train_deepseek.csv",
+          *(f"results/kept/dsv3-16b-3L_selective_b2_bf16_moments_{row}.{kind}.gz"
+            for row in ("fp8_experts", "bf16_logits") for kind in ("hlo.txt", "xplane.pb"))]),
         ("bench_moe_gpu: the grouped matmul at DeepSeek-V3's widths, balanced groups",
          [PY, "scripts/bench_moe_gpu.py", "--part", "kernels", "--shapes", "deepseek",
           "--no-sweep", "--out", "results/bench_moe_gpu_deepseek.md"], {},
-         ["results/bench_moe_gpu_deepseek_kernels.md",
-          "results/bench_moe_gpu_deepseek_kernels.csv"]),
+         ["results/bench_moe_gpu_deepseek_kernels.md"]),  # 8 files come back: the log and these
     ],
     # jax >= 0.11 refuses the pipeliner's booleans as compile options (jscale/xla_flags.py):
     # which spelling of its `xla_gpu_pipeline_*` modes does it take? (seconds, no GPU work)
