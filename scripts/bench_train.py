@@ -173,13 +173,19 @@ def _kept(dump_dir: str, trace: str, keep: str, slug: str) -> None:
   """<keep>/<slug>.hlo.txt.gz (the step program XLA dumped) and <slug>.xplane.pb.gz (its
   trace): what joins measured kernels to predicted ones, name by name."""
   os.makedirs(keep, exist_ok=True)
-  found = sorted(glob.glob(os.path.join(dump_dir, f"*{STEP_MODULE}*after_optimizations.txt")),
-                 key=os.path.getsize)
-  for src, dst in ((found[-1] if found else None, f"{slug}.hlo.txt.gz"),
+  for src, dst in ((_dumped_step(dump_dir), f"{slug}.hlo.txt.gz"),
                    (trace, f"{slug}.xplane.pb.gz")):
     if src:
       with open(src, "rb") as f, gzip.open(os.path.join(keep, dst), "wb") as g:
         shutil.copyfileobj(f, g)
+
+
+def _dumped_step(dump_dir: str) -> str | None:
+  """The optimised step program XLA dumped into `dump_dir` (the largest module of that name:
+  the step, not a helper jit of the same name), or None."""
+  found = sorted(glob.glob(os.path.join(dump_dir, f"*{STEP_MODULE}*after_optimizations.txt")),
+                 key=os.path.getsize)
+  return found[-1] if found else None
 
 
 def predicted(dump_dir: str, row: dict) -> dict:
@@ -187,12 +193,11 @@ def predicted(dump_dir: str, row: dict) -> dict:
   measured: predicted step time and MFU (the measured MFU scaled by measured / predicted step:
   same model FLOPs) and the predicted time by category. Empty where there is no GPU program
   or no prediction for the device."""
-  found = sorted(glob.glob(os.path.join(dump_dir, f"*{STEP_MODULE}*after_optimizations.txt")),
-                 key=os.path.getsize)
+  found = _dumped_step(dump_dir)
   gpu = hardware.predictable(row.get("device") or "")
   if not found or gpu is None or not row.get("step_time_s"):
     return {}
-  with open(found[-1], encoding="utf-8") as f:
+  with open(found, encoding="utf-8") as f:
     sched = predict.predict(f.read(), gpu)
   r = summary.summarize(sched, rates.chip(gpu), 0.0, 0)
   return {"predicted_step_s": r.step_s,
