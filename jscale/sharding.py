@@ -38,6 +38,7 @@ RULES: Rules = {
     "experts": ("expert",),
     "router": (),  # the router's expert dim: every device routes its own tokens
     "expert_bias": (),  # DeepSeek's balancing bias: a few fp32s per layer, never split
+    "gate_up": (),  # the experts' fused gate | up pair (`moe.gate_up_param`): never split
     "latent": (),  # MLA's latent dims: down projections replicated inside the TP region
     "amax_history": (),  # FP8's amax histories: a few floats, whole on every device
 }
@@ -75,7 +76,8 @@ def add_fsdp(names: Sequence[str], shape: Sequence[int], s: P, fsdp: int) -> P:
   if fsdp == 1 or "fsdp" in spec_axes(s):
     return s
   entries = list(s) + [None] * (len(shape) - len(s))
-  free = [i for i, n in enumerate(names) if n not in ("layers", "sublayers", "expert_bias")
+  free = [i for i, n in enumerate(names) if n not in ("layers", "sublayers", "expert_bias",
+                                                      "gate_up")
           and entries[i] is None and shape[i] % fsdp == 0]
   if not free:
     return s  # tiny or odd-sized: stays replicated over fsdp

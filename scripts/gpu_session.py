@@ -15,7 +15,7 @@ There, one device-tool call per part, `carry: [".whl"]`:
   python3 scripts/gpu_session.py run curves  # issue 18: FP8's 200-step loss curves
   python3 scripts/gpu_session.py run long_context  # issues 51/52: 8B at 32k, document mask
   python3 scripts/gpu_session.py run pipeline_modes  # jax 0.11's spelling of the pipeliner modes
-  python3 scripts/gpu_session.py run followup_50  # issue 50: FP8 word gathers, proxy, modes
+  python3 scripts/gpu_session.py run followup_50  # issue 50: FP8 gathers, fused-experts proxy
   python3 scripts/gpu_session.py plan        # every part's commands, runnable by hand
 A part installs the wheels into /tmp/site (no network there), runs its commands in order, each
 with what is left of --budget-s (default 540 s, under the tool's 600), logs to $OUT/<part>.log
@@ -201,7 +201,8 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
     "followup_50": [
         ("compile options: the collective pipeliner's modes under this jax",
          [PY, "scripts/pipeline_modes.py"], {}, []),
-        ("bench_train: the proxy, and FP8 experts per expert (tiled, word gathers)",
+        ("bench_train: the proxy (gate and up one parameter), and FP8 experts per expert (tiled, "
+         "word gathers)",
          [PY, "scripts/bench_train.py", "--exact", "--steps", "15", "--only",
           "dsv3-16b-3L selective b2 bf16 moments fp8 experts,"
           "dsv3-16b-3L selective b2 bf16 moments bf16 logits", "--out",

@@ -32,7 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from jscale.ckpt import integrity
+from jscale.ckpt import integrity, legacy_experts
 from jscale.config import Config, ConfigError
 from jscale.data import checkpoint_restore, checkpoint_save
 
@@ -167,19 +167,26 @@ class Checkpointer:
     A step saved by another number of processes gives every process its global data position
     (`integrity.global_position`; `newest_intact` admits no other)."""
     step_dir = os.path.join(self.directory, str(step))
+    stored = self._manager.item_metadata(step)["state"]
+    old = legacy_experts.is_old(abstract_state, stored)
+    state = ocp.args.StandardRestore(legacy_experts.old_target(abstract_state) if old
+                                     else abstract_state)
     if os.path.exists(os.path.join(step_dir, "data", _own_position())):
-      return self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state),
-          data=checkpoint_restore(data_iter)))["state"]
-    position = integrity.global_position(step_dir)
-    if position is None:
-      raise ConfigError(f"checkpoint step {step} in {self.directory} holds no data position "
-                        "this run's processes can share: resume it with the process count "
-                        "that saved it")
-    out = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state)))
-    data_iter.set_state(position)
-    return out["state"]
+      out = self._manager.restore(step, args=ocp.args.Composite(
+          state=state, data=checkpoint_restore(data_iter)))
+    else:
+      position = integrity.global_position(step_dir)
+      if position is None:
+        raise ConfigError(f"checkpoint step {step} in {self.directory} holds no data position "
+                          "this run's processes can share: resume it with the process count "
+                          "that saved it")
+      out = self._manager.restore(step, args=ocp.args.Composite(state=state))
+      data_iter.set_state(position)
+    if not old:
+      return out["state"]
+    shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
+    return jax.jit(lambda t: legacy_experts.upgraded(t, abstract_state),
+                   out_shardings=shardings)(out["state"])
 
   def check_last(self, state: Any, data_iter: Any, warn: Warn | None = None) -> str | None:
     """Reads the last save back once it is on disk. A damaged one is moved aside and `state` /

@@ -34,7 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jscale.ckpt import integrity, params_io
+from jscale.ckpt import integrity, legacy_experts, params_io
 from jscale.config import Config, ConfigError, ModelConfig
 from jscale.config_dict import from_dict
 from jscale.convert import hf_deepseek, hf_weights
@@ -195,6 +195,8 @@ def _check_stored(path: str, want: dict, read_arrays: bool) -> None:
     raise ConfigError(f"{found.line()}; convert it again (`python -m jscale.convert`)")
   with ocp.StandardCheckpointer() as ckptr:
     stored = ckptr.metadata(params).item_metadata.tree
+  if legacy_experts.is_old(want, stored):  # restored through the old names, then stacked
+    want = legacy_experts.old_target(want)
   problems = param_mismatches(want, stored)
   if problems:
     raise ConfigError(

@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jscale import sharding as sharding_lib
-from jscale.ckpt import integrity, params_io
+from jscale.ckpt import integrity, legacy_experts, params_io
 from jscale.ckpt.checkpoint import complete_steps
 from jscale.ckpt.init_from import checkpoint_model, is_hf_dir
 from jscale.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
@@ -213,17 +213,18 @@ def _restore_train_params(src: Source, stored: dict) -> dict:
   """The `params` of a training checkpoint as `stored` says (shapes, dtype, shardings; nothing
   else is read), in model layer order."""
   run = src.config
-  target = {"params": stored}
   state_dir = os.path.join(os.path.abspath(src.weights), "state")
   try:
     with ocp.PyTreeCheckpointer() as ckptr:
+      old = legacy_experts.is_old(stored, ckptr.metadata(state_dir).item_metadata.tree)
+      target = {"params": legacy_experts.old_target(stored) if old else stored}
       out = ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
           item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
           partial_restore=True))
   except (ValueError, KeyError) as e:
     raise ConfigError(f"--model {src.path}: the checkpoint's parameters do not fit the run's "
                       f"model config: {e}") from None
-  params = out["params"]
+  params = legacy_experts.upgraded(out["params"], stored) if old else out["params"]
   v = run.pipeline.virtual_stages if src.stages > 1 else 1
   return {**params,
           "blocks": placement.to_model(params["blocks"], run.model.stack_layers, src.stages, v,

@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
 
+from jscale.ckpt import legacy_experts
 from jscale.config import ConfigError, ModelConfig
 from jscale.config_dict import from_dict
 
@@ -53,5 +54,9 @@ def load_params_into(path: str, model: nnx.Module) -> None:
 def restore_pure(path: str, target: dict) -> dict:
   """The pure params dict stored at `path`, read as `target`'s ShapeDtypeStructs say (onto
   their shardings; host arrays where they have none)."""
+  params = os.path.join(os.path.abspath(path), "params")
   with ocp.StandardCheckpointer() as ckptr:
-    return ckptr.restore(os.path.join(os.path.abspath(path), "params"), target)
+    if not legacy_experts.is_old(target, ckptr.metadata(params).item_metadata.tree):
+      return ckptr.restore(params, target)
+    return legacy_experts.upgraded(ckptr.restore(params, legacy_experts.old_target(target)),
+                                   target)

@@ -234,13 +234,13 @@ def _layer_from_hf(reader, cfg: ModelConfig, pre: str, moe: bool,
     if ex + "gate_up_proj" in reader:  # transformers 5's fused module layout
       gate_up, down = get("mlp.experts.gate_up_proj"), get("mlp.experts.down_proj")
       f = gate_up.shape[1] // 2
-      ws = [gate_up[:, :f].transpose(0, 2, 1), gate_up[:, f:].transpose(0, 2, 1),
-            down.transpose(0, 2, 1)]
+      gate, up = gate_up[:, :f].transpose(0, 2, 1), gate_up[:, f:].transpose(0, 2, 1)
+      down = down.transpose(0, 2, 1)
     else:
-      ws = [np.stack([get(f"mlp.experts.{j}.{w}_proj.weight").T for j in range(e)])
-            for w in ("gate", "up", "down")]
-    for key, w in zip(("w_gate", "w_up", "w_down"), ws):
-      _set(out, ("mlp", key), w)
+      gate, up, down = (np.stack([get(f"mlp.experts.{j}.{w}_proj.weight").T for j in range(e)])
+                        for w in ("gate", "up", "down"))
+    _set(out, ("mlp", "w_gate_up"), np.stack([gate, up], axis=2))
+    _set(out, ("mlp", "w_down"), down)
   return out
 
 
@@ -252,9 +252,10 @@ def _layer_to_hf(layer: dict, cfg: ModelConfig, pre: str, moe: bool
   r = wk.shape[0]
   yield pre + "self_attn.kv_b_proj.weight", np.concatenate([wk, wv], -1).reshape(r, -1).T
   if moe:
+    gate_up, down = (np.asarray(layer["mlp"][k]) for k in ("w_gate_up", "w_down"))
     for j in range(cfg.moe.n_experts):
-      for w in ("gate", "up", "down"):
-        yield f"{pre}mlp.experts.{j}.{w}_proj.weight", np.asarray(layer["mlp"][f"w_{w}"][j]).T
+      for w, m in (("gate", gate_up[j, :, 0]), ("up", gate_up[j, :, 1]), ("down", down[j])):
+        yield f"{pre}mlp.experts.{j}.{w}_proj.weight", m.T
 
 
 def _stacks(cfg: ModelConfig) -> list[tuple[tuple[str, ...], range, bool]]:

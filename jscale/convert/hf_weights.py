@@ -139,15 +139,15 @@ def _get(reader: SafetensorsReader, name: str, shape: tuple[int, ...]) -> np.nda
 
 def _experts_from_hf(reader: SafetensorsReader, cfg: ModelConfig, i: int, param_dtype
                      ) -> tuple[list[np.ndarray], list[str]]:
-  """Layer i's experts as jscale's [w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D]], from
-  either on-disk layout, and the HF tensor names they came from."""
+  """Layer i's experts as jscale's [w_gate_up [E, D, 2, F], w_down [E, F, D]], from either
+  on-disk layout, and the HF tensor names they came from."""
   e, d, f = cfg.moe.n_experts, cfg.d_model, cfg.moe.d_ff or cfg.d_ff
   pre = f"model.layers.{i}.{_MOE}experts."
   fused = _resolve(reader, pre + "gate_up_proj")
   if fused in reader:
     down = _resolve(reader, pre + "down_proj")
     gate_up = _get(reader, fused, (e, 2 * f, d))  # gate_up_proj[e] @ x = [gate; up]
-    ws = [gate_up[:, :f].transpose(0, 2, 1), gate_up[:, f:].transpose(0, 2, 1),
+    ws = [gate_up.reshape(e, 2, f, d).transpose(0, 3, 1, 2),
           _get(reader, down, (e, d, f)).transpose(0, 2, 1)]
     return [w.astype(param_dtype) for w in ws], [fused, down]
   ws, names = [], []
@@ -155,7 +155,7 @@ def _experts_from_hf(reader: SafetensorsReader, cfg: ModelConfig, i: int, param_
     experts = [_resolve(reader, f"{pre}{j}.{hf_name}.weight") for j in range(e)]
     ws.append(np.stack([_get(reader, n, shape).T.astype(param_dtype) for n in experts]))
     names += experts
-  return ws, names
+  return [np.stack(ws[:2], axis=2), ws[2]], names
 
 
 def hf_to_pure(reader: SafetensorsReader, cfg: ModelConfig, param_dtype) -> dict:
@@ -179,7 +179,7 @@ def hf_to_pure(reader: SafetensorsReader, cfg: ModelConfig, param_dtype) -> dict
       ws, names = _experts_from_hf(reader, cfg, i, param_dtype)
       layers.append(ws)
       used.update(names)
-    for key, ws in zip(("w_gate", "w_up", "w_down"), zip(*layers)):
+    for key, ws in zip(("w_gate_up", "w_down"), zip(*layers)):
       pure["blocks"]["mlp"][key] = np.stack(ws)
   # Tensors jscale has no place for mean a model it would not reproduce: refuse, naming them.
   # The rotary cache of old checkpoints and a duplicate head of tied models carry nothing.
@@ -210,11 +210,12 @@ def pure_to_hf(pure: dict, cfg: ModelConfig, dtype=None) -> Iterator[tuple[str, 
     for i, w in layers:
       yield name.format(i), out(to_hf(w))
   if cfg.moe is not None:
-    moe = {k: np.asarray(pure["blocks"]["mlp"][k]) for k in ("w_gate", "w_up", "w_down")}
+    gate_up, down = (np.asarray(pure["blocks"]["mlp"][k]) for k in ("w_gate_up", "w_down"))
     for i in range(cfg.n_layers):
       for j in range(cfg.moe.n_experts):
-        for hf_name, key in (("w1", "w_gate"), ("w2", "w_down"), ("w3", "w_up")):
-          yield f"model.layers.{i}.{_MOE}experts.{j}.{hf_name}.weight", out(moe[key][i, j].T)
+        for hf_name, w in (("w1", gate_up[i, j, :, 0]), ("w2", down[i, j]),
+                           ("w3", gate_up[i, j, :, 1])):
+          yield f"model.layers.{i}.{_MOE}experts.{j}.{hf_name}.weight", out(w.T)
 
 
 def _umask() -> int:

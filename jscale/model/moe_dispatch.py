@@ -27,10 +27,14 @@ from jscale.model.moe_gemm import GroupedDot
 
 
 class ExpertWeights(NamedTuple):
-  """SwiGLU experts stacked on a leading expert dim (all experts, or this device's)."""
-  gate_EDF: jax.Array
-  up_EDF: jax.Array
+  """SwiGLU experts stacked on a leading expert dim (all experts, or this device's): gate and
+  up as one [E, D, 2, F] array (`moe.gate_up_param`), X = 2 (gate, up)."""
+  gate_up_EDXF: jax.Array
   down_EFD: jax.Array
+
+  @property
+  def n_experts(self) -> int:
+    return self.gate_up_EDXF.shape[0]
 
 
 def capacity(tokens: int, k: int, n_experts: int, factor: float) -> int:
@@ -49,12 +53,12 @@ def ragged_ffn(x_AD: jax.Array, sizes_E: jax.Array, w: ExpertWeights, dtype,
   the Hopper kernel tiles better. DeepSeek-V3's experts are 1408 wide = 5.5 x 256, not whole
   CUDA-block tiles, which the kernel pads its output columns to (`hopper_config.covering`: 9%
   more products; on 64-column tiles it ran 477 TFLOP/s forward against 545 at 2816, H200);
-  together they are 2816 = 11 x 256, no padding. Where the weights are sliced from a layer
-  stack, jax 0.10's XLA writes the concatenation in the slices' own copy; jax 0.11's reads a
-  slice in place (dynamic-slice fusion) but copies a concatenation."""
+  together they are 2816 = 11 x 256, no padding. The parameter holds them so
+  (`ExpertWeights.gate_up_EDXF`): the [E, D, 2F] operand is a reshape, no copy."""
   dot = lambda x, m: gemm(x, m, sizes_E, dtype)
   x_AD = checkpoint_name(x_AD, "moe_in")
-  gate_up_AF = dot(x_AD, jnp.concatenate([w.gate_EDF, w.up_EDF], axis=-1))
+  e, d, _, f = w.gate_up_EDXF.shape
+  gate_up_AF = dot(x_AD, w.gate_up_EDXF.reshape(e, d, 2 * f))
   gate_AF, up_AF = jnp.split(gate_up_AF, 2, axis=-1)
   gate_AF, up_AF = checkpoint_name(gate_AF, "mlp_gate"), checkpoint_name(up_AF, "mlp_up")
   return dot(jax.nn.silu(gate_AF) * up_AF, w.down_EFD)
@@ -64,8 +68,10 @@ def dense_ffn(x_ECD: jax.Array, w: ExpertWeights, dtype) -> jax.Array:
   """SwiGLU of every expert's slot buffer (a batched matmul over experts)."""
   dot = lambda spec, x, m: matmul.einsum(spec, x, m, dtype)
   x_ECD = checkpoint_name(x_ECD, "moe_in")
-  gate_ECF = checkpoint_name(dot("ECD,EDF->ECF", x_ECD, w.gate_EDF), "mlp_gate")
-  up_ECF = checkpoint_name(dot("ECD,EDF->ECF", x_ECD, w.up_EDF), "mlp_up")
+  # The pair axis kept (no [E, D, 2F] reshape): under GSPMD F is split over `tensor`.
+  gate_up_ECXF = dot("ECD,EDXF->ECXF", x_ECD, w.gate_up_EDXF)
+  gate_ECF = checkpoint_name(gate_up_ECXF[:, :, 0], "mlp_gate")
+  up_ECF = checkpoint_name(gate_up_ECXF[:, :, 1], "mlp_up")
   return dot("ECF,EFD->ECD", jax.nn.silu(gate_ECF) * up_ECF, w.down_EFD)
 
 
@@ -134,7 +140,7 @@ def combine_sorted(out_AD: jax.Array, s: Sorted, gate_TK: jax.Array) -> jax.Arra
 def dropless(x_TD: jax.Array, ids_TK, gates_TK, w: ExpertWeights, dtype,
              gemm: GroupedDot = GroupedDot()) -> jax.Array:
   """All experts on this group's tokens, nothing dropped."""
-  s = sort_by_expert(ids_TK, w.gate_EDF.shape[0])
+  s = sort_by_expert(ids_TK, w.n_experts)
   out_AD = ragged_ffn(dispatch_sorted(x_TD.astype(dtype), s), s.sizes_E, w, dtype, gemm)
   return combine_sorted(out_AD, s, gates_TK)
 
@@ -169,7 +175,7 @@ def combine(y_ECD: jax.Array, ids_TK, pos_TK, gates_TK) -> jax.Array:
 def with_capacity(x_TD: jax.Array, ids_TK, gates_TK, w: ExpertWeights, dtype,
                   factor: float) -> tuple[jax.Array, jax.Array]:
   """Experts with C slots each (one group): (output, number of dropped assignments)."""
-  e = w.gate_EDF.shape[0]
+  e = w.n_experts
   cap = capacity(x_TD.shape[0], ids_TK.shape[1], e, factor)
   pos_TK = slots(ids_TK, e)
   y_ECD = dense_ffn(dispatch(x_TD.astype(dtype), ids_TK, pos_TK, e, cap), w, dtype)

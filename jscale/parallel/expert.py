@@ -61,15 +61,14 @@ class XlaExpert:
       # buffer below, whose dropless C = T costs E / K times the products.
       per_device = lambda x, ids, gates, *ws: Seam.experts(
           self, x, ids, gates, md.ExpertWeights(*ws), moe, dtype, gemm)[0]
-      rows, weight = ("batch", None, "embed"), (None, None, None)
+      rows, whole = ("batch", None, "embed"), tuple((None,) * x.ndim for x in w)
       y_GTD = self.kernel(per_device, (x_GTD, ids_GTK, gates_GTK, *w),
-                          (rows, ("batch", None, None), ("batch", None, None), *(weight,) * 3),
-                          rows)
+                          (rows, ("batch", None, None), ("batch", None, None), *whole), rows)
       return y_GTD, jnp.zeros((), jnp.int32)
     # GShard: a per-group [E, C, D] slot buffer (dropless: C = T, so nothing overflows); the
     # constraint moving its expert dim onto `expert` (and groups off it) is an all-to-all.
     rules = self.layouts.rules
-    e, (t, k) = w.gate_EDF.shape[0], ids_GTK.shape[1:]
+    e, (t, k) = w.n_experts, ids_GTK.shape[1:]
     cap = t if moe.dispatch == "dropless" else md.capacity(t, k, e, moe.capacity_factor)
     by_group = P(_axes(rules["batch"]), None, None, None)
     by_expert = P(_axes([a for a in rules["batch"] if a not in rules["experts"]]),

@@ -89,7 +89,7 @@ class Peers(NamedTuple):
 def capacity_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, factor: float,
                       axis: str, n_ep: int):
   """Capacity-mode experts over `axis`: (output [T, D], dropped assignments)."""
-  e = w.gate_EDF.shape[0] * n_ep
+  e = w.n_experts * n_ep
   cap = md.capacity(x_TD.shape[0], ids_TK.shape[1], e, factor)
   pos_TK = md.slots(ids_TK, e)
   buf_ECD = md.dispatch(x_TD.astype(dtype), ids_TK, pos_TK, e, cap)
@@ -243,7 +243,7 @@ def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, peers:
   Expert ids index the peers' experts (peer j holds [j·E_l, (j+1)·E_l)); ids >= size·E_l
   mean "none here" and need gate 0. `native_ragged`: the backend's ragged_all_to_all (GPU),
   else its padded emulation. `gemm`: the grouped matmul of the received rows."""
-  e_l = w.gate_EDF.shape[0]
+  e_l = w.n_experts
   t, k = ids_TK.shape
   s = md.sort_by_expert(ids_TK, e_l * peers.size)
   cap = receive_rows(t, k, e_l, peers.size, receive_factor)
@@ -280,7 +280,7 @@ def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, ax
   equal to `dropless_exchange` over the whole axis. The n_group groups of experts tile the
   n_ep devices (n_group divides n_ep)."""
   per_node = n_ep // n_group
-  e_g = w.gate_EDF.shape[0] * per_node  # experts per group: a node's
+  e_g = w.n_experts * per_node  # experts per group: a node's
   t, k = ids_TK.shape
   g_G = jnp.arange(n_group, dtype=ids_TK.dtype)
   in_TGK = (ids_TK // e_g)[:, None, :] == g_G[None, :, None]

@@ -17,6 +17,7 @@ from jscale.convert import hf_config
 from jscale.config import ConfigError, MoeConfig
 from jscale.model import moe as moe_lib
 from jscale.model import moe_dispatch as md
+from jscale.model.layers import param
 from jscale.parallel.comms import LOCAL
 
 MOE = ("model.moe.n_experts=8", "model.moe.top_k=2", "model.moe.d_ff=64")
@@ -26,8 +27,9 @@ def _inputs(t=24, d=16, f=12, e=4, k=2, seed=0):
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
   logits = jnp.asarray(rng.normal(size=(t, e)) * 2, jnp.float32)
-  w = md.ExpertWeights(*(jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)
-                         for s in ((e, d, f), (e, d, f), (e, f, d))))
+  gate, up, down = (jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)
+                    for s in ((e, d, f), (e, d, f), (e, f, d)))
+  w = md.ExpertWeights(jnp.stack([gate, up], axis=2), down)
   _, ids, gates = moe_lib.route(logits[None], k)
   return x, ids[0], gates[0], w, logits
 
@@ -35,8 +37,8 @@ def _inputs(t=24, d=16, f=12, e=4, k=2, seed=0):
 def _reference(x, ids, gates, w, kept=None):
   """y_t = Σ_k gate_tk · expert_{e_tk}(x_t) (kept: drop mask): every expert on every token,
   then each token's k outputs picked and weighted (dense, no dispatch)."""
-  h_TEF = (jax.nn.silu(jnp.einsum("TD,EDF->TEF", x, w.gate_EDF)) *
-           jnp.einsum("TD,EDF->TEF", x, w.up_EDF))
+  h_TEF = (jax.nn.silu(jnp.einsum("TD,EDF->TEF", x, w.gate_up_EDXF[:, :, 0])) *
+           jnp.einsum("TD,EDF->TEF", x, w.gate_up_EDXF[:, :, 1]))
   y_TED = jnp.einsum("TEF,EFD->TED", h_TEF, w.down_EFD)
   picked_TKD = jnp.take_along_axis(y_TED, jnp.asarray(ids)[:, :, None], axis=1)
   weight_TK = gates if kept is None else jnp.where(kept, gates, 0.0)
@@ -72,11 +74,35 @@ def test_shared_expert_adds_a_dense_swiglu():
   y, _ = block(x, LOCAL)
   logits = jnp.einsum("TD,DE->TE", x.reshape(16, 64), block.router[...])
   _, ids, gates = moe_lib.route(logits[None], 2)
-  w = md.ExpertWeights(block.w_gate[...], block.w_up[...], block.w_down[...])
+  w = md.ExpertWeights(block.w_gate_up[...], block.w_down[...])
   shared = (jax.nn.silu(x @ block.shared_gate[...]) * (x @ block.shared_up[...])
             ) @ block.shared_down[...]
   want = _reference(x.reshape(16, 64), ids[0], gates[0], w).reshape(2, 8, 64) + shared
   np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gate_and_up_are_one_parameter_the_grouped_matmul_reads_whole():
+  """The experts' gate and up are one [E, D, 2, F] parameter, drawn as the two matrices were
+  (gate, then up): its [E, D, 2F] view is the [gate | up] operand of one grouped matmul, so
+  the layer's forward and backward concatenate no expert weights (a copy per use before)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  cfg = small_config(None, *MOE).model
+  block = moe_lib.MoE(cfg, nnx.Rngs(params=0))
+  e, d, f = 8, cfg.d_model, 64
+  rngs = nnx.Rngs(params=0)
+  router = param(rngs, (d, e), ("embed", "router"), cfg.init_std, jnp.float32)
+  gate, up = (param(rngs, (e, d, f), ("x",) * 3, cfg.init_std, jnp.float32)[...]
+              for _ in range(2))
+  np.testing.assert_array_equal(block.router[...], router[...])
+  np.testing.assert_array_equal(block.w_gate_up[...], jnp.stack([gate, up], axis=2))
+  graphdef, params = nnx.split(block)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, d)), jnp.float32)
+  loss = lambda p, x: jnp.sum(nnx.merge(graphdef, p)(x, LOCAL)[0])
+  text = jax.jit(jax.grad(loss, (0, 1))).lower(params, x).as_text()
+  weights = (f"tensor<{e}x{d}x{f}x", f"tensor<{e}x{d}x2x{f}x", f"tensor<{e}x{f}x{d}x")
+  concats = [ln for ln in text.splitlines() if "stablehlo.concatenate" in ln]
+  assert not [c for c in concats if any(w in c for w in weights)], concats
+  assert f"tensor<{e}x{d}x{2 * f}xf32>" in text  # the [gate | up] operand
 
 
 def _numpy_kept(ids, e, cap):
@@ -229,7 +255,7 @@ def test_moe_every_other_layer_stacks_groups_and_matches_one_device():
   blocks = jax.eval_shape(lambda: state_lib.init_state(cfg))["params"]["blocks"]
   # 2 groups of (1 dense layer, 1 MoE layer).
   assert blocks["dense"]["mlp"]["w_gate"].shape == (2, 1, 64, 128)
-  assert blocks["moe_block"]["mlp"]["w_gate"].shape == (2, 8, 64, 64)
+  assert blocks["moe_block"]["mlp"]["w_gate_up"].shape == (2, 8, 64, 2, 64)
   got = parity.losses((*EVERY2, "mesh.expert=2", "mesh.fsdp=2", "parallel.zero_stage=3",
                        "mesh.data=1", "parallel.collectives=manual"), jax.devices()[:4])
   np.testing.assert_allclose(got, parity.reference(*EVERY2), rtol=1e-4)

@@ -29,8 +29,9 @@ E, D, F, T, K = 4, 128, 128, 64, 2
 def _inputs(dtype=jnp.bfloat16, seed=0):
   keys = jax.random.split(jax.random.key(seed), 5)
   x = jax.random.normal(keys[0], (T, D), jnp.float32).astype(dtype)
-  w = md.ExpertWeights(*(jax.random.normal(k, s, jnp.float32) / np.sqrt(s[1])
-                         for k, s in zip(keys[1:4], ((E, D, F), (E, D, F), (E, F, D)))))
+  gate, up, down = (jax.random.normal(k, s, jnp.float32) / np.sqrt(s[1])
+                    for k, s in zip(keys[1:4], ((E, D, F), (E, D, F), (E, F, D))))
+  w = md.ExpertWeights(jnp.stack([gate, up], axis=2), down)
   # Skewed routing: expert 3 never chosen (an empty group), expert 0 most.
   logits = jax.random.normal(keys[4], (T, E)) + jnp.array([2.0, 1.0, 0.5, -1e9])
   top, ids = jax.lax.top_k(jax.nn.softmax(logits), K)
@@ -55,10 +56,10 @@ def test_experts_match_ragged_dot_values_and_gradients(gemm, y_tol, grad_tol):
   (_, y), grads = loss(gemm)(x, gates, w)
   (_, y_ref), grads_ref = loss(GroupedDot("ragged_dot"))(x, gates, w)
   assert_close("y", y, y_ref, y_tol)
-  for name, g, r in zip(("dx", "dgates", "dw_gate", "dw_up", "dw_down"),
+  for name, g, r in zip(("dx", "dgates", "dw_gate_up", "dw_down"),
                         jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
     assert_close(name, g, r, grad_tol)
-  assert not np.any(np.asarray(grads[2].gate_EDF[3]))  # the unchosen expert's weights: zero
+  assert not np.any(np.asarray(grads[2].gate_up_EDXF[3]))  # the unchosen expert's weights: zero
 
 
 def test_dispatch_moves_rows_by_gathers_only():
@@ -195,7 +196,7 @@ def test_fp8_experts_on_the_kernel_match_the_tiled_fp8_path():
   kernel, tiled, bf16 = grad_k(state, h), grad_t(state, h), grad_b(state, h)
   rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) /
                            jnp.linalg.norm(b.astype(jnp.float32)))
-  names = ("w_gate", "w_up", "w_down")
+  names = ("w_gate_up", "w_down")
   pick = lambda g: {"dh": g[1], **{n: g[0][n][...] for n in names}}
   # (kernel vs tiled, kernel vs bf16, tiled vs bf16), each by norm. The engines sum in other
   # orders, so a bf16 result can differ by an ulp and its next e4m3 rounding by one of e4m3's

@@ -24,7 +24,7 @@ from jscale.model import router
 from jscale.parallel import expert_exchange as ex
 
 N, T, D, F, E, K = 8, 16, 8, 8, 16, 4  # devices, tokens per device, model, hidden, experts, top-k
-W_SPEC = md.ExpertWeights(P("expert"), P("expert"), P("expert"))
+W_SPEC = md.ExpertWeights(P("expert"), P("expert"))
 
 
 def _inputs(n_group, topk_group, dtype=jnp.float32):
@@ -34,7 +34,7 @@ def _inputs(n_group, topk_group, dtype=jnp.float32):
   ids = router.group_limited_top_k(scores, K, n_group, topk_group)
   gates = jax.nn.softmax(jnp.take_along_axis(scores, ids, -1), -1)
   w = md.ExpertWeights(*(jnp.asarray(rng.normal(size=s) * 0.3, dtype)
-                         for s in ((E, D, F), (E, D, F), (E, F, D))))
+                         for s in ((E, D, 2, F), (E, F, D))))
   return x, ids, gates, w
 
 

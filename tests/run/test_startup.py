@@ -57,7 +57,7 @@ def _hand_counts(cfg) -> tuple[int, int]:
     names = [str(getattr(k, "key", k)) for k in path]
     size = int(np.prod(x.shape))
     total += size
-    if cfg.moe is not None and names[-2] in ("w_up", "w_gate", "w_down") and "mlp" in names \
+    if cfg.moe is not None and names[-2] in ("w_gate_up", "w_down") and "mlp" in names \
         and x.shape[1] == cfg.moe.n_experts:
       idle += size // cfg.moe.n_experts * (cfg.moe.n_experts - cfg.moe.top_k)
   return total, total - idle
