@@ -94,11 +94,11 @@ class MoeConfig:
   # chosen group, then fans out to its experts inside the node; DeepSeek-V3's dispatch, for an
   # expert axis spanning nodes: inside one node the second hop only adds time)
   exchange: Literal["flat", "node_limited"] = "flat"
-  # manual expert parallelism, flat dropless exchange: each device's receive buffer holds this
-  # many times its even share of rows from each source (top_k * tokens / mesh.expert), the
-  # overflow dropped and counted (dropped_fraction); 0: room for the most a device can be
-  # sent (tokens * min(top_k, local experts) per source), nothing dropped, at up to
-  # mesh.expert times the memory (jscale.parallel.expert_exchange)
+  # manual expert parallelism, dropless exchange: each device's receive buffer holds this
+  # many times its even share of rows from each source (flat: top_k * tokens / mesh.expert;
+  # node_limited: both hops by theirs), the overflow dropped and counted (dropped_fraction);
+  # 0: room for the most a device can be sent (tokens * min(top_k, local experts) per source),
+  # nothing dropped, at up to mesh.expert times the memory (jscale.parallel.expert_exchange)
   receive_factor: float = 0.0
 
 

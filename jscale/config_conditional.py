@@ -78,10 +78,10 @@ RULES: tuple[Rule, ...] = (
     Rule("data.bin_dtype", lambda c, s: c.data.source == "bin",
          "only data.source=bin reads stored token ids", "set data.source=bin", False),
     Rule("model.moe.receive_factor", lambda c, s: c.parallel.collectives == "manual"
-         and s["expert"] > 1 and _moe(c).dispatch == "dropless" and _moe(c).exchange == "flat",
-         "it bounds the receive buffer of manual mode's flat dropless exchange over mesh.expert",
-         "set parallel.collectives=manual, mesh.expert > 1, model.moe.dispatch=dropless and "
-         "model.moe.exchange=flat", False),
+         and s["expert"] > 1 and _moe(c).dispatch == "dropless",
+         "it bounds the receive buffers of manual mode's dropless exchange over mesh.expert",
+         "set parallel.collectives=manual, mesh.expert > 1 and model.moe.dispatch=dropless",
+         False),
     Rule("model.moe.capacity_factor", lambda c, s: _moe(c).dispatch == "capacity",
          "dropless dispatch drops no token", "set model.moe.dispatch=capacity", False),
     Rule("model.moe.gemm", lambda c, s: _moe(c).dispatch == "dropless",

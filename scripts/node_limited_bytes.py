@@ -68,7 +68,7 @@ def _step(exchange, devices, dtype):
   def body(x, ids, gates, w):
     return jax.grad(lambda x, gates, w: jnp.sum(exchange(x, ids, gates, w).astype(jnp.float32)),
                     (0, 1, 2))(x, gates, w)
-  ws = md.ExpertWeights(P("expert"), P("expert"), P("expert"))
+  ws = md.ExpertWeights(P("expert"), P("expert"))
   rows = P("expert")
   return jax.jit(jax.shard_map(body, mesh=Mesh(np.array(devices), ("expert",)),
                                in_specs=(rows, rows, rows, ws), out_specs=(rows, rows, ws),
@@ -81,13 +81,12 @@ def compiled_bytes(devices, native: bool) -> dict[str, int]:
   sds = lambda *s, dtype=dt: jax.ShapeDtypeStruct(s, dtype)
   args = (sds(n * c["t"], c["d"]), sds(n * c["t"], c["k"], dtype=jnp.int32),
           sds(n * c["t"], c["k"], dtype=jnp.float32),
-          md.ExpertWeights(sds(c["e"], c["d"], c["f"]), sds(c["e"], c["d"], c["f"]),
-                           sds(c["e"], c["f"], c["d"])))
+          md.ExpertWeights(sds(c["e"], c["d"], 2, c["f"]), sds(c["e"], c["f"], c["d"])))
   exchanges = {
       "flat": lambda x, i, g, w: ex.dropless_exchange(x, i, g, w, dt, ex.Peers.whole("expert", n),
                                                       native)[0],
       "node_limited": lambda x, i, g, w: ex.node_limited_exchange(x, i, g, w, dt, "expert", n, 2,
-                                                                  native)}
+                                                                  1, native)[0]}
   out = {}
   for name, fn in exchanges.items():
     text = _step(fn, devices, dt).lower(*args).compile().as_text()

@@ -115,9 +115,9 @@ class ManualExpert:
     if moe.dispatch == "dropless":
       gpu = self.mesh.devices.flat[0].platform == "gpu"  # native ragged_all_to_all there
       if moe.exchange == "node_limited":
-        exchange = lambda x, i, g: (ex.node_limited_exchange(x, i, g, w, dtype, "expert", n_ep,
-                                                             moe.n_group, gpu, gemm),
-                                    jnp.zeros((), jnp.int32))
+        exchange = lambda x, i, g: ex.node_limited_exchange(
+            x, i, g, w, dtype, "expert", n_ep, moe.n_group, moe.topk_group, gpu, gemm,
+            moe.receive_factor)
       else:
         exchange = lambda x, i, g: ex.dropless_exchange(x, i, g, w, dtype,
                                                         ex.Peers.whole("expert", n_ep), gpu,

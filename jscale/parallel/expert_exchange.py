@@ -170,20 +170,32 @@ def _transposed(bind: Callable, peers: Peers, shape, dtype) -> Callable:
   return exchange
 
 
-def receive_rows(t: int, k: int, e_l: int, n: int, factor: float) -> int:
+def receive_rows(t: int, k: int, e_l: int, n: int, factor: float,
+                 share_tokens: int | None = None) -> int:
   """Rows of a receive buffer's block per source: the most one device can send another (T
   tokens, each to at most min(K, E_l) of its E_l experts), or with `factor` > 0 that many
-  times the even share T·K / n, if smaller (`model.moe.receive_factor`)."""
+  times the even share T·K / n, if smaller (`model.moe.receive_factor`). `share_tokens`: the
+  tokens whose assignments the share spreads, where the T rows are a padded buffer of fewer
+  (the node-limited exchange's second hop)."""
   most = t * min(k, e_l)
-  return most if factor <= 0 else min(most, math.ceil(factor * t * k / n))
+  share = t if share_tokens is None else share_tokens
+  return most if factor <= 0 else min(most, math.ceil(factor * share * k / n))
+
+
+def node_rows(t: int, topk_group: int, n_group: int, factor: float) -> int:
+  """Rows of the node-limited exchange's first-hop block per source: a token goes to a node at
+  most once (T), or with `factor` > 0 that many times the even share T·topk_group / n_group,
+  if smaller."""
+  return t if factor <= 0 else min(t, math.ceil(factor * t * topk_group / n_group))
 
 
 def round_trip(rows, s: md.Sorted, per_device: int, peers: Peers, cap: int, native: bool,
-               compute: Callable) -> tuple[jax.Array, jax.Array]:
+               compute: Callable) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Sends the sorted assignment rows (a pytree of [A, ...] arrays in `s`'s order; row r goes to
   peer s.expert_A[r] // per_device, ids past the peers' experts nowhere) out, runs
-  `compute(received, sizes_NE)` on each peer and brings its [N·cap, D] result back: ([A, D] in
-  sorted order, zero for the rows that went nowhere; how many rows did not fit).
+  `compute(received, sizes_NE)` -> ([N·cap, D] result, a count) on each peer and brings the
+  result back: ([A, D] in sorted order, zero for the rows that went nowhere or did not fit;
+  which rows did not fit, [A] bool; the peer's count).
 
   Both directions land in a padded [N·cap, ...] layout: source (or destination) j's rows at
   j·cap, sorted by local expert (`sizes_NE`: how many per source and local expert), so the
@@ -205,14 +217,15 @@ def round_trip(rows, s: md.Sorted, per_device: int, peers: Peers, cap: int, nati
       peers, cap,
       native)
   got = jax.tree.map(lambda x: exchange(x, start_N, send_N, recv_N), rows)
-  back_NRD = exchange(compute(got, sizes_NE), block_N, recv_N, send_N).reshape(n, cap, -1)
+  result, count = compute(got, sizes_NE)
+  back_NRD = exchange(result, block_N, recv_N, send_N).reshape(n, cap, -1)
   # Sorted row r went to peer j = expert // per_device as its row r - start_N[j], if < cap.
   dev_A = s.expert_A // per_device
   j_A = jnp.minimum(dev_A, n - 1)
   at_A = jnp.arange(dev_A.shape[0]) - start_N[j_A]
   sent_A = (dev_A < n) & (at_A < cap)
   out_AD = back_NRD[j_A, jnp.clip(at_A, 0, cap - 1)]
-  return jnp.where(sent_A[:, None], out_AD, 0), jnp.sum(per_dev_N - send_N)
+  return jnp.where(sent_A[:, None], out_AD, 0), (dev_A < n) & ~sent_A, count
 
 
 def _clipped(sizes_NE: jax.Array, cap: int) -> jax.Array:
@@ -237,7 +250,8 @@ def _received_by_expert(x_RD, sizes_NE, cap: int, w: md.ExpertWeights, dtype,
 
 def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, peers: Peers,
                       native_ragged: bool = False, gemm: GroupedDot = GroupedDot(),
-                      receive_factor: float = 0.0) -> tuple[jax.Array, jax.Array]:
+                      receive_factor: float = 0.0, share_tokens: int | None = None
+                      ) -> tuple[jax.Array, jax.Array]:
   """Experts among `peers`, sorted rows through a ragged all-to-all: (output [T, D], dropped
   assignments: none unless `receive_factor` > 0 bounds the receive buffer, `receive_rows`).
   Expert ids index the peers' experts (peer j holds [j·E_l, (j+1)·E_l)); ids >= size·E_l
@@ -246,11 +260,12 @@ def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, peers:
   e_l = w.n_experts
   t, k = ids_TK.shape
   s = md.sort_by_expert(ids_TK, e_l * peers.size)
-  cap = receive_rows(t, k, e_l, peers.size, receive_factor)
-  ffn = lambda got, sizes_NE: _received_by_expert(got, sizes_NE, cap, w, dtype, gemm)
-  out_AD, dropped = round_trip(md.dispatch_sorted(x_TD.astype(dtype), s), s, e_l, peers, cap,
-                               native_ragged, ffn)
-  return md.combine_sorted(out_AD, s, gates_TK), dropped
+  cap = receive_rows(t, k, e_l, peers.size, receive_factor, share_tokens)
+  ffn = lambda got, sizes_NE: (_received_by_expert(got, sizes_NE, cap, w, dtype, gemm),
+                               jnp.zeros((), jnp.int32))
+  out_AD, unsent_A, _ = round_trip(md.dispatch_sorted(x_TD.astype(dtype), s), s, e_l, peers,
+                                   cap, native_ragged, ffn)
+  return md.combine_sorted(out_AD, s, gates_TK), jnp.sum(unsent_A)
 
 
 def in_chunks(exchange: Callable, chunks: int, x_TD, ids_TK, gates_TK
@@ -274,11 +289,18 @@ def in_chunks(exchange: Callable, chunks: int, x_TD, ids_TK, gates_TK
 
 
 def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis: str,
-                          n_ep: int, n_group: int, native_ragged: bool = False,
-                          gemm: GroupedDot = GroupedDot()):
-  """Dropless experts over `axis` in DeepSeek-V3's two hops (module docstring): output [T, D],
-  equal to `dropless_exchange` over the whole axis. The n_group groups of experts tile the
-  n_ep devices (n_group divides n_ep)."""
+                          n_ep: int, n_group: int, topk_group: int, native_ragged: bool = False,
+                          gemm: GroupedDot = GroupedDot(), receive_factor: float = 0.0
+                          ) -> tuple[jax.Array, jax.Array]:
+  """Dropless experts over `axis` in DeepSeek-V3's two hops (module docstring): (output [T, D],
+  equal to `dropless_exchange` over the whole axis; dropped assignments). The n_group groups of
+  experts tile the n_ep devices (n_group divides n_ep). Unbounded, hop 1's blocks hold T rows
+  per source and hop 2's every row of hop 1's padded buffer times min(K, E_l): at DeepSeek-V3
+  671B's 64 expert devices, 16,384 tokens each, buffers of ~60 GB. `receive_factor` f > 0
+  sizes both by their even shares: hop 1 ⌈f·T·topk_group / n_group⌉ rows per source
+  (`node_rows`), hop 2 ⌈f·T·K / m⌉ (each device's T tokens bring about T·K assignments into
+  the node, spread over its m devices); what does not fit is dropped and counted, per
+  assignment, as the flat exchange's is."""
   per_node = n_ep // n_group
   e_g = w.n_experts * per_node  # experts per group: a node's
   t, k = ids_TK.shape
@@ -290,17 +312,19 @@ def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, ax
   # Each copy carries its experts in that group (group-local ids; others "none", gate 0).
   local_AK = jnp.where(in_TGK, ids_TK[:, None] - g_G[None, :, None] * e_g, e_g).reshape(-1, k)
   gates_AK = jnp.where(in_TGK, gates_TK[:, None], 0).reshape(-1, k)
-  rows = (md.dispatch_sorted(x_TD.astype(dtype), pairs), local_AK[pairs.order_A],
+  local_AK = local_AK[pairs.order_A]
+  rows = (md.dispatch_sorted(x_TD.astype(dtype), pairs), local_AK,
           md.permute(gates_AK, pairs.order_A, pairs.rank_A))
+  cap = node_rows(t, topk_group, n_group, receive_factor)
 
   def in_node(got, sizes_N1):
     x_RD, local_RK, gates_RK = got
-    real_R = (jnp.arange(t) < sizes_N1).reshape(-1)  # padding rows: no experts
+    real_R = (jnp.arange(cap) < sizes_N1).reshape(-1)  # padding rows: no experts
     return dropless_exchange(x_RD, jnp.where(real_R[:, None], local_RK, e_g), gates_RK, w,
                              dtype, Peers.within_nodes(axis, n_ep, per_node), native_ragged,
-                             gemm)[0]  # unbounded: drops nothing
+                             gemm, receive_factor, share_tokens=t)
 
-  # A token goes to a group's node at most once: t rows per source, nothing clipped.
-  out_AD, _ = round_trip(rows, pairs, 1, Peers.across_nodes(axis, n_ep, per_node), t,
-                         native_ragged, in_node)
-  return md.combine_sorted(out_AD, pairs, chosen_TG.astype(jnp.float32))
+  out_AD, unsent_A, dropped_in_node = round_trip(
+      rows, pairs, 1, Peers.across_nodes(axis, n_ep, per_node), cap, native_ragged, in_node)
+  dropped = jnp.sum(unsent_A[:, None] & (local_AK < e_g)) + dropped_in_node
+  return md.combine_sorted(out_AD, pairs, chosen_TG.astype(jnp.float32)), dropped

@@ -114,11 +114,20 @@ class Program:
 
   def _routed(self, c: hlo.Collective) -> hlo.Collective:
     """A ragged all-to-all moves the routed rows, not its buffer (room for the most a device
-    can be sent or send): its bytes for `routed_rows` rows where that is fewer."""
+    can be sent or send): its bytes for `routed_rows` rows where that is fewer, and never more
+    rows than its input holds (a transpose's output is the sender's whole row array: the
+    node-limited exchange's first hop sends back at most its bounded blocks)."""
     if c.kind != "ragged-all-to-all" or self.routed_rows is None:
       return c
     rows = hlo.split_shape(c.shapes[0])[0][1][0]
-    return dataclasses.replace(c, bytes=c.bytes * min(rows, self.routed_rows) // rows)
+    moved = min(rows, self.routed_rows, self._input_rows(c))
+    return dataclasses.replace(c, bytes=c.bytes * moved // rows)
+
+  def _input_rows(self, c: hlo.Collective) -> int:
+    """Rows of a ragged all-to-all's input operand (what it can send at most)."""
+    attrs = next(a for n, _, op, a in self.comps[c.computation] if n == c.name)
+    shape = self._shapes[c.computation][hlo.operands(attrs)[0]]
+    return hlo.leaves(shape)[0][1][0]
 
   def items(self, comp: str | None = None) -> list[Item]:
     """The launches and control flow of `comp` (default: the entry) in schedule order."""

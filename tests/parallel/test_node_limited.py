@@ -22,6 +22,7 @@ from jscale.config import ConfigError
 from jscale.model import moe_dispatch as md
 from jscale.model import router
 from jscale.parallel import expert_exchange as ex
+from jscale.predict import launches
 
 N, T, D, F, E, K = 8, 16, 8, 8, 16, 4  # devices, tokens per device, model, hidden, experts, top-k
 W_SPEC = md.ExpertWeights(P("expert"), P("expert"))
@@ -59,9 +60,10 @@ def _flat(native=False, dtype=jnp.float32, receive_factor=0.0):
                                                  native, receive_factor=receive_factor)[0]
 
 
-def _node_limited(n_group, native=False, dtype=jnp.float32):
+def _node_limited(n_group, native=False, dtype=jnp.float32, topk_group=1, receive_factor=0.0):
   return lambda x, i, g, w: ex.node_limited_exchange(x, i, g, w, dtype, "expert", N, n_group,
-                                                     native)
+                                                     topk_group, native,
+                                                     receive_factor=receive_factor)[0]
 
 
 @functools.cache
@@ -85,6 +87,58 @@ def test_node_limited_values_and_grads_equal_one_device(n_group, topk_group):
   np.testing.assert_allclose(y, want_y, atol=1e-5)
   for got, want in zip(jax.tree.leaves(g), jax.tree.leaves(want_g)):
     np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def _most_sent(ids, n_group):
+  """(the most rows one device sends one node in hop 1, the most assignments one relay sends
+  one device of its node in hop 2) of the routing `ids`, counted by hand."""
+  ids, m = np.asarray(ids), N // n_group
+  e_l, e_g = E // N, E // n_group
+  hop1, hop2 = 0, np.zeros((N, N), int)
+  for d in range(N):
+    for g in range(n_group):
+      chosen = [row[row // e_g == g] for row in ids[d * T:(d + 1) * T] if np.any(row // e_g == g)]
+      hop1 = max(hop1, len(chosen))
+      for experts in chosen:
+        np.add.at(hop2[g * m + d % m], experts // e_l, 1)
+  return hop1, int(hop2.max())
+
+
+def _dropped(args, n_group, topk_group, factor):
+  def body(x, ids, gates, w):
+    _, dropped = ex.node_limited_exchange(x, ids, gates, w, jnp.float32, "expert", N, n_group,
+                                          topk_group, receive_factor=factor)
+    return jax.lax.psum(dropped, "expert")
+  rows = P("expert")
+  return int(jax.jit(jax.shard_map(body, mesh=Mesh(np.array(jax.devices()[:N]), ("expert",)),
+                                   in_specs=(rows, rows, rows, W_SPEC), out_specs=P(),
+                                   check_vma=False))(*args))
+
+
+def test_receive_factor_bounds_both_hops():
+  """`model.moe.receive_factor` sizes hop 1's blocks by T·topk_group / n_group and hop 2's by
+  T·K / m: with room for the most this routing sends, nothing drops and values and gradients
+  are the unbounded exchange's, in blocks of those rows (hop 1: fewer than T); with half that
+  room assignments drop and are counted."""
+  n_group, topk_group = 4, 2
+  args = _inputs(n_group, topk_group)
+  hop1, hop2 = _most_sent(args[1], n_group)
+  m = N // n_group
+  factor = max(hop1 * n_group / (T * topk_group), hop2 * m / (T * K))  # exact in binary here
+  cap1 = ex.node_rows(T, topk_group, n_group, factor)
+  cap2 = ex.receive_rows(n_group * cap1, K, E // N, m, factor, share_tokens=T)
+  unbounded2 = ex.receive_rows(n_group * T, K, E // N, m, 0.0)
+  assert cap1 == hop1 < T and hop2 <= cap2 < unbounded2, (cap1, cap2)
+  assert _dropped(args, n_group, topk_group, factor) == 0
+  assert _dropped(args, n_group, topk_group, factor / 2) > 0
+  bounded = _step(_node_limited(n_group, topk_group=topk_group, receive_factor=factor),
+                  jax.devices()[:N])
+  want = _step(_node_limited(n_group), jax.devices()[:N])(*args)
+  for got, ref in zip(jax.tree.leaves(bounded(*args)), jax.tree.leaves(want)):
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+  rows = _row_all_to_alls(bounded.lower(*args).compile().as_text())
+  across = [c for c in rows if len(c.groups[0]) == n_group]
+  assert {c.shapes[0] for c in across} == {f"f32[1,{cap1},{D}]"}, [c.shapes for c in rows]
 
 
 def _row_all_to_alls(text):
@@ -151,3 +205,25 @@ def test_crossing_rows_counts_experts_and_groups_on_other_nodes():
   # node-limited 1 (group 0); tokens 1 and 2 stay home.
   ids = np.array([[6, 7], [0, 3], [4, 5], [0, 5]])
   assert node_limited_bytes.crossing_rows(ids, 4, 2, 8, 2) == (3 / 4, 2 / 4)
+
+
+@pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
+def test_the_predictor_prices_a_ragged_exchange_at_most_its_input():
+  """Bounded (`receive_factor`), hop 1's transposes write the whole [T·n_group] row array but
+  send at most their [N·cap] blocks: `jscale.predict` prices each ragged all-to-all at no more
+  rows than its input holds (here fewer than the routed T·K)."""
+  n_group, topk_group, factor = 2, 1, 1.0
+  sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+  args = jax.tree.map(sds, _inputs(n_group, topk_group, jnp.bfloat16))
+  step = _step(_node_limited(n_group, True, jnp.bfloat16, topk_group, factor),
+               gpu_target.devices("h100x8"))
+  text = step.lower(*args).compile().as_text()
+  cap = ex.node_rows(T, topk_group, n_group, factor)
+  priced = {c.name: c for c in
+            (x.collective for x in launches.Program(text, routed_rows=T * K).items()
+             if isinstance(x, launches.Launch) and x.collective is not None)}
+  wide = [c for c in hlo.collectives(text) if c.kind == "ragged-all-to-all"
+          and c.shapes[0] == f"bf16[{n_group * T},{D}]" and len(c.groups[0]) == n_group]
+  assert wide and n_group * cap < n_group * T <= T * K
+  for c in wide:  # the transposes: n_group·T rows out, n_group·cap rows in
+    assert priced[c.name].bytes == n_group * cap * D * 2, (c.name, priced[c.name].bytes)
