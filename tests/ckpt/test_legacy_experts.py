@@ -47,6 +47,18 @@ def _same(a, b, what: str) -> None:
                                   err_msg=f"{what} {jax.tree_util.keystr(path)}")
 
 
+def _saved_old(cfg):
+  """(runtime, checkpointer, the run's initial state as saved, data iterator) with that state
+  saved as step 1 in the old layout."""
+  rt = runtime.build(cfg)
+  state = state_lib.as_saved(rt.init_state())
+  data = make_train_iterator(cfg.data, cfg.train.seq_len, cfg.train.batch_size, 0, 1)
+  ckptr = ckpt_lib.Checkpointer(cfg, {"config": {}})
+  assert ckptr.save(1, _old(state, state), data, force=True)
+  ckptr.wait()
+  return rt, ckptr, state, data
+
+
 def test_targets_split_only_the_experts_pair():
   """`old_target` names the experts' pair as before and leaves the dense MLP's alone."""
   cfg = small_config(None, *DEEPSEEK)
@@ -67,14 +79,8 @@ def test_an_old_checkpoint_resumes_as_the_new_one(tmp_path, data_cache):
   `Checkpointer.restore`, to the state itself: same values, dtypes and shardings."""
   cfg = small_config(None, *DEEPSEEK, f"train.output_dir={tmp_path}/run",
                      f"data.cache_dir={data_cache}")
-  rt = runtime.build(cfg)
-  state = state_lib.as_saved(rt.init_state())
-  data = make_train_iterator(cfg.data, cfg.train.seq_len, cfg.train.batch_size, 0, 1)
-  ckptr = ckpt_lib.Checkpointer(cfg, {"config": {}})
-  assert ckptr.save(1, _old(state, state), data, force=True)
-  ckptr.wait()
-  abstract = state_lib.as_saved(rt.abstract_state())
-  back = ckptr.restore(1, abstract, data)
+  rt, ckptr, state, data = _saved_old(cfg)
+  back = ckptr.restore(1, state_lib.as_saved(rt.abstract_state()), data)
   ckptr.close()
   _same(back, state, "resumed")
   assert jax.tree.map(lambda x: x.sharding, back) == jax.tree.map(lambda x: x.sharding, state)
@@ -92,12 +98,7 @@ def test_old_params_and_training_checkpoints_load_for_evaluation(tmp_path, data_
     ckptr.save(str(tmp_path / "old" / "params"), _old(want, want), force=True)
   _, loaded = model_source.load(str(tmp_path / "old"))
   _same(_params(loaded), want, "params/ checkpoint")
-  rt = runtime.build(cfg)
-  state = state_lib.as_saved(rt.init_state())
-  data = make_train_iterator(cfg.data, cfg.train.seq_len, cfg.train.batch_size, 0, 1)
-  ckptr = ckpt_lib.Checkpointer(cfg, {"config": {}})
-  assert ckptr.save(1, _old(state, state), data, force=True)
-  ckptr.wait()
+  _, ckptr, state, _ = _saved_old(cfg)
   ckptr.close()
   step_dir = f"{ckptr.directory}/1"
   src = model_source.Source("step", step_dir, step_dir, cfg, 1, 1)
