@@ -167,7 +167,8 @@ class Checkpointer:
     A step saved by another number of processes gives every process its global data position
     (`integrity.global_position`; `newest_intact` admits no other)."""
     step_dir = os.path.join(self.directory, str(step))
-    stored = self._manager.item_metadata(step)["state"]
+    with ocp.StandardCheckpointer() as ckptr:  # the manager knows no handler before a restore
+      stored = ckptr.metadata(os.path.join(step_dir, "state")).item_metadata.tree
     old = legacy_experts.is_old(abstract_state, stored)
     state = ocp.args.StandardRestore(legacy_experts.old_target(abstract_state) if old
                                      else abstract_state)

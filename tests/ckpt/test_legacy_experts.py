@@ -75,11 +75,13 @@ def test_targets_split_only_the_experts_pair():
 
 
 def test_an_old_checkpoint_resumes_as_the_new_one(tmp_path, data_cache):
-  """A state saved in the old layout (params and Adam's moments) restores, through
+  """A state saved in the old layout (params and Adam's moments) restores, through a new run's
   `Checkpointer.restore`, to the state itself: same values, dtypes and shardings."""
   cfg = small_config(None, *DEEPSEEK, f"train.output_dir={tmp_path}/run",
                      f"data.cache_dir={data_cache}")
   rt, ckptr, state, data = _saved_old(cfg)
+  ckptr.close()
+  ckptr = ckpt_lib.Checkpointer(cfg, {"config": {}})  # a new run's: it saved nothing itself
   back = ckptr.restore(1, state_lib.as_saved(rt.abstract_state()), data)
   ckptr.close()
   _same(back, state, "resumed")
