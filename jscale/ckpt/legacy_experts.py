@@ -32,16 +32,18 @@ def is_old(target: Any, stored: Any) -> bool:
   return NEW in _names(target) and NEW not in _names(stored) and OLD[1] in _names(stored)
 
 
-def _map_dicts(node: Any, fn) -> Any:
-  """`node` with `fn` applied to every dict inside it, innermost first (namedtuples, tuples and
-  lists, as optax states nest them, are walked through)."""
-  if isinstance(node, dict):
-    return fn({k: _map_dicts(v, fn) for k, v in node.items()})
-  if isinstance(node, tuple) and hasattr(node, "_fields"):
-    return type(node)(*(_map_dicts(v, fn) for v in node))
-  if isinstance(node, (list, tuple)):
-    return type(node)(_map_dicts(v, fn) for v in node)
-  return node
+def _along(tree: Any, target: Any, pair) -> Any:
+  """`tree` rebuilt along `target`'s containers (dicts, namedtuples, tuples and lists, as optax
+  states nest them), each `w_gate_up` entry of a `target` dict given by `pair(tree's dict)`:
+  the entries that stand for it."""
+  if isinstance(target, dict):
+    out = {k: _along(tree[k], v, pair) for k, v in target.items() if k != NEW}
+    return {**out, **pair(tree)} if NEW in target else out
+  if isinstance(target, tuple) and hasattr(target, "_fields"):
+    return type(target)(*(_along(a, b, pair) for a, b in zip(tree, target)))
+  if isinstance(target, (list, tuple)):
+    return type(target)(_along(a, b, pair) for a, b in zip(tree, target))
+  return tree
 
 
 def _half(x: Any) -> Any:
@@ -58,24 +60,11 @@ def _half(x: Any) -> Any:
 
 def old_target(target: Any) -> Any:
   """`target` (ShapeDtypeStructs) with each `w_gate_up` as the old `w_gate` and `w_up`."""
-  def split(d: dict) -> dict:
-    if NEW not in d:
-      return d
-    out = {k: v for k, v in d.items() if k != NEW}
-    return {**out, **{name: _half(d[NEW]) for name in OLD}}
-  return _map_dicts(target, split)
+  return _along(target, target, lambda d: {name: _half(d[NEW]) for name in OLD})
 
 
 def upgraded(tree: Any, target: Any) -> Any:
   """`tree`, restored as `old_target(target)`, in `target`'s layout: each old pair stacked into
   `w_gate_up` where `target` holds one (the dense layers' own `w_gate` / `w_up` stay)."""
-  if isinstance(target, dict):
-    out = {k: upgraded(tree[k], v) for k, v in target.items() if k != NEW}
-    if NEW in target:
-      out[NEW] = jnp.stack([tree[name] for name in OLD], axis=_PAIR_AXIS)
-    return out
-  if isinstance(target, tuple) and hasattr(target, "_fields"):
-    return type(target)(*(upgraded(a, b) for a, b in zip(tree, target)))
-  if isinstance(target, (list, tuple)):
-    return type(target)(upgraded(a, b) for a, b in zip(tree, target))
-  return tree
+  return _along(tree, target,
+                lambda d: {NEW: jnp.stack([d[name] for name in OLD], axis=_PAIR_AXIS)})
