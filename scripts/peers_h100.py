@@ -6,14 +6,18 @@ for that many H100s with the real XLA:GPU compiler on this machine and timed by
 BF16 peak, the peer's from its tok/s.
 
     python scripts/peers_h100.py [--only 8b,70b] [--collectives both] [--out results/peers_h100.md]
+    python scripts/peers_h100.py --only dsv3_1024,dsv3_nemo1024,dsv3_256 --collectives manual \
+        --guided 0     # DeepSeek-V3 671B: 20 compiles of ~4 minutes here, ~3 GB each
 
-Writes the table with the commit that predicted it; the predictions are predictions.
+Writes a table per family (dense, MoE) with the commit that predicted it, keeping the other
+family's table as it was; the predictions are predictions.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -27,6 +31,11 @@ from jscale import hardware, metrics, predict  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
 from jscale.plan.rank import rank  # noqa: E402
 
+# DeepSeek-V3 as its peers train it: Adam's moments in bf16 (as DeepSeek did), the receive
+# buffers bounded at 1.25x the even share (`model.moe.receive_factor`), the node-limited
+# exchange.
+DSV3 = ("model.preset=deepseek_v3_671b", "model.moe.receive_factor=1.25",
+        "model.moe.exchange=node_limited")
 LLAMA2_7B = ["model.preset=llama3_8b", "model.vocab_size=32000", "model.n_kv_heads=32",
              "model.d_ff=11008", "model.rope_theta=10000", "model.rope_scaling=null"]
 
@@ -45,6 +54,8 @@ class Peer:
   tok_s: float | None = None
   mfu: float | None = None
   tflop_s: float | None = None
+  family: str = "dense"              # which table: dense | moe
+  moments: str = "float32"           # train.moments_dtype the planner plans for
 
 
 PEERS = (
@@ -61,8 +72,21 @@ PEERS = (
     Peer("70b", "MaxText Llama 3 70B × 128, seq 8192, FSDP 128, BF16",
          ("model.preset=llama3_70b",), 128, 8192, 256 * 8192,
          "NVIDIA DGXC 'Maxtext Llama3 70B 25.02' (NGC)", tok_s=1052),
+    Peer("dsv3_1024", "Megatron-Bridge DeepSeek-V3 671B × 1,024, seq 4096, GBS 8192, FP8 "
+         "(blockwise), TP2 PP8 VP4 EP64", DSV3, 1024, 4096, 8192 * 4096,
+         "Megatron-Bridge performance archive (25.09)", tok_s=1297, family="moe",
+         moments="bfloat16"),
+    Peer("dsv3_nemo1024", "NeMo AutoModel DeepSeek-V3 671B × 1,024, seq 4096, GBS 8192, BF16 "
+         "(TE + DeepEP), PP4 VP8 EP64 FSDP 256", DSV3, 1024, 4096, 8192 * 4096,
+         "NeMo AutoModel performance-summary.mdx", tok_s=865, family="moe",
+         moments="bfloat16"),
+    Peer("dsv3_256", "NeMo AutoModel DeepSeek-V3 671B × 256, seq 4096, GBS 512, BF16 "
+         "(TE + DeepEP), PP4 VP8 EP64 FSDP 64", DSV3, 256, 4096, 512 * 4096,
+         "NeMo AutoModel performance-summary.mdx", tok_s=1002, family="moe",
+         moments="bfloat16"),
 )
 H100 = hardware.GPUS["h100"]
+TITLES = {"dense": "Dense models.", "moe": "Mixture of experts."}
 
 
 def peer_tok_s(p: Peer, flops_per_token: float) -> float:
@@ -81,11 +105,17 @@ VARIANTS = ((", predicted costs", ("parallel.schedule_costs=predicted",)),
                                              "parallel.schedule_costs=predicted")))
 
 
+@functools.lru_cache(maxsize=None)
+def _predicted(model: tuple[str, ...], gpus: int, overrides: tuple[str, ...]):
+  cfg = load_config(None, [*model, "model.dtype=bfloat16", "checkpoint.every=0", *overrides])
+  return predict.predict_config(cfg, f"h100x{gpus}")
+
+
 def predicted(p: Peer, pick, mode: str, variant: tuple[str, ...] = ()):
-  cfg = load_config(None, [*p.model, "model.dtype=bfloat16", "checkpoint.every=0",
-                           *pick.layout.overrides(p.seq, H100.gpus_per_node),
-                           f"parallel.collectives={mode}", *variant])
-  return predict.predict_config(cfg, f"h100x{p.gpus}")
+  """`pick`'s program on `p`'s H100s, predicted (one compile per distinct program: two peers
+  of one configuration share it)."""
+  return _predicted(p.model, p.gpus, (*pick.layout.overrides(p.seq, H100.gpus_per_node),
+                                      f"parallel.collectives={mode}", *variant))
 
 
 def _order(t):  # a program that does not fit ranks after every one that does
@@ -100,7 +130,7 @@ def row(p: Peer, top: int, modes: tuple[str, ...], guided: int) -> dict:
   (`--schedule-costs both --scan-layers both`), the fastest program counting."""
   model = load_config(None, [*p.model, "model.dtype=bfloat16"]).model
   fpt = metrics.flops_per_token(model, p.seq)
-  rows = rank(model, p.gpus, p.seq, p.step_tokens, H100)[:top]
+  rows = rank(model, p.gpus, p.seq, p.step_tokens, H100, moments=p.moments)[:top]
   tried = sorted(((predicted(p, x, mode), x, mode, "") for x in rows for mode in modes),
                  key=_order)
   tried += [(predicted(p, x, mode, variant), x, mode, name)
@@ -112,7 +142,23 @@ def row(p: Peer, top: int, modes: tuple[str, ...], guided: int) -> dict:
   return {"peer": p.what, "source": p.source, "peer_tok_s": peer, "peer_mfu": peer * fpt / peak,
           "pick": f"{pick.layout.describe()} ({mode}{costs})", "planner_mfu": pick.cost.mfu,
           "predicted_tok_s": ours, "predicted_mfu": r.mfu, "ratio": ours / peer,
-          "memory": "fits" if r.fits else "does not fit"}
+          "memory": (f"{r.memory_bytes / 2**30:.1f} GiB, " if r.memory_bytes else "")
+          + ("fits" if r.fits else "does not fit")}
+
+
+def _sections(path: str) -> dict[str, list[str]]:
+  """The file's tables by family (`<!-- peers:FAMILY -->` opens each; a file without the
+  markers is one dense table)."""
+  if not os.path.exists(path):
+    return {}
+  out: dict[str, list[str]] = {}
+  family = "dense"
+  for line in open(path, encoding="utf-8").read().splitlines():
+    if line.startswith("<!-- peers:"):
+      family = line.removeprefix("<!-- peers:").removesuffix(" -->")
+      continue
+    out.setdefault(family, []).append(line)
+  return {f: lines for f, lines in out.items() if any(x.startswith("|") for x in lines)}
 
 
 def main() -> None:
@@ -134,30 +180,43 @@ def main() -> None:
   keys = set(filter(None, args.only.split(",")))
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                           capture_output=True, check=False).stdout.strip()
-  lines = [f"Peers' published H100 figures beside jscale's **predicted** figures for the "
-           f"planner's pick (`python scripts/peers_h100.py`, predicted at {commit}: XLA:GPU "
-           "compiled on a CPU machine, timed by `jscale.predict`; not measured). The pick: "
-           + ("the estimate's first layout" if args.rank_compiled == 1 else
-              f"`jscale.plan --rank compiled`'s, the fastest compiled program among the "
-              f"estimate's first {args.rank_compiled}") + f", in {' or '.join(modes)} mode"
-           + (f"; its {args.guided} fastest also with the predicted kernel costs given to XLA's "
-              "scheduler (`parallel.schedule_costs=predicted`), with the layers unrolled "
-              "(`model.scan_layers=false`), and both" if args.guided else "") + ".", "",
-           "| configuration | peer tok/s/GPU | peer MFU | planner's pick | planner MFU | "
-           "**predicted** tok/s/GPU | **predicted** MFU | predicted / peer | memory | source |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-  for p in PEERS:
-    if keys and p.key not in keys:
-      continue
-    r = row(p, args.rank_compiled, modes, args.guided)
-    lines.append(f"| {r['peer']} | {r['peer_tok_s']:,.0f} | {r['peer_mfu']:.1%} | {r['pick']} | "
-                 f"{r['planner_mfu']:.1%} | {r['predicted_tok_s']:,.0f} | "
-                 f"{r['predicted_mfu']:.1%} | {r['ratio']:.2f}x | {r['memory']} | "
-                 f"{r['source']} |")
-    print(lines[-1], flush=True)
-  with open(os.path.join(ROOT, args.out), "w", encoding="utf-8") as f:
+  how = (f"predicted at {commit}; the pick: " + (
+      "the estimate's first layout" if args.rank_compiled == 1 else
+      f"`jscale.plan --rank compiled`'s, the fastest compiled program among the estimate's "
+      f"first {args.rank_compiled}") + f", in {' or '.join(modes)} mode" + (
+      f"; its {args.guided} fastest also with the predicted kernel costs given to XLA's "
+      "scheduler (`parallel.schedule_costs=predicted`), with the layers unrolled "
+      "(`model.scan_layers=false`), and both" if args.guided else ""))
+  path = os.path.join(ROOT, args.out)
+  sections = _sections(path)
+  for family, title in TITLES.items():
+    peers = [p for p in PEERS if p.family == family and (not keys or p.key in keys)]
+    if peers:
+      sections[family] = ["", f"**{title}** {how[0].upper()}{how[1:]}.", "", *HEADER,
+                          *(_line(row(p, args.rank_compiled, modes, args.guided))
+                            for p in peers)]
+  lines = [INTRO]
+  for family in TITLES:
+    if family in sections:
+      lines += [f"<!-- peers:{family} -->", *sections[family]]
+  with open(path, "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
 
+
+INTRO = ("Peers' published H100 figures beside jscale's **predicted** figures for the planner's "
+         "pick (`python scripts/peers_h100.py`: XLA:GPU compiled on a CPU machine, timed by "
+         "`jscale.predict`; not measured).")
+HEADER = ("| configuration | peer tok/s/GPU | peer MFU | planner's pick | planner MFU | "
+          "**predicted** tok/s/GPU | **predicted** MFU | predicted / peer | memory | source |",
+          "|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _line(r: dict) -> str:
+  out = (f"| {r['peer']} | {r['peer_tok_s']:,.0f} | {r['peer_mfu']:.1%} | {r['pick']} | "
+         f"{r['planner_mfu']:.1%} | {r['predicted_tok_s']:,.0f} | {r['predicted_mfu']:.1%} | "
+         f"{r['ratio']:.2f}x | {r['memory']} | {r['source']} |")
+  print(out, flush=True)
+  return out
 
 if __name__ == "__main__":
   main()
