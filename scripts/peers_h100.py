@@ -151,14 +151,16 @@ def _sections(path: str) -> dict[str, list[str]]:
   markers is one dense table)."""
   if not os.path.exists(path):
     return {}
+  text = open(path, encoding="utf-8").read()
   out: dict[str, list[str]] = {}
-  family = "dense"
-  for line in open(path, encoding="utf-8").read().splitlines():
+  family = "intro" if "<!-- peers:" in text else "dense"
+  for line in text.splitlines():
     if line.startswith("<!-- peers:"):
       family = line.removeprefix("<!-- peers:").removesuffix(" -->")
       continue
     out.setdefault(family, []).append(line)
-  return {f: lines for f, lines in out.items() if any(x.startswith("|") for x in lines)}
+  return {f: lines for f, lines in out.items()
+          if f in TITLES and any(x.startswith("|") for x in lines)}
 
 
 def main() -> None:
