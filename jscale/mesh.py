@@ -61,6 +61,13 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
   return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def partition_devices(m: Mesh) -> tuple[int, ...]:
+  """The device id each partition of an SPMD program over `m` runs on: its device assignment,
+  in the partition order its collectives' replica groups name (a hybrid mesh's is a
+  permutation of the ids)."""
+  return tuple(int(d.id) for d in m.devices.flat)
+
+
 def _ici_grid(shape: list[int], devices: Sequence[jax.Device]) -> np.ndarray:
   """`devices` of one node (or slice) laid out as `shape`."""
   if devices[0].platform in ("gpu", "tpu"):

@@ -59,7 +59,8 @@ def row(gpus: int, chunks: int, schedule: str | None = None) -> dict:
   text, memory, remat = predict.compile_for(cfg, target)
   r = predict.predict_config(cfg, target, text, top=0, memory_bytes=memory, remat=remat)
   sched = predict.predict(text, "h100", routed_rows=predict.routed_rows(cfg, gpus),
-                          ticks=predict.pipeline_ticks(cfg, gpus))
+                          ticks=predict.pipeline_ticks(cfg, gpus),
+                          devices=predict.partition_devices(cfg, target))
   a2a = sum(t.seconds * t.runs for t in sched.timed
             if t.launch.collective is not None and t.launch.collective.kind == "ragged-all-to-all")
   held = sum(w.count("mosaic_gpu") for w in overlap.windows(text, "ragged-all-to-all"))

@@ -22,12 +22,13 @@ from jscale.step import pipelined
 
 
 def predict(hlo_text: str, gpu: str, fit: rates.Fit = rates.FIT,
-            routed_rows: int | None = None, ticks: np.ndarray | None = None
-            ) -> timing.Schedule:
+            routed_rows: int | None = None, ticks: np.ndarray | None = None,
+            devices: Sequence[int] | None = None) -> timing.Schedule:
   """The predicted schedule of one step of `hlo_text` (`compiled.as_text()`) on `gpu`;
   `routed_rows`: the rows each grouped matmul computes (`launches.Program`); `ticks`: a
-  pipelined step's executed ticks (`pipeline_ticks`)."""
-  program = launches.Program(hlo_text, routed_rows)
+  pipelined step's executed ticks (`pipeline_ticks`); `devices`: the device each partition
+  runs on (`partition_devices`; None: partition i on device i)."""
+  program = launches.Program(hlo_text, routed_rows, devices)
   return timing.schedule(program.items(), rates.chip(gpu, fit), ticks)
 
 
@@ -38,6 +39,12 @@ def pipeline_ticks(cfg: Config, n_devices: int) -> np.ndarray | None:
   if ici * dcn == 1:
     return None
   return pipelined.program_for(cfg.pipeline, ici * dcn).code
+
+
+def partition_devices(cfg: Config, target: str) -> tuple[int, ...]:
+  """The device each partition of `cfg`'s step compiled for `target` runs on: its mesh's device
+  assignment (`mesh.partition_devices`), which tells the nodes a collective's group spans."""
+  return mesh.partition_devices(mesh.make_mesh(cfg.mesh, gpu_target.devices(target)))
 
 
 def routed_rows(cfg: Config, n_devices: int) -> int | None:
@@ -74,9 +81,10 @@ def compile_train_step(cfg: Config, devices: Sequence[jax.Device]
 
   if cfg.parallel.schedule_costs == "default":
     return compile_with({})
-  return schedule_costs.compile_guided(compile_with, lambda c: c[0].as_text(),
-                                       schedule_costs.gpu_of(devices[0]),
-                                       routed_rows(cfg, len(devices)))
+  return schedule_costs.compile_guided(
+      compile_with, lambda c: c[0].as_text(), schedule_costs.gpu_of(devices[0]),
+      routed_rows(cfg, len(devices)),
+      mesh.partition_devices(mesh.make_mesh(cfg.mesh, devices)))
 
 
 def compile_for(cfg: Config, target: str
@@ -106,7 +114,8 @@ def predict_config(cfg: Config, target: str, hlo_text: str | None = None, top: i
   gpu, n = gpu_target.parse(target)
   if hlo_text is None:
     hlo_text, memory_bytes, remat = compile_for(cfg, target)
-  r = summary.summarize(predict(hlo_text, gpu, fit, routed_rows(cfg, n), pipeline_ticks(cfg, n)),
+  r = summary.summarize(predict(hlo_text, gpu, fit, routed_rows(cfg, n), pipeline_ticks(cfg, n),
+                                partition_devices(cfg, target)),
                         rates.chip(gpu, fit),
                         model_flops_per_device(cfg, n),
                         cfg.train.batch_size * cfg.train.seq_len, top)

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Sequence
 from typing import Union
 
 from jscale.analysis import hlo
@@ -97,19 +98,32 @@ def _callees(attrs: str, comps: dict) -> list[str]:
           if c in comps]
 
 
+def _on_devices(c: hlo.Collective, devices: Sequence[int] | None) -> hlo.Collective:
+  """`c` with its groups (or a permute's source-target pairs) as the devices its partitions
+  run on."""
+  if devices is None or c.groups is None:
+    return c
+  return dataclasses.replace(c, groups=tuple(tuple(devices[p] for p in g) for g in c.groups))
+
+
 class Program:
   """A parsed optimised module: `items()` is its entry computation as `Item`s."""
 
-  def __init__(self, text: str, routed_rows: int | None = None):
+  def __init__(self, text: str, routed_rows: int | None = None,
+               devices: Sequence[int] | None = None):
     """`routed_rows`: the expert rows a grouped matmul computes per call with balanced routing
     (None: all its rows). Its lhs may hold more: an expert-parallel exchange's receive buffer
     keeps room for the most a device can be sent, and the kernel skips the rows past its
-    groups' sizes (pallas_kernels/grouped_matmul), so only the routed rows cost FLOPs."""
+    groups' sizes (pallas_kernels/grouped_matmul), so only the routed rows cost FLOPs.
+    `devices`: the device each partition runs on, the program's device assignment (a hybrid
+    mesh's is a permutation: `mesh.make_mesh`); the collectives' groups, which name
+    partitions, are read as those devices (None: partition i runs on device i)."""
     self.routed_rows = routed_rows
     self.comps, self.entry, self.n_devices = hlo.parse(text)
     # Instructions with a host-memory (memory space S(5)) buffer in their shape.
     self._on_host = set(re.findall(r"%([\w.\-]+) = [^\n]*:S\(5\)", text))
-    self.colls = {(c.computation, c.name): c for c in hlo.collectives(text)}
+    self.colls = {(c.computation, c.name): _on_devices(c, devices)
+                  for c in hlo.collectives(text)}
     self._shapes = {c: hlo.shapes(insts) for c, insts in self.comps.items()}
 
   def _routed(self, c: hlo.Collective) -> hlo.Collective:

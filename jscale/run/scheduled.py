@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from jscale import predict, runtime
+from jscale import mesh, predict, runtime
 from jscale.analysis import introspect
 from jscale.config import Config
 from jscale.predict import schedule_costs
@@ -22,4 +22,5 @@ def train_step(cfg: Config, rt: runtime.Runtime, gpu: str | None = None) -> Call
   lowered = step.lower(rt.abstract_state(), introspect.abstract_batch(cfg))
   return schedule_costs.compile_guided(lambda options: lowered.compile(compiler_options=options),
                                        lambda compiled: compiled.as_text(), gpu,
-                                       predict.routed_rows(cfg, rt.mesh.size))
+                                       predict.routed_rows(cfg, rt.mesh.size),
+                                       mesh.partition_devices(rt.mesh))

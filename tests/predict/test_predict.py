@@ -29,6 +29,7 @@ from jscale import predict  # noqa: E402
 from jscale.analysis import dots, hlo  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
 from jscale import hardware  # noqa: E402
+from jscale import mesh as jscale_mesh  # noqa: E402
 from jscale.predict import timing, launches, rates, summary  # noqa: E402
 from jscale.plan.__main__ import main as plan_main  # noqa: E402
 from jscale.predict.__main__ import main  # noqa: E402
@@ -167,6 +168,28 @@ def test_collective_over_the_link_its_group_spans():
   assert c.collective.kind == "all-reduce" and c.collective.group_size == 8
   want = 2 * c.collective.bytes / hardware.busbw("all-reduce", 1) + FIT.collective_s
   assert t.seconds == pytest.approx(want)
+
+
+def test_collectives_are_priced_on_the_devices_their_partitions_run_on():
+  """A hybrid mesh whose in-node axis is not the innermost (fsdp 8 inside each node, expert
+  across 2 nodes: `mesh.fsdp=8 mesh.dcn_expert=2`) assigns partitions to devices out of order.
+  The replica groups name partitions; priced as devices, a psum over fsdp stays in its node
+  (NVLink) and one over expert crosses the nodes. Read as device ids, each is the other's."""
+  cfg = load_config(None, ["mesh.data=1", "mesh.fsdp=8", "mesh.dcn_expert=2"]).mesh
+  m = jscale_mesh.make_mesh(cfg, gpu_target.devices("h100x16"))
+  devices = jscale_mesh.partition_devices(m)
+  assert devices != tuple(range(16))
+  x = jax.ShapeDtypeStruct((16 * 256, 1024), jnp.float32)
+  for axis, nodes in (("fsdp", 1), ("expert", 2)):
+    psum = jax.shard_map(lambda v, a=axis: jax.lax.psum(v, a), mesh=m,
+                         in_specs=P(("fsdp", "expert")), out_specs=P(("fsdp", "expert")))
+    text = jax.jit(psum).lower(x).compile().as_text()
+    (c,) = [i for i in launches.Program(text, devices=devices).items()
+            if getattr(i, "kind", "") == "collective" and i.collective.group_size == m.shape[axis]]
+    want = 2 * c.collective.bytes / hardware.busbw("all-reduce", nodes) + FIT.collective_s
+    assert timing.time_launch(c, CHIP).seconds == pytest.approx(want), axis
+    (blind,) = [i for i in launches.Program(text).items() if i.name == c.name]
+    assert timing.time_launch(blind, CHIP).seconds != pytest.approx(want), axis
 
 
 def test_loop_runs_its_body_trip_count_times():
