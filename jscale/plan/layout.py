@@ -14,7 +14,7 @@ from typing import Iterator
 from jscale.config import Config, ModelConfig
 from jscale.mesh import AXES
 from jscale.parallel.pipeline import schedules
-from jscale.validate.on_mesh import xla_layout_why_not
+from jscale.validate.on_mesh import context_why_not, xla_layout_why_not
 
 REMATS = ("none", "selective", "offload", "full")
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -145,7 +145,8 @@ def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
       continue
     if expert > 1 and (not moe or model.moe.n_experts % expert):
       continue
-    if sequence > 1 and (stage > 1 or seq % (2 * sequence)):
+    if sequence > 1 and (stage > 1 or seq % (2 * sequence) or
+                         context_why_not(model, sequence) is not None):
       continue
     ways = data * fsdp * expert
     if batch % ways:

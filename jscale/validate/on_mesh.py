@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
-from jscale.config import Config, ConfigError
+from jscale.config import Config, ConfigError, ModelConfig
 from jscale.model import attention as attn_lib
 from jscale.parallel.context.order import token_order
 from jscale.parallel.pipeline import schedules
@@ -44,10 +44,8 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
                         "by index, not by token position; use model.attention_impl=ring, "
                         "pallas (the ring with flash-kernel blocks) or xla, or "
                         "parallel.context_impl=ulysses")
-    if m.mtp is not None:
-      raise ConfigError(f"model.mtp with mesh.sequence={cp}: multi-token prediction shifts the "
-                        "labels along the sequence, which context parallelism splits; set "
-                        "mesh.sequence=1 or model.mtp=null")
+    if (why := context_why_not(m, cp)) is not None:
+      raise ConfigError(why)
   capability = getattr(mesh.devices.flat[0], "compute_capability", None)
   if m.attention_impl == "cudnn" and m.v_head_dim != m.qk_head_dim and (why := (
       attn_lib.cudnn_applies(m.dtype, m.qk_head_dim, capability, m.v_head_dim))) is not None:
@@ -125,6 +123,16 @@ def _check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
                       "would all-gather every chunk's weights again at each of its forward and "
                       "backward ticks; use parallel.zero_stage=2 (gradients and optimizer state "
                       "sharded over fsdp)")
+
+
+def context_why_not(model: ModelConfig, sequence: int) -> str | None:
+  """Why `model` cannot split its sequences over `sequence` devices (None: it can); the
+  planner offers no such layout."""
+  if sequence > 1 and model.mtp is not None:
+    return (f"model.mtp with mesh.sequence={sequence}: multi-token prediction shifts the labels "
+            "along the sequence, which context parallelism splits; set mesh.sequence=1 or "
+            "model.mtp=null")
+  return None
 
 
 def xla_layout_why_not(sizes: dict[str, int], zero_stage: int, sequence_parallel: bool,

@@ -365,6 +365,17 @@ def test_receive_ratio_is_the_rows_of_manual_eps_receive_buffer():
   assert per_layer(model()) > 2 * per_layer(model("model.moe.receive_factor=1"))
 
 
+def test_no_context_parallel_layout_is_offered_to_a_model_with_mtp():
+  """MTP shifts the labels along the sequence, which context parallelism splits: the trainer
+  refuses mesh.sequence > 1 with model.mtp (`validate.on_mesh.context_why_not`), and the
+  planner offers no such layout (DeepSeek-V3 671B on 1,024 H100s listed one 9th, whose compile
+  then failed)."""
+  mtp = load_config(None, ["model.preset=deepseek_v3_tiny"]).model
+  plain = load_config(None, ["model.preset=deepseek_v3_tiny", "model.mtp=null"]).model
+  assert not [lay for lay in candidates(mtp, 8, 512, 16) if lay.sequence > 1]
+  assert [lay for lay in candidates(plain, 8, 512, 16) if lay.sequence > 1]
+
+
 def test_each_mtp_depth_holds_one_more_head_gradient():
   """The chunked loss makes the shared head's fp32 dW in each loss's forward and holds it to the
   backward: MTP's depths add one vocabulary gradient each to the step's transients (XLA:GPU's
