@@ -22,7 +22,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compiles for GPUs from their de
 
 # pylint: disable=wrong-import-position
 from jscale import predict  # noqa: E402
-from jscale.analysis import overlap  # noqa: E402
+from jscale.analysis import gpu_target, overlap  # noqa: E402
 from jscale.analysis.tables import write_table  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
 
@@ -60,7 +60,8 @@ def row(gpus: int, chunks: int, schedule: str | None = None) -> dict:
   r = predict.predict_config(cfg, target, text, top=0, memory_bytes=memory, remat=remat)
   sched = predict.predict(text, "h100", routed_rows=predict.routed_rows(cfg, gpus),
                           ticks=predict.pipeline_ticks(cfg, gpus),
-                          devices=predict.partition_devices(cfg, target))
+                          devices=predict.partition_devices(
+                              cfg, gpu_target.devices(target)))
   a2a = sum(t.seconds * t.runs for t in sched.timed
             if t.launch.collective is not None and t.launch.collective.kind == "ragged-all-to-all")
   held = sum(w.count("mosaic_gpu") for w in overlap.windows(text, "ragged-all-to-all"))

@@ -41,10 +41,10 @@ def pipeline_ticks(cfg: Config, n_devices: int) -> np.ndarray | None:
   return pipelined.program_for(cfg.pipeline, ici * dcn).code
 
 
-def partition_devices(cfg: Config, target: str) -> tuple[int, ...]:
-  """The device each partition of `cfg`'s step compiled for `target` runs on: its mesh's device
+def partition_devices(cfg: Config, devices: Sequence[jax.Device]) -> tuple[int, ...]:
+  """The device each partition of `cfg`'s step on `devices` runs on: its mesh's device
   assignment (`mesh.partition_devices`), which tells the nodes a collective's group spans."""
-  return mesh.partition_devices(mesh.make_mesh(cfg.mesh, gpu_target.devices(target)))
+  return mesh.partition_devices(mesh.make_mesh(cfg.mesh, devices))
 
 
 def routed_rows(cfg: Config, n_devices: int) -> int | None:
@@ -83,8 +83,7 @@ def compile_train_step(cfg: Config, devices: Sequence[jax.Device]
     return compile_with({})
   return schedule_costs.compile_guided(
       compile_with, lambda c: c[0].as_text(), schedule_costs.gpu_of(devices[0]),
-      routed_rows(cfg, len(devices)),
-      mesh.partition_devices(mesh.make_mesh(cfg.mesh, devices)))
+      routed_rows(cfg, len(devices)), partition_devices(cfg, devices))
 
 
 def compile_for(cfg: Config, target: str
@@ -115,7 +114,7 @@ def predict_config(cfg: Config, target: str, hlo_text: str | None = None, top: i
   if hlo_text is None:
     hlo_text, memory_bytes, remat = compile_for(cfg, target)
   r = summary.summarize(predict(hlo_text, gpu, fit, routed_rows(cfg, n), pipeline_ticks(cfg, n),
-                                partition_devices(cfg, target)),
+                                partition_devices(cfg, gpu_target.devices(target))),
                         rates.chip(gpu, fit),
                         model_flops_per_device(cfg, n),
                         cfg.train.batch_size * cfg.train.seq_len, top)
