@@ -87,6 +87,12 @@ PEERS = (
 )
 H100 = hardware.GPUS["h100"]
 TITLES = {"dense": "Dense models.", "moe": "Mixture of experts."}
+INTRO = ("Peers' published H100 figures beside jscale's **predicted** figures for the planner's "
+         "pick (`python scripts/peers_h100.py`: XLA:GPU compiled on a CPU machine, timed by "
+         "`jscale.predict`; not measured).")
+HEADER = ("| configuration | peer tok/s/GPU | peer MFU | planner's pick | planner MFU | "
+          "**predicted** tok/s/GPU | **predicted** MFU | predicted / peer | memory | source |",
+          "|---|---|---|---|---|---|---|---|---|---|")
 
 
 def peer_tok_s(p: Peer, flops_per_token: float) -> float:
@@ -205,20 +211,13 @@ def main() -> None:
     f.write("\n".join(lines) + "\n")
 
 
-INTRO = ("Peers' published H100 figures beside jscale's **predicted** figures for the planner's "
-         "pick (`python scripts/peers_h100.py`: XLA:GPU compiled on a CPU machine, timed by "
-         "`jscale.predict`; not measured).")
-HEADER = ("| configuration | peer tok/s/GPU | peer MFU | planner's pick | planner MFU | "
-          "**predicted** tok/s/GPU | **predicted** MFU | predicted / peer | memory | source |",
-          "|---|---|---|---|---|---|---|---|---|---|")
-
-
 def _line(r: dict) -> str:
   out = (f"| {r['peer']} | {r['peer_tok_s']:,.0f} | {r['peer_mfu']:.1%} | {r['pick']} | "
          f"{r['planner_mfu']:.1%} | {r['predicted_tok_s']:,.0f} | {r['predicted_mfu']:.1%} | "
          f"{r['ratio']:.2f}x | {r['memory']} | {r['source']} |")
   print(out, flush=True)
   return out
+
 
 if __name__ == "__main__":
   main()
