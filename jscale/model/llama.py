@@ -388,10 +388,11 @@ def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, position
   `model.scan_layers: false` asks of every stack."""
   dt = jnp.dtype(cfg.dtype)
   inv_freq = rope.for_model(cfg)
+  depth = jax.tree.leaves(stacked)[0].shape[0]
 
   def layer(x_BLD, inputs):
     weights, dots = inputs
-    block = nnx.merge(block_graphdef, comms.gather_layer(weights, dt), *dots)
+    block = nnx.merge(block_graphdef, comms.gather_layer(weights, dt, depth), *dots)
     return block(x_BLD, positions, inv_freq, comms)
 
   layer = remat_lib.checkpointed(layer, remat, cfg)

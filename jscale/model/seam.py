@@ -94,9 +94,11 @@ class Seam:
     through `gather_layer`."""
     return stacked
 
-  def gather_layer(self, layer: Any, dtype: Any) -> Any:
-    """One slice of `layer_inputs` made into the layer's whole weights (`gather_params`,
-    unless the layout scans something else: manual ZeRO-2's stored weights)."""
+  def gather_layer(self, layer: Any, dtype: Any, depth: int) -> Any:
+    """One slice of `layer_inputs` (a stack of `depth` layers) made into the layer's whole
+    weights (`gather_params`, unless the layout scans something else: manual ZeRO-2's stored
+    weights)."""
+    del depth
     return self.gather_params(layer, dtype)
 
   # ---------------------------------------------------------------- attention (CP)

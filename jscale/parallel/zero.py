@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jscale.model.seam import GATHERED
 from jscale.optim import global_norm, sumsq
+from jscale.parallel import major
 from jscale.parallel.buckets import Plan, reduce_buckets
 from jscale.parallel.comms import Comms
 from jscale.sharding import Layouts, add_fsdp, spec, spec_axes
@@ -249,7 +250,7 @@ def _stored_weight(shard: jax.Array, full: jax.Array, dim: int) -> jax.Array:
     return full
 
   def bwd(_, g):
-    return jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True), None
+    return major.psum_scatter(g, "fsdp", dim, jax.lax.axis_size("fsdp")), None
 
   use.defvjp(lambda s, f: (f, None), bwd)
   # Named like ZeRO-3's gathered weights so no remat policy saves a copy of them.
@@ -325,6 +326,10 @@ class ManualZero:
   # ---------------------------------------------------------------- weights in the forward
 
   def gather_params(self, params: Any, dtype: Any) -> Any:
+    return self._gather(params, dtype, lambda x, dim: jax.lax.all_gather(x, "fsdp", axis=dim,
+                                                                          tiled=True))
+
+  def _gather(self, params: Any, dtype: Any, all_gather: Callable) -> Any:
     if self.zero < 3 or self.fsdp == 1:
       return params
 
@@ -334,16 +339,24 @@ class ManualZero:
         return v
       # The gather runs in the compute dtype (half the bytes of fp32 masters); under autodiff
       # its transpose is the reduce-scatter of this layer's gradient.
-      full = jax.lax.all_gather(v[...].astype(dtype), "fsdp", axis=dim, tiled=True)
-      return v.replace(checkpoint_name(full, GATHERED))
+      return v.replace(checkpoint_name(all_gather(v[...].astype(dtype), dim), GATHERED))
 
     return jax.tree.map(gather, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
   def layer_inputs(self, stacked: Any) -> Any:
     return stacked if self.stored is None else self.stored.inputs(stacked)
 
-  def gather_layer(self, layer: Any, dtype: Any) -> Any:
-    return self.gather_params(layer, dtype) if self.stored is None else self.stored.layer(layer)
+  def gather_layer(self, layer: Any, dtype: Any, depth: int) -> Any:
+    if self.stored is not None:
+      return self.stored.layer(layer)
+    # A slice of a stack deeper than fsdp gathers along a new major axis (`major`): the tiled
+    # gather of a non-major dim would have XLA:GPU copy the whole fp32 stack shard (depth · 4 /
+    # fsdp bytes a layer's element) into a layout with that dim major, for the whole step; this
+    # transposes the gathered layer (2 bytes an element, while it is in use). Shallower stacks
+    # (DeepSeek's dense prefix) and leaves of their own (`gather_params`) keep the tiled one.
+    if depth <= self.fsdp:
+      return self.gather_params(layer, dtype)
+    return self._gather(layer, dtype, lambda x, dim: major.all_gather(x, "fsdp", dim))
 
   def grad_target(self, params: Any) -> tuple[Any, Any]:
     if not self._zero2():
@@ -381,8 +394,9 @@ class ManualZero:
         return new
       if names[0] != "layers":
         return jax.lax.all_gather(new, "fsdp", axis=dim, tiled=True)
-      return gather_layers_in_place(
-          new, old, lambda x: jax.lax.all_gather(x, "fsdp", axis=dim - 1, tiled=True))
+      # Along a new major axis (`major`): a tiled gather of a non-major dim would have XLA:GPU
+      # lay the whole written stack out with that dim major, and copy it back after the loop.
+      return gather_layers_in_place(new, old, lambda x: major.all_gather(x, "fsdp", dim - 1))
 
     return jax.tree.map(gather, new_params, old_params, self.dims, self.layouts.names,
                         is_leaf=lambda x: isinstance(x, tuple))
