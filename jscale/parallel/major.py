@@ -4,10 +4,13 @@ XLA:GPU gathers and scatters only along an array's most major dim (NCCL's buffer
 contiguous): layout assignment gives any other all-gather's operand a layout with that dim
 major, and propagates it back through the cast and the layer loop's slice to the weight stack
 itself. The stack is then copied, in fp32 and whole, into that layout before the loop and kept
-there for the step (DeepSeek-V3 671B on 1,024 H100s, ZeRO-3: 7.6 GB a device for the experts'
-and the attention output's stacks, `scripts/peak_memory.py`), and the gradient stacks are
-written in it. Gathering a new leading axis instead, and moving it into place after the
-gather, puts the transpose on the one gathered layer in the compute dtype.
+there for the step, and the gradient stacks are written in it (DeepSeek-V3 671B on 1,024
+H100s, ZeRO-3: 7.6 GB a device of the experts' and the attention output's stacks so laid out,
+`scripts/peak_memory.py`; the compiled step fell 4.3 GiB without them). Gathering a new
+leading axis instead, and moving it into place after the gather, puts the transpose on the one
+gathered layer in the compute dtype. `split` and `unsplit` are that move; xla mode constrains
+the split array's shardings instead of calling the collectives
+(`jscale.parallel.zero.XlaZero._gather_major`).
 """
 
 from __future__ import annotations
@@ -16,14 +19,25 @@ import jax
 import jax.numpy as jnp
 
 
+def split(x: jax.Array, dim: int, n: int) -> jax.Array:
+  """`x` with `dim` split into [n, rest] and the n moved first: [n, ..., rest, ...]."""
+  return jnp.moveaxis(x.reshape(*x.shape[:dim], n, x.shape[dim] // n, *x.shape[dim + 1:]),
+                      dim, 0)
+
+
+def unsplit(x: jax.Array, dim: int) -> jax.Array:
+  """`split`'s inverse."""
+  x = jnp.moveaxis(x, 0, dim)
+  return x.reshape(*x.shape[:dim], -1, *x.shape[dim + 2:])
+
+
 def all_gather(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
   """`jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)`, gathered along a new major
-  axis: [n, *x.shape], then that axis moved before `dim` and merged with it (shard i is rows
-  i·s … (i+1)·s − 1 of `dim`, as the tiled gather's)."""
+  axis: [n, *x.shape] is the gathered array `split` (shard i is rows i·s … (i+1)·s − 1 of
+  `dim`, as the tiled gather's)."""
   if dim == 0:
     return jax.lax.all_gather(x, axis_name, axis=0, tiled=True)
-  g = jnp.moveaxis(jax.lax.all_gather(x, axis_name, axis=0), 0, dim)
-  return g.reshape(*x.shape[:dim], -1, *x.shape[dim + 1:])
+  return unsplit(jax.lax.all_gather(x, axis_name, axis=0), dim)
 
 
 def psum_scatter(x: jax.Array, axis_name: str, dim: int, n: int) -> jax.Array:
@@ -31,6 +45,4 @@ def psum_scatter(x: jax.Array, axis_name: str, dim: int, n: int) -> jax.Array:
   scattered along a new major axis (`all_gather`'s transpose)."""
   if dim == 0:
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
-  s = x.shape[dim] // n
-  g = jnp.moveaxis(x.reshape(*x.shape[:dim], n, s, *x.shape[dim + 1:]), dim, 0)
-  return jax.lax.psum_scatter(g, axis_name, scatter_dimension=0)
+  return jax.lax.psum_scatter(split(x, dim, n), axis_name, scatter_dimension=0)

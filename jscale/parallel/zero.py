@@ -82,7 +82,15 @@ class XlaZero:
   norm_by_slice: Callable[[], bool]  # `Comms.norm_by_slice`
 
 
+  def gather_layer(self, layer: Any, dtype: Any, depth: int) -> Any:
+    # A stack deeper than fsdp gathers along a new major axis, as manual mode's
+    # (`ManualZero.gather_layer`).
+    return self._gather(layer, dtype, major=depth > self.layouts.mesh.shape["fsdp"])
+
   def gather_params(self, params: Any, dtype: Any) -> Any:
+    return self._gather(params, dtype, major=False)
+
+  def _gather(self, params: Any, dtype: Any, major: bool) -> Any:
     # ZeRO-2/3 per layer, inside the layer scan. Backward: the layer's gradient is constrained
     # to its fsdp shard, so it is reduce-scattered as soon as it is computed and the scan never
     # stacks full-size gradients. ZeRO-3 forward: weights are stored split over fsdp; ask for the
@@ -97,20 +105,51 @@ class XlaZero:
       compute = spec(names, rules)
       sharded = add_fsdp(names, v.shape, compute, fsdp)
       shard = self._sharding(sharded)
-      x = _shard_cotangent(v[...], shard)
+      if major and self.layouts.zero_stage == 2 and _fsdp_dim(sharded) >= 0:
+        x = self._scatter_major(v[...], sharded)
+      else:
+        x = _shard_cotangent(v[...], shard)
       # A leaf too small to split is used as stored, as in manual mode (never cast: DeepSeek's
       # fp32 balancing bias routes in fp32).
       if self.layouts.zero_stage >= 3 and _fsdp_dim(sharded) >= 0:
         # Cast the shard (the model casts at use anyway): a bf16 gather moves half the bytes.
         x = jax.lax.with_sharding_constraint(x.astype(dtype), shard)
-        # The barrier keeps the gather's operand this layer's 2-D slice: otherwise XLA:CPU
-        # re-lays out the whole stacked shard before the loop (a copy of every layer's shard).
-        x = jax.lax.optimization_barrier(x)
-        x = checkpoint_name(
-            jax.lax.with_sharding_constraint(x, self._sharding(compute)), GATHERED)
+        if major:
+          x = self._gather_major(x, sharded, compute)
+        else:
+          # The barrier keeps the gather's operand this layer's slice: otherwise XLA:CPU
+          # re-lays out the whole stacked shard before the loop (a copy of every layer's shard).
+          x = jax.lax.optimization_barrier(x)
+          x = jax.lax.with_sharding_constraint(x, self._sharding(compute))
+        x = checkpoint_name(x, GATHERED)
       return v.replace(x)
 
     return jax.tree.map(gather, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+  def _gather_major(self, x: jax.Array, sharded: P, compute: P) -> jax.Array:
+    """`x` (laid out as `sharded`) made whole as `compute`, gathered along a new major axis
+    (`major.split`; the barrier keeps that the gather's operand)."""
+    dim, rest = _split_spec(sharded, x.ndim)
+    first = major.split(x, dim, self.layouts.mesh.shape["fsdp"])
+    first = jax.lax.optimization_barrier(
+        jax.lax.with_sharding_constraint(first, self._sharding(P("fsdp", *rest))))
+    whole = jax.lax.with_sharding_constraint(first, self._sharding(P(None, *rest)))
+    return jax.lax.with_sharding_constraint(major.unsplit(whole, dim), self._sharding(compute))
+
+  def _scatter_major(self, x: jax.Array, sharded: P) -> jax.Array:
+    """Identity whose cotangent is reduce-scattered into `sharded` along a new major axis
+    (ZeRO-2's per-layer gradient; `_shard_cotangent` along the dim itself)."""
+    dim, rest = _split_spec(sharded, x.ndim)
+
+    def bwd(_, g):
+      first = major.split(g, dim, self.layouts.mesh.shape["fsdp"])
+      first = jax.lax.with_sharding_constraint(first, self._sharding(P("fsdp", *rest)))
+      return (jax.lax.with_sharding_constraint(major.unsplit(first, dim),
+                                               self._sharding(sharded)),)
+
+    identity = jax.custom_vjp(lambda x: x)
+    identity.defvjp(lambda x: (x, None), bwd)
+    return identity(x)
 
   def weight_grad(self, g: jax.Array, names, stored_names) -> jax.Array:
     # ZeRO-2/3: the fsdp shard of the stored weight (its dims named as `g`'s); without it XLA
@@ -135,9 +174,13 @@ class XlaZero:
       new = jax.lax.with_sharding_constraint(new, named(sharded))
       if names[0] != "layers":
         return jax.lax.with_sharding_constraint(new, named(compute))
-      layer = named(spec(names[1:], layouts.rules))
-      return gather_layers_in_place(new, old,
-                                    lambda x: jax.lax.with_sharding_constraint(x, layer))
+      layer, shard = spec(names[1:], layouts.rules), P(*tuple(sharded)[1:])
+      if _fsdp_dim(shard) < 0:
+        return gather_layers_in_place(
+            new, old, lambda x: jax.lax.with_sharding_constraint(x, named(layer)))
+      # Along a new major axis: else XLA:GPU lays the whole written stack out with the
+      # gathered dim major, and copies it back after the loop (`_gather_major`).
+      return gather_layers_in_place(new, old, lambda x: self._gather_major(x, shard, layer))
 
     return jax.tree.map(gather, new_params, old_params, layouts.names, layouts.sharded,
                         layouts.compute, is_leaf=lambda x: isinstance(x, tuple))
@@ -202,6 +245,13 @@ class XlaZero:
     return jax.shard_map(region, mesh=self.layouts.mesh, in_specs=(P(), P(), rows, P()),
                          out_specs=(grad_specs, P(), P(), P()), axis_names=set(axes),
                          check_vma=False)(params, dot_state, batch, scale)
+
+
+def _split_spec(sharded: P, ndim: int) -> tuple[int, list]:
+  """(the dim `sharded` splits over fsdp, the spec of `major.split`'s other dims)."""
+  dim = _fsdp_dim(sharded)
+  entries = list(sharded) + [None] * (ndim - len(sharded))
+  return dim, [*entries[:dim], None, *entries[dim + 1:]]
 
 
 def _shard_cotangent(x: jax.Array, sharding: NamedSharding) -> jax.Array:
