@@ -19,6 +19,15 @@ import jax
 import jax.numpy as jnp
 
 
+def pays(depth: int, n: int) -> bool:
+  """Whether a stack of `depth` layers split over `n` devices gathers its slices along a new
+  major axis: the tiled gather's copy of the whole fp32 stack shard is depth · 4 / n bytes a
+  layer's element, for the step; this transposes the gathered layer, 2 bytes an element while
+  it is in use (twice over where XLA double-buffers the loop). Shallower stacks (DeepSeek's
+  dense prefix) keep the tiled gather."""
+  return depth > n
+
+
 def split(x: jax.Array, dim: int, n: int) -> jax.Array:
   """`x` with `dim` split into [n, rest] and the n moved first: [n, ..., rest, ...]."""
   return jnp.moveaxis(x.reshape(*x.shape[:dim], n, x.shape[dim] // n, *x.shape[dim + 1:]),

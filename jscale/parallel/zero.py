@@ -83,14 +83,12 @@ class XlaZero:
 
 
   def gather_layer(self, layer: Any, dtype: Any, depth: int) -> Any:
-    # A stack deeper than fsdp gathers along a new major axis, as manual mode's
-    # (`ManualZero.gather_layer`).
-    return self._gather(layer, dtype, major=depth > self.layouts.mesh.shape["fsdp"])
+    return self._gather(layer, dtype, major.pays(depth, self.layouts.mesh.shape["fsdp"]))
 
   def gather_params(self, params: Any, dtype: Any) -> Any:
-    return self._gather(params, dtype, major=False)
+    return self._gather(params, dtype, False)
 
-  def _gather(self, params: Any, dtype: Any, major: bool) -> Any:
+  def _gather(self, params: Any, dtype: Any, along_major: bool) -> Any:
     # ZeRO-2/3 per layer, inside the layer scan. Backward: the layer's gradient is constrained
     # to its fsdp shard, so it is reduce-scattered as soon as it is computed and the scan never
     # stacks full-size gradients. ZeRO-3 forward: weights are stored split over fsdp; ask for the
@@ -105,7 +103,7 @@ class XlaZero:
       compute = spec(names, rules)
       sharded = add_fsdp(names, v.shape, compute, fsdp)
       shard = self._sharding(sharded)
-      if major and self.layouts.zero_stage == 2 and _fsdp_dim(sharded) >= 0:
+      if along_major and self.layouts.zero_stage == 2 and _fsdp_dim(sharded) >= 0:
         x = self._scatter_major(v[...], sharded)
       else:
         x = _shard_cotangent(v[...], shard)
@@ -114,7 +112,7 @@ class XlaZero:
       if self.layouts.zero_stage >= 3 and _fsdp_dim(sharded) >= 0:
         # Cast the shard (the model casts at use anyway): a bf16 gather moves half the bytes.
         x = jax.lax.with_sharding_constraint(x.astype(dtype), shard)
-        if major:
+        if along_major:
           x = self._gather_major(x, sharded, compute)
         else:
           # The barrier keeps the gather's operand this layer's slice: otherwise XLA:CPU
@@ -399,12 +397,9 @@ class ManualZero:
   def gather_layer(self, layer: Any, dtype: Any, depth: int) -> Any:
     if self.stored is not None:
       return self.stored.layer(layer)
-    # A slice of a stack deeper than fsdp gathers along a new major axis (`major`): the tiled
-    # gather of a non-major dim would have XLA:GPU copy the whole fp32 stack shard (depth · 4 /
-    # fsdp bytes a layer's element) into a layout with that dim major, for the whole step; this
-    # transposes the gathered layer (2 bytes an element, while it is in use). Shallower stacks
-    # (DeepSeek's dense prefix) and leaves of their own (`gather_params`) keep the tiled one.
-    if depth <= self.fsdp:
+    # A leaf of its own (`gather_params`: embedding, head) and a shallow stack keep the tiled
+    # gather; its XLA:GPU layout copy is the smaller there (`major.pays`).
+    if not major.pays(depth, self.fsdp):
       return self.gather_params(layer, dtype)
     return self._gather(layer, dtype, lambda x, dim: major.all_gather(x, "fsdp", dim))
 
