@@ -284,6 +284,11 @@ class TrainConfig:
   batch_size: int = 16  # global, in sequences
   seq_len: int = 256
   microbatches: int = 1  # gradient accumulation steps inside one optimizer step
+  # where the micro-batches take turns: step (each runs the whole model; jscale.step.accumulate)
+  # | layer (each layer runs them all before the next: ZeRO-3 gathers a layer once per pass and
+  # reduces its gradient once a step instead of once per micro-batch; every micro-batch's layer
+  # inputs are kept; jscale.model.layer_microbatches)
+  accumulate: Literal["step", "layer"] = "step"
   lr: float = 3e-3
   min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
   warmup_steps: int = 20
@@ -297,8 +302,8 @@ class TrainConfig:
   moments_dtype: Literal["float32", "bfloat16"] = "float32"
   # what a layer keeps for its backward (jscale.model.remat): none (everything) | selective
   # (matmul outputs; softmax and pointwise ops recomputed) | offload (selective's, in host
-  # memory) | full (only the layer's input)
-  remat: Literal["none", "selective", "offload", "full"] = "none"
+  # memory) | full (only the layer's input) | full_offload (full's, in host memory)
+  remat: Literal["none", "selective", "offload", "full", "full_offload"] = "none"
   # The loss holds at most this many MiB of logits per device: above it, the head and the
   # cross-entropy run in chunks of the sequence, gradients made chunk by chunk (jscale.step.loss);
   # 0: never chunk (one pass through autodiff, [tokens, vocab] logits in memory).
@@ -317,6 +322,16 @@ class TrainConfig:
   # update is dropped, counted as nonfinite_steps in the metrics). Either way no update with a
   # NaN or inf is ever applied.
   on_nan: Literal["stop", "skip"] = "stop"
+
+  @property
+  def step_microbatches(self) -> int:
+    """The micro-batches of the step's gradient loop (`accumulate: step`; else 1)."""
+    return self.microbatches if self.accumulate == "step" else 1
+
+  @property
+  def layer_microbatches(self) -> int:
+    """The micro-batches each layer runs in turn (`accumulate: layer`; else 1)."""
+    return self.microbatches if self.accumulate == "layer" else 1
 
 
 @dataclasses.dataclass

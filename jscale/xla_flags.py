@@ -69,7 +69,7 @@ _UNCOMBINED_REDUCE_SCATTERS = "--xla_gpu_reduce_scatter_combine_threshold_bytes=
 def overlap_flags(cfg=None) -> tuple[str, ...]:
   """The overlap flags for a run of `cfg` (a Config; None: all of them, as for manual mode)."""
   flags = GPU_OVERLAP_FLAGS
-  if cfg is not None and cfg.train.microbatches > 1:
+  if cfg is not None and cfg.train.step_microbatches > 1:
     flags = tuple(f for f in flags if f != _PEELS_ACCUMULATION)
   if cfg is not None and not cfg.model.scan_layers:
     flags = _replaced(flags, _UNCOMBINED_REDUCE_SCATTERS)

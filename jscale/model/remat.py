@@ -11,6 +11,9 @@ backward, `train.remat`.
     compute, so device memory holds what full remat does while the backward reruns only what
     selective reruns;
   * full: nothing; the backward reruns the layer's forward.
+  * full_offload: full, with each layer's input (`LAYER_INPUT`) moved to the host's pinned
+    memory during the forward and back for the layer's backward (MaxText's offloaded
+    `decoder_layer_input`): device memory holds no layer's input but the few in flight.
 
 The model wraps each layer of its scan in `checkpointed`; the planner's memory model reads
 the same names (`jscale.plan.memory`).
@@ -21,7 +24,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-from jax.ad_checkpoint import Offloadable, Recompute
+from jax.ad_checkpoint import Offloadable, Recompute, checkpoint_name
 
 from jscale import jax_compat
 from jscale.config import ModelConfig
@@ -71,12 +74,23 @@ def _selective(prim, params) -> bool:
       prim.name == "name" and params["name"] in SELECTIVE_SAVE)
 
 
+# The name a layer function gives its input under `full_offload` (`layer_input`).
+LAYER_INPUT = "layer_input"
+
+
+def layer_input(x: jax.Array, remat: str) -> jax.Array:
+  """A layer function's input `x`, named for `full_offload`'s policy; as it is otherwise (a
+  named copy would be one more residual under the policies that save names)."""
+  return checkpoint_name(x, LAYER_INPUT) if remat == "full_offload" else x
+
+
 def remat_policy(remat: str):
   """`train.remat` -> a jax.checkpoint policy for one layer.
 
   Every policy drops ZeRO-3's gathered weights (`GATHERED`); "none" saves everything else;
   "selective" the named matmul outputs and fused attention kernels' forward outputs; "offload"
-  the same residuals, offloaded to host memory.
+  the same residuals, offloaded to host memory; "full_offload" the layer's input alone, in
+  host memory.
   """
   if remat == "none":
     return _save_all_but_gathered
@@ -87,7 +101,12 @@ def remat_policy(remat: str):
   if remat == "offload":
     to_host = Offloadable(src="device", dst=OFFLOAD_TO)
     return lambda prim, *_, **params: to_host if _selective(prim, params) else Recompute
-  raise ValueError(f"train.remat={remat!r}: choose none, selective, offload or full")
+  if remat == "full_offload":
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,),
+        offload_src="device", offload_dst=OFFLOAD_TO)
+  raise ValueError(f"train.remat={remat!r}: choose none, selective, offload, full or "
+                   "full_offload")
 
 
 def ordered_effects(cfg: ModelConfig) -> bool:

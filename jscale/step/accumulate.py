@@ -10,6 +10,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jscale.model import layer_microbatches
 from jscale.parallel.comms import LOCAL, Comms
 
 Batch = dict[str, jax.Array]
@@ -39,8 +40,7 @@ def split_microbatches(batch: Batch, m: int) -> Batch:
   """[B, ...] -> [m, B/m, ...] (gradient accumulation and the pipeline): micro-batch j takes
   rows j, j+m, ...; with the batch split over devices in blocks every device keeps its own rows
   (no data moves), each micro-batch drawing from all devices."""
-  return jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1),
-                      batch)
+  return layer_microbatches.split(batch, m)
 
 
 def token_count(batch: Batch, comms: Comms) -> jax.Array:

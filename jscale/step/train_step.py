@@ -35,13 +35,14 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
   token sums, which the step scales as the token loss, `accumulate.TOKEN_SUMS`).
   """
   moe = cfg.model.moe
+  in_layers = cfg.train.layer_microbatches
 
   def loss_fn(params, mb: Batch, comms: Comms = comms, dot_state: Any = None):
     with jax.named_scope("forward"):
       model = merge(graphdef, params, dot_state)
       positions = positions_lib.from_batch(mb)
       x_BLD, stats, embed_VD = model.trunk(mb["tokens"], positions, comms=comms,
-                                           remat=cfg.train.remat)
+                                           remat=cfg.train.remat, microbatches=in_layers)
       h_BLD, head_DV = model.head_inputs(x_BLD, comms, embed_VD)
       loss_sum, count = head_loss_sums(h_BLD, head_DV, mb["labels"], mb["loss_mask"], comms,
                                        Logits.of(cfg.train), model.head_dot,
@@ -50,7 +51,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
       if cfg.model.mtp is not None:
         stats = {**stats, **mtp_terms(model, x_BLD, mb["labels"], mb["loss_mask"],
                                       positions, comms, cfg.train.remat,
-                                      Logits.of(cfg.train), embed_VD, head_DV)}
+                                      Logits.of(cfg.train), embed_VD, head_DV, in_layers)}
     return loss_sum, count, stats
 
   return loss_fn
@@ -102,7 +103,7 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, comms: Comms = LOCAL,
       out = pipelined.grads(stages, graphdef, comms, params, batch, state.get("dot_state"))
     else:
       wrt = _differentiated(state, cfg.model.dtype, copies)
-      out = accumulate_grads(loss_fn, wrt, batch, cfg.train.microbatches, comms,
+      out = accumulate_grads(loss_fn, wrt, batch, cfg.train.step_microbatches, comms,
                              state.get("dot_state"))
     loss, count, stats, dot_state = out.loss, out.count, out.stats, out.dot_state
     grads = comms.sync_grads(out.grads)

@@ -106,6 +106,10 @@ def _check_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
     raise ConfigError(f"model.n_layers={cfg.model.n_layers}{dense} is not divisible by "
                       f"mesh.stage x pipeline.virtual_stages ({chunks}): each chunk needs as "
                       "many layers")
+  if t.remat == "full_offload":
+    raise ConfigError(f"train.remat=full_offload with mesh.stage={p}: the pipeline executor keeps "
+                      "its chunks' inputs itself, on the device; use train.remat=full, or "
+                      "offload (its stored residuals in host memory)")
   if t.microbatches != 1:
     raise ConfigError(f"train.microbatches={t.microbatches} with mesh.stage={p}: the pipeline "
                       "splits the batch itself; set pipeline.microbatches instead (and "

@@ -149,6 +149,13 @@ def _check_train(cfg: Config) -> None:
                                       not 0 <= t.profile_steps[0] <= t.profile_steps[1]):
     raise ConfigError(f"train.profile_steps={t.profile_steps}: give [first, last] with "
                       "0 <= first <= last")
+  if t.layer_microbatches > 1 and cfg.fp8.enabled and cfg.fp8.recipe == "delayed":
+    # The amax histories ride on the backward as "gradients" that micro-batches combine by a
+    # max (`accumulate`); a layer's micro-batch loop would sum them.
+    raise ConfigError(f"train.accumulate=layer with train.microbatches={t.microbatches} and "
+                      "fp8.recipe=delayed: the layers' micro-batches would sum the amax "
+                      "histories instead of taking their max; use fp8.recipe=current or "
+                      "train.accumulate=step")
 
 
 def _check_checkpoint_and_data(cfg: Config) -> None:

@@ -1,0 +1,87 @@
+"""Micro-batches inside each layer (`train.accumulate: layer`): every layer runs all of a step's
+micro-batches in turn before the next layer starts, instead of every micro-batch running the
+whole model in turn (`jscale.step.accumulate`).
+
+Why: with the weights stored as ZeRO-3 shards, micro-batch accumulation gathers each layer
+once per micro-batch and pass (forward, and the backward's recomputation) and reduce-scatters
+its gradient once per micro-batch. Here a layer is gathered once per pass and its gradient,
+summed over the micro-batches in fp32, is reduced once per step: for m micro-batches m times
+fewer weight collectives, the same activations in flight (a layer's backward still runs one
+micro-batch at a time, rematerialised by `train.remat`'s policy). What it costs: the layer
+inputs of all micro-batches are kept, as one large micro-batch keeps them.
+
+For a layer `f` with weights `w` (gathered: `W = gather(w)`) and micro-batches x_1..x_m:
+
+    forward:   W = gather(w);  y_j = f(W, x_j)  for j = 1..m
+    backward:  W = gather(w);  dW = sum_j vjp_W f(W, x_j)(dy_j)  (fp32);  dw = scatter(dW)
+
+The layer function is checkpointed twice. The outer checkpoint (around the gather and the
+loop) saves only the layer's input: its backward gathers again and runs the micro-batch loop's
+forward for what each call keeps. Each micro-batch's call is checkpointed by `train.remat`'s
+policy: under `full` it keeps its input alone, so JAX drops the outer recomputation's loop
+(nothing of it is needed) and each micro-batch's backward reruns its forward once, as plain
+rematerialisation does; under `selective` the outer recomputation keeps the matmul outputs of
+one layer's micro-batches for their backward. (An outer policy that saves more does not nest:
+it keeps every micro-batch's intermediates, whatever the inner policy says.)
+
+Micro-batch j takes rows j, j+m, ... of the batch (`split`): with the batch split over devices
+in blocks, every device keeps its own rows, as `accumulate.split_microbatches` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jscale.config import ModelConfig
+from jscale.model import remat as remat_lib
+from jscale.model.seam import GATHERED
+
+
+def split(tree: Any, m: int) -> Any:
+  """Every [B, ...] leaf as [m, B/m, ...]: micro-batch j holds rows j, j+m, ..."""
+  return jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1),
+                      tree)
+
+
+def merge(tree: Any) -> Any:
+  """`split`'s inverse: [m, B/m, ...] -> [B, ...]."""
+  return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), tree)
+
+
+def _accumulating(weights: Any) -> tuple[Any, Callable[[Any], Any]]:
+  """(weights in fp32, back to their dtype): the micro-batch loop closes over the fp32 ones, so
+  their gradient sums over the micro-batches in fp32 (JAX sums a loop constant's cotangent in
+  its dtype). Named `GATHERED`: no policy keeps this copy of a layer for the backward."""
+  def up(w):
+    if not jnp.issubdtype(w.dtype, jnp.floating) or w.dtype == jnp.float32:
+      return w
+    return checkpoint_name(w.astype(jnp.float32), GATHERED)
+
+  dtypes = jax.tree.map(lambda w: w.dtype, weights)
+  return (jax.tree.map(up, weights),
+          lambda w32: jax.tree.map(lambda w, dt: w.astype(dt), w32, dtypes))
+
+
+def over_microbatches(fn: Callable, weights: Any, batch: Any, m: int, remat: str,
+                      cfg: ModelConfig) -> tuple[jax.Array, dict]:
+  """`fn(weights, batch_part) -> (y_bLD, stats)` over the `m` micro-batches of `batch` (a
+  pytree of [B, ...] arrays) in turn: (y [B, ...], the stats averaged over micro-batches, which
+  hold equally many rows). Each call is checkpointed by `remat`'s policy."""
+  w32, down = _accumulating(weights)
+  # (Under full_offload the layer's input is what went to the host: each call keeps its part.)
+  each = "full" if remat == "full_offload" else remat
+  one = remat_lib.checkpointed(lambda w, part: fn(down(w), part), each, cfg)
+  ys, stats = jax.lax.map(lambda part: one(w32, part), split(batch, m))
+  return merge(ys), jax.tree.map(lambda s: jnp.mean(s, axis=0), stats)
+
+
+def outer(layer: Callable, remat: str, m: int, cfg: ModelConfig) -> Callable:
+  """The layer function's own checkpoint: `remat`'s policy with one micro-batch; with `m` > 1
+  only the layer's input is kept, in host memory under full_offload (the micro-batches' calls
+  are checkpointed inside, `over_microbatches`)."""
+  return remat_lib.checkpointed(layer, remat if m == 1 or remat == "full_offload" else "full",
+                                cfg)

@@ -1,0 +1,151 @@
+"""`train.accumulate: layer` (`jscale.model.layer_microbatches`): each layer runs the step's
+micro-batches in turn. The same gradients as accumulation over the step (one device and
+sharded layouts, both modes), and the point of it: ZeRO-3 gathers each layer's weights and
+reduces its gradient as often as with one micro-batch."""
+
+import functools
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import deepseek_case
+import parity
+from conftest import small_config
+from jscale import predict, runtime
+from jscale.analysis import gpu_target, hlo, introspect
+from jscale.config import ConfigError
+from jscale.config_load import load_config
+from jscale.step import accumulate
+from jscale.step.train_step import make_loss_fn
+
+MB = ("train.microbatches=2", "train.batch_size=16")
+
+
+def _batch(cfg):
+  return parity.batches(cfg, steps=1)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _grads(remat: str, where: str):
+  """(grads, loss, stats) of the tiny DeepSeek's first batch on one device."""
+  cfg = deepseek_case.config(*MB, f"train.remat={remat}", f"train.accumulate={where}")
+  rt = runtime.build(cfg, jax.devices()[:1])
+  params = parity.initial_state(rt)["params"]
+  loss_fn = make_loss_fn(rt.graphdef, cfg)
+  out = jax.jit(lambda p, b: accumulate.accumulate_grads(
+      loss_fn, p, b, cfg.train.step_microbatches))(params, _batch(cfg))
+  return jax.device_get((out.grads, out.loss, out.stats))
+
+
+@pytest.mark.parametrize("remat", ["full", "selective"])
+def test_gradients_equal_accumulation_over_the_step(remat):
+  """Every gradient (MLA, routed and shared experts, the bias's loads, the dense prefix, MTP),
+  the loss and the router statistics, against the same micro-batches accumulated over the
+  step."""
+  (g_step, loss_step, stats_step), (g_layer, loss_layer, stats_layer) = (
+      _grads(remat, "step"), _grads(remat, "layer"))
+  np.testing.assert_allclose(loss_layer, loss_step, rtol=1e-5)
+  for k in stats_step:
+    np.testing.assert_allclose(stats_layer[k], stats_step[k], rtol=1e-4, atol=1e-7, err_msg=k)
+  flat_step = jax.tree_util.tree_leaves_with_path(g_step)
+  flat_layer = jax.tree.leaves(g_layer)
+  assert len(flat_step) == len(flat_layer)
+  for (path, a), b in zip(flat_step, flat_layer):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6 * np.abs(a).max(),
+                               err_msg=jax.tree_util.keystr(path))
+
+
+LAYOUTS = [
+    ("mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3", "parallel.collectives=manual"),
+    ("mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3", "parallel.collectives=xla"),
+    ("mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "parallel.zero_stage=3",
+     "parallel.collectives=manual"),
+    ("mesh.data=1", "mesh.fsdp=4", "mesh.expert=2", "parallel.zero_stage=2",
+     "parallel.collectives=manual"),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["z3_manual", "z3_xla", "z3_ep_manual",
+                                                 "z2_ep_manual"])
+def test_sharded_layouts_train_as_one_device(layout):
+  """Two steps' loss and gradient norm (the second on updated weights and bias) against one
+  device accumulating over the step."""
+  numerics = (*deepseek_case.DS, "train.microbatches=2", "train.remat=full")
+  want = parity.reference(*numerics)[:2]
+  got = parity.losses((*layout, *numerics, "train.accumulate=layer"), jax.devices(), steps=2)
+  np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+@functools.lru_cache(maxsize=None)
+def _fsdp_collectives(*overrides) -> dict[str, int]:
+  """Executions per step of the fsdp gathers and reduce-scatters of manual ZeRO-3 on 8
+  devices (XLA:CPU's program: the hand-written collectives are the same ops on any backend)."""
+  cfg = small_config(None, "mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3",
+                     "parallel.collectives=manual", "train.remat=full",
+                     "train.batch_size=32", "model.n_layers=4", *overrides)
+  compiled, _ = introspect.compile_train_step(cfg)
+  out: dict[str, int] = {}
+  for c in hlo.collectives(compiled.as_text()):
+    if c.kind in ("all-gather", "reduce-scatter") and c.group_size == 8:
+      out[c.kind] = out.get(c.kind, 0) + c.executions
+  return out
+
+
+def test_zero3_gathers_each_layer_once_per_pass():
+  """With 4 micro-batches accumulated over the step, every layer is gathered and its gradient
+  reduce-scattered 4 times as often as with one; taking turns inside the layers, as often as
+  with one."""
+  one = _fsdp_collectives("train.microbatches=1")
+  step = _fsdp_collectives("train.microbatches=4")
+  layer = _fsdp_collectives("train.microbatches=4", "train.accumulate=layer")
+  assert layer == one, (layer, one)
+  assert step["all-gather"] > 3 * one["all-gather"], (step, one)
+  assert step["reduce-scatter"] > 3 * one["reduce-scatter"], (step, one)
+
+
+def test_refused_with_delayed_fp8_scaling():
+  with pytest.raises(ConfigError, match="train.accumulate=layer.*fp8.recipe=current"):
+    load_config(None, ["train.microbatches=2", "train.accumulate=layer", "fp8.enabled=true"])
+
+
+@pytest.mark.parametrize("layout", [
+    ("mesh.data=1",),
+    ("mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3", "parallel.collectives=manual",
+     "train.accumulate=layer"),
+], ids=["one device", "z3_manual layer"])
+def test_full_offload_trains_as_full(layout):
+  """`train.remat=full_offload`: the layers' inputs wait in host memory; the numbers are full
+  remat's."""
+  numerics = (*deepseek_case.DS, "train.microbatches=2")
+  want = parity.reference(*numerics, "train.remat=full")[:2]
+  n = int(np.prod([int(o.split("=")[1]) for o in layout if o.startswith("mesh.")]))
+  got = parity.losses((*layout, *numerics, "train.remat=full_offload"), jax.devices()[:n],
+                      steps=2)
+  np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+def test_full_offload_refused_under_a_pipeline():
+  with pytest.raises(ConfigError, match="train.remat=full_offload with mesh.stage=2"):
+    runtime.build(small_config(None, "mesh.stage=2", "mesh.data=1", "train.remat=full_offload"),
+                  jax.devices()[:2])
+
+
+@pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
+def test_full_offload_keeps_the_layer_inputs_in_host_memory_on_h100():
+  """XLA:GPU's program for one H100, 4 micro-batches taking turns in 8 layers: under
+  full_offload the stacked layer inputs live in host memory (space S(5)), copied out and back
+  by async copies, and the device holds less than full remat's."""
+  programs = {}
+  for remat in ("full", "full_offload"):
+    cfg = load_config("configs/tiny.yaml", [
+        "model.dtype=bfloat16", "checkpoint.every=0", "train.batch_size=16", "model.n_layers=8",
+        "train.seq_len=512", "model.d_model=256", "model.d_ff=512", "train.microbatches=4",
+        "train.accumulate=layer", f"train.remat={remat}"])
+    programs[remat] = predict.compile_for(cfg, "h100x1")[:2]
+  (full, full_bytes), (offload, offload_bytes) = programs["full"], programs["full_offload"]
+  assert re.search(r"bf16\[8,16,512,256\]\{[\d,]+:S\(5\)\}", offload), "no stacked inputs on host"
+  assert not re.search(r":S\(5\)", full)
+  # 8 layers x 16 x 512 x 256 in bf16: 16 MiB of inputs no longer on the device
+  assert offload_bytes < full_bytes - 12 * 2**20
