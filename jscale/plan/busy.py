@@ -144,7 +144,7 @@ def terms(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu,
   share = mem.total / memory.usable_bytes(gpu)
   return {
       "gemm": gemm, "attention": att_fwd + att_bwd,
-      "recompute": gemm / 3 * rerun + att_fwd if lay.remat == "full" else 0.0,
+      "recompute": gemm / 3 * rerun + att_fwd if lay.rematerialised else 0.0,
       "optimizer": (mem.optimizer * (2 + UPDATE_BYTES_PER_PARAM / memory.moment_bytes(lay))
                     + mem.params * CAST_BYTES_PER_PARAM_BYTE) / hbm,
       "residual": stream / lay.tensor if sp else stream, "hidden": hidden,

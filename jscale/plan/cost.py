@@ -138,11 +138,11 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
       # Prefetched (`Exposure.zero3_window`); each layer's gradient reduce-scatter is waited
       # for in its own loop iteration: on the critical path, whole.
       out.append(Transfer("fsdp", "ZeRO-3 weight all-gathers, forward and backward", "all-gather",
-                          (2 * layer_psi + other_psi) * c * lay.accum, nodes("fsdp"), "prefetch",
-                          {"full": "zero3_gathers_full", "none": "zero3_gathers_none"}.get(
-                              lay.remat, "zero3_gathers")))
+                          (2 * layer_psi + other_psi) * c * lay.step_accum, nodes("fsdp"),
+                          "prefetch", "zero3_gathers_full" if lay.rematerialised else
+                          {"none": "zero3_gathers_none"}.get(lay.remat, "zero3_gathers")))
       out.append(Transfer("fsdp", "ZeRO-3 gradient reduce-scatter (the gather's transpose)",
-                          "reduce-scatter", psi * c * lay.accum, nodes("fsdp"), ""))
+                          "reduce-scatter", psi * c * lay.step_accum, nodes("fsdp"), ""))
     else:
       two = lay.zero_stage == 2  # ZeRO-2 reduces each micro-batch's gradient in its backward
       out.append(Transfer("fsdp", f"ZeRO-{lay.zero_stage} gradient reduce-scatter",
@@ -159,7 +159,7 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
   layers = model.n_layers / lay.stage
   if lay.tensor > 1:
     sbh = tokens * model.d_model * c
-    passes = 3 if lay.remat == "full" else 2  # forward (+ again), backward
+    passes = 3 if lay.rematerialised else 2  # forward (+ again), backward
     # Two all-reduces of s·b·h per block per pass (with SP a reduce-scatter + all-gather pair:
     # the same volume), the embedding's and the head's, three fp32 loss statistics; selective
     # remat under SP gathers the recomputed norm outputs again for the weight gradients.
@@ -174,6 +174,9 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
             - memory.layer_activation_bytes(model, lay, rows, "offload"))
     out.append(Transfer("host", "offloaded residuals to host memory and back", "host",
                         2 * layers * lay.accum * host, 1, "", "host_offload"))
+  if lay.remat == "full_offload":  # each layer's input, out in the forward and back
+    out.append(Transfer("host", "offloaded layer inputs to host memory and back", "host",
+                        2 * layers * tokens * model.d_model * c, 1, "", "host_offload"))
   if lay.sequence > 1:
     out.append(_context_transfer(model, lay, tokens, layers, nodes("sequence")))
   if lay.expert > 1 and model.moe is not None:
@@ -205,7 +208,7 @@ def _context_transfer(model: ModelConfig, lay: Layout, tokens: int, layers: floa
   (`parallel.context.ulysses`; on the critical path: the attention waits for them)."""
   c, n = jnp.dtype(model.dtype).itemsize, lay.sequence
   g, qk, vk = model.attention_kv_heads, model.qk_head_dim, model.v_head_dim
-  passes = 3 if lay.remat == "full" else 2  # full remat exchanges the forward's again
+  passes = 3 if lay.rematerialised else 2  # full remat exchanges the forward's again
   if lay.ulysses:
     per_pass = tokens * (model.n_heads + g) * (qk + vk) * c / lay.tensor
     return Transfer("sequence", "Ulysses q, k, v + output all-to-alls, fwd and bwd",
@@ -277,7 +280,8 @@ def estimate(model: ModelConfig, lay: Layout, seq: int, gpu: hardware.Gpu,
   parts = busy.terms(model, lay, seq, gpu, mem)
   busy_s = busy.seconds(parts, fit)
   ts = transfers(model, lay, seq, gpu.gpus_per_node)
-  exposed_s = exposed(ts, busy_s, lay.accum, exposure, mem.total / memory.usable_bytes(gpu))
+  exposed_s = exposed(ts, busy_s, lay.step_accum, exposure,
+                      mem.total / memory.usable_bytes(gpu))
   step = busy_s * pipeline_pace(model, lay, seq, exposure) + exposed_s
   weights = {f.name: getattr(fit, f.name) for f in dataclasses.fields(fit)}
   mfu = model_flops / (step * peak)

@@ -38,6 +38,18 @@ class Layout:
   accum: int = 1  # micro-batches per optimizer step (pipeline.microbatches under a pipeline)
   moments: str = "float32"  # train.moments_dtype (a choice the planner is given, not a lever)
   context: str = "ring"  # parallel.context_impl with sequence > 1: ring | ulysses
+  accumulate: str = "step"  # train.accumulate: step | layer (`layer_microbatches`)
+
+  @property
+  def step_accum(self) -> int:
+    """Micro-batches of the step's gradient loop: ZeRO-3 gathers each layer once per one
+    (1 when the layers take the micro-batches in turn: `train.accumulate: layer`)."""
+    return self.accum if self.accumulate == "step" else 1
+
+  @property
+  def rematerialised(self) -> bool:
+    """The backward reruns each layer's forward (`train.remat`: full, full_offload)."""
+    return self.remat in ("full", "full_offload")
 
   def size(self, axis: str) -> int:
     return getattr(self, axis)
@@ -87,6 +99,8 @@ class Layout:
               f"pipeline.virtual_stages={self.virtual_stages}", "train.microbatches=1"]
     else:
       out.append(f"train.microbatches={self.accum}")
+    if self.accumulate != "step":
+      out.append(f"train.accumulate={self.accumulate}")
     return out
 
   def describe(self) -> str:
@@ -103,7 +117,8 @@ class Layout:
       v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
       parts[[p.startswith("stage") for p in parts].index(True)] += f"({self.schedule}{v})"
     moments = "" if self.moments == "float32" else f" {self.moments} moments"
-    return (" ".join(parts or ["1 device"]) + f" mbs{self.mbs}x{self.accum} {self.remat}"
+    turns = "" if self.accumulate == "step" else f" ({self.accumulate})"
+    return (" ".join(parts or ["1 device"]) + f" mbs{self.mbs}x{self.accum}{turns} {self.remat}"
             + moments)
 
 
@@ -117,7 +132,8 @@ def layout_of(cfg: Config, sizes: dict[str, int]) -> Layout:
                 sequence_parallel=cfg.parallel.sequence_parallel, schedule=cfg.pipeline.schedule,
                 virtual_stages=cfg.pipeline.virtual_stages, remat=t.remat,
                 mbs=t.batch_size // ways // accum, accum=accum, moments=t.moments_dtype,
-                context=cfg.parallel.context_impl if sizes["sequence"] > 1 else "ring")
+                context=cfg.parallel.context_impl if sizes["sequence"] > 1 else "ring",
+                accumulate=t.accumulate)
 
 
 def _factorizations(n: int, k: int) -> Iterator[tuple[int, ...]]:
@@ -172,10 +188,20 @@ def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
             if stage == 1 and xla_layout_why_not(sizes, zero, sp, moe, model.tie_embeddings,
                                                  accum) is not None:
               continue
-            for remat in REMATS:
+            for remat, turns in _rematerialisations(stage, zero, accum):
               for context in _contexts(model, sequence, tensor):
                 yield Layout(data, stage, fsdp, expert, sequence, tensor, zero, sp,
-                             pipe[0], pipe[1], remat, mbs, accum, moments, context)
+                             pipe[0], pipe[1], remat, mbs, accum, moments, context, turns)
+
+
+def _rematerialisations(stage: int, zero: int, accum: int) -> list[tuple[str, str]]:
+  """(train.remat, train.accumulate) pairs: every remat with accumulation over the step; where
+  ZeRO-3 gathers per micro-batch, also full remat with the layers taking the micro-batches in
+  turn, their inputs on the device or in host memory."""
+  pairs = [(remat, "step") for remat in REMATS]
+  if stage == 1 and zero == 3 and accum > 1:
+    pairs += [("full", "layer"), ("full_offload", "layer")]
+  return pairs
 
 
 def _contexts(model: ModelConfig, sequence: int, tensor: int) -> tuple[str, ...]:

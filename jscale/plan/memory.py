@@ -154,6 +154,8 @@ def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: 
   # q, k, v and the attention output: a·qk, g·qk, g·v, a·v (GQA: qk = v = the head dim; MLA:
   # its expanded heads, g = a, and its latents, a few % more under `none`, left out)
   a, g, qk, vk = model.n_heads, model.attention_kv_heads, model.qk_head_dim, model.v_head_dim
+  if remat == "full_offload":  # the layer's input lives in host memory (`estimate`: in flight)
+    return 0.0
   if remat in ("full", "offload"):  # offload: selective's residuals live in host memory
     return tokens * c * d / (t if lay.sequence_parallel else 1)
   moe, none = model.moe, remat == "none"
@@ -317,7 +319,8 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   # Under a pipeline the executor's residual buffer has a slot per set in flight plus a scratch
   # slot (`pipeline.program`), and a B tick copies its set out of it.
   sets = in_flight(lay.schedule, lay.stage, lay.accum, lay.virtual_stages) + 2 if pipe else 1
-  activations = per_layer * layers_per_chunk * sets
+  # The layers taking the micro-batches in turn keep every micro-batch's inputs.
+  activations = per_layer * layers_per_chunk * sets * (lay.accum // lay.step_accum)
   if lay.remat == "none" and zero < 3:  # compute-dtype weights saved for the backward (ZeRO-3
     # gathers them again instead)
     activations += cast_weights(model, lay) * layers_per_chunk * sets
@@ -340,7 +343,11 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
     backward += 2 * cast_weights(model, lay)
   if zero >= 2:
     backward += vocab
-  if lay.accum > 1 and not pipe:
+  if lay.step_accum < lay.accum:  # a gathered layer's fp32 gradient summed over the micro-
+    backward += 2 * cast_weights(model, lay)  # batches; under full_offload two inputs in flight
+    backward += 2 * layer_activation_bytes(model, lay, tokens * lay.accum, "full") * (
+        lay.remat == "full_offload")
+  if lay.step_accum > 1 and not pipe:
     backward += grads - narrow  # a micro-batch's, in bf16 for the copies, beside the fp32 sum
     if zero == 2:  # the micro-batch's vocabulary gradients in full (a tied embedding's halves
       backward += 2 * vocab  # and their sum) before their reduce-scatter into the sum's shard
@@ -352,10 +359,11 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
     # XLA:GPU, 1F1B p=4 m=8)
     backward += 4 * local_param_split(model, lay)[0] + 4 * vocab
   # The loss's peak holds no gradient yet, except under accumulation the running sum.
-  loss = loss_workspace(model, lay, tokens) + vocab_weight - (0 if lay.accum > 1 else grads)
-  held = held_head_grads(model, lay, tokens)  # MTP's: its loss comes last, the backward next
+  whole = tokens * (lay.accum // lay.step_accum)  # the head's tokens: one call's
+  loss = loss_workspace(model, lay, whole) + vocab_weight - (0 if lay.step_accum > 1 else grads)
+  held = held_head_grads(model, lay, whole)  # MTP's: its loss comes last, the backward next
   workspace = max(loss, backward) + held
-  if zero >= 3 and lay.accum == 1:  # the launcher's pipelined all-gather (`xla_flags`: not
+  if zero >= 3 and lay.step_accum == 1:  # the launcher's pipelined all-gather (`xla_flags`: not
     workspace += vocab_weight  # with accumulation) holds a prefetched vocabulary weight (fitted)
   return Memory(params, grads, optimizer, activations, workspace)
 

@@ -390,3 +390,31 @@ def test_each_mtp_depth_holds_one_more_head_gradient():
   grow = (memory.estimate(model(), lay, 4096).workspace -
           memory.estimate(model("model.mtp=null"), lay, 4096).workspace)
   assert grow >= vocab
+
+
+def test_layer_accumulation_gathers_once_a_step_and_offload_keeps_no_inputs():
+  """`train.accumulate: layer` (ZeRO-3, 4 micro-batches): a quarter of the weight gathers and
+  gradient reduce-scatters, every micro-batch's layer input kept; under `full_offload` none on
+  the device, each sent to the host and back. The layout is the one its overrides run."""
+  from jscale.mesh import axis_sizes
+  from jscale.plan.layout import layout_of
+  model = load_config(None, ["model.preset=llama3_8b", "model.n_layers=8"]).model
+  base = dict(fsdp=8, zero_stage=3, mbs=1, accum=4, remat="full")
+  rows = {(turns, remat): evaluate(model, Layout(**{**base, "remat": remat}, accumulate=turns),
+                                   4096, H100)
+          for turns, remat in (("step", "full"), ("layer", "full"), ("layer", "full_offload"))}
+
+  def moved(row, kind):
+    return sum(t.bytes for t in row.cost.transfers if t.kind == kind)
+
+  step, layer, offload = rows.values()
+  for kind in ("all-gather", "reduce-scatter"):
+    assert moved(layer, kind) == pytest.approx(moved(step, kind) / 4)
+  assert layer.memory.activations == pytest.approx(4 * step.memory.activations)
+  assert offload.memory.activations == 0 and moved(step, "host") == 0
+  tokens_bytes = 4 * 4096 * model.d_model * 2
+  assert moved(offload, "host") == pytest.approx(2 * model.n_layers * tokens_bytes)
+  lay = Layout(**{**base, "remat": "full_offload"}, accumulate="layer")
+  cfg = load_config(None, ["model.preset=llama3_8b", *lay.overrides(4096, 8)])
+  assert layout_of(cfg, {a: i * d for a, (i, d) in axis_sizes(cfg.mesh, 8).items()}) == lay
+  assert lay in set(candidates(model, 8, 4096, 32))
