@@ -224,6 +224,11 @@ class ParallelConfig:
   # exchange in this many slices, one slice's all-to-alls under another's expert matmuls
   # (DeepSeek-V3's two-micro-batch overlap inside the MoE layer; jscale.parallel.expert_exchange)
   expert_chunks: int = 1
+  # with train.accumulate=layer: micro-batches each layer runs side by side, in one step of its
+  # loop, so that XLA can run one's collectives (the expert exchange) under another's compute
+  # (2: DeepSeek-V3's dual micro-batch overlap); divides train.microbatches; their activations
+  # are in flight together (jscale.model.layer_microbatches)
+  overlap_microbatches: int = 1
   # What XLA:GPU's latency-hiding scheduler takes each kernel to cost: default (its own
   # approximate model) | predicted (jscale.predict's times for this step on this GPU; the step
   # compiles twice: jscale.predict.schedule_costs)

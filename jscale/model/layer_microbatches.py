@@ -30,15 +30,31 @@ in blocks, every device keeps its own rows, as `accumulate.split_microbatches` d
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jscale.config import ModelConfig
+from jscale.config import Config, ModelConfig
 from jscale.model import remat as remat_lib
 from jscale.model.seam import GATHERED
+
+
+class Turns(NamedTuple):
+  """How a layer takes the batch: in `n` micro-batches (1: whole), `side_by_side` of them in
+  each step of its loop (`parallel.overlap_microbatches`): independent work XLA can overlap,
+  one micro-batch's collectives (the expert exchange) under another's compute, as DeepSeek-V3's
+  dual micro-batch overlap does, for their activations in flight at once."""
+  n: int = 1
+  side_by_side: int = 1
+
+  @classmethod
+  def of(cls, cfg: Config) -> "Turns":
+    return cls(cfg.train.layer_microbatches, cfg.parallel.overlap_microbatches)
+
+
+WHOLE = Turns()
 
 
 def split(tree: Any, m: int) -> Any:
@@ -66,16 +82,18 @@ def _accumulating(weights: Any) -> tuple[Any, Callable[[Any], Any]]:
           lambda w32: jax.tree.map(lambda w, dt: w.astype(dt), w32, dtypes))
 
 
-def over_microbatches(fn: Callable, weights: Any, batch: Any, m: int, remat: str,
+def over_microbatches(fn: Callable, weights: Any, batch: Any, turns: Turns, remat: str,
                       cfg: ModelConfig) -> tuple[jax.Array, dict]:
-  """`fn(weights, batch_part) -> (y_bLD, stats)` over the `m` micro-batches of `batch` (a
-  pytree of [B, ...] arrays) in turn: (y [B, ...], the stats averaged over micro-batches, which
-  hold equally many rows). Each call is checkpointed by `remat`'s policy."""
+  """`fn(weights, batch_part) -> (y_bLD, stats)` over the `turns.n` micro-batches of `batch` (a
+  pytree of [B, ...] arrays), `turns.side_by_side` at a time: (y [B, ...], the stats averaged
+  over micro-batches, which hold equally many rows). Each call is checkpointed by `remat`'s
+  policy."""
   w32, down = _accumulating(weights)
   # (Under full_offload the layer's input is what went to the host: each call keeps its part.)
   each = "full" if remat == "full_offload" else remat
   one = remat_lib.checkpointed(lambda w, part: fn(down(w), part), each, cfg)
-  ys, stats = jax.lax.map(lambda part: one(w32, part), split(batch, m))
+  _, (ys, stats) = jax.lax.scan(lambda _, part: (None, one(w32, part)), None,
+                                split(batch, turns.n), unroll=turns.side_by_side)
   return merge(ys), jax.tree.map(lambda s: jnp.mean(s, axis=0), stats)
 
 

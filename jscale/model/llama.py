@@ -238,22 +238,23 @@ class Llama(nnx.Module):
     return self.logits(x_BLD, comms, embed_VD), stats
 
   def trunk(self, tokens_BL: jax.Array, positions: Positions | jax.Array | None = None, *,
-            comms: Seam = LOCAL, remat: str = "none", microbatches: int = 1
+            comms: Seam = LOCAL, remat: str = "none",
+            turns: layer_microbatches.Turns = layer_microbatches.WHOLE
             ) -> tuple[jax.Array, dict, jax.Array]:
     """Embedding and layers: (hidden states [B, L, D] before the final norm, MoE statistics,
     the embedding table in the compute dtype, which a tied head reuses). `positions`: the
     tokens' (`positions.resolve`: None for tokens in order, one document per row);
-    `microbatches`: each layer's (`layer_microbatches`)."""
+    `turns`: how each layer takes the batch (`layer_microbatches`)."""
     positions = positions_lib.resolve(positions, tokens_BL.shape)
     # Weights outside the layer stack also go through the seam (ZeRO-3 stores them as shards).
     # They are gathered once per step: the embedding's backward (a scatter-add) does not need
     # the table, and the head's backward runs right after its forward.
     embed_VD = comms.gather_params(self.embed, self.cfg.dtype)[...]
     x_BLD = self.dense_prefix(self.embed_tokens(tokens_BL, comms, embed_VD), positions,
-                              comms, remat, microbatches)
+                              comms, remat, turns)
     graphdef, weights, dot_state = nnx.split(self.blocks, nnx.Param, ...)
     x_BLD, stats = run_layers(graphdef, weights, x_BLD, positions, self.cfg, comms, remat,
-                              with_stats=True, dot_state=dot_state, microbatches=microbatches)
+                              with_stats=True, dot_state=dot_state, turns=turns)
     return x_BLD, stats, embed_VD
 
   def cached_hidden(self, tokens_BL: jax.Array, positions_BL: jax.Array,
@@ -283,7 +284,8 @@ class Llama(nnx.Module):
     return x_BLD, cache
 
   def dense_prefix(self, x_BLD: jax.Array, positions: Positions, comms: Seam = LOCAL,
-                   remat: str = "none", microbatches: int = 1) -> jax.Array:
+                   remat: str = "none",
+                   turns: layer_microbatches.Turns = layer_microbatches.WHOLE) -> jax.Array:
     """The leading dense layers (`model.moe.first_dense`; identity without), a scan whose
     weights are gathered once per call (ZeRO-3), like the embedding's. `positions`: the
     whole sequence's (under SP `x_BLD` holds a part of it)."""
@@ -298,12 +300,12 @@ class Llama(nnx.Module):
 
     def layer(x_BLD, inputs):
       x_BLD = remat_lib.layer_input(x_BLD, remat)
-      if microbatches == 1:
+      if turns.n == 1:
         return block(inputs, (x_BLD, positions))[0], None
-      return layer_microbatches.over_microbatches(block, inputs, (x_BLD, positions),
-                                                  microbatches, remat, self.cfg)[0], None
+      return layer_microbatches.over_microbatches(block, inputs, (x_BLD, positions), turns,
+                                                  remat, self.cfg)[0], None
 
-    layer = layer_microbatches.outer(layer, remat, microbatches, self.cfg)
+    layer = layer_microbatches.outer(layer, remat, turns.n, self.cfg)
     with jax.named_scope("dense_prefix"):
       return jax.lax.scan(layer, x_BLD, (weights, rest),
                           unroll=not self.cfg.scan_layers)[0]
@@ -311,11 +313,12 @@ class Llama(nnx.Module):
   def mtp_hidden(self, x_BLD: jax.Array, labels_BL: jax.Array,
                  positions: Positions | jax.Array | None = None, comms: Seam = LOCAL,
                  remat: str = "none", embed_VD: jax.Array | None = None,
-                 microbatches: int = 1) -> list[jax.Array]:
+                 turns: layer_microbatches.Turns = layer_microbatches.WHOLE
+                 ) -> list[jax.Array]:
     """The multi-token prediction modules' outputs (`jscale.model.mtp`), one [B, L, D] per
     depth d = 1..D, after their final norms: what the shared head reads to predict token
-    t+1+d. `x_BLD`: the trunk's output (before the final norm); `microbatches`: each
-    module's (`layer_microbatches`)."""
+    t+1+d. `x_BLD`: the trunk's output (before the final norm); `turns`: how each module
+    takes the batch (`layer_microbatches`)."""
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     if cfg.mtp is None:
       raise ValueError("multi-token prediction needs model.mtp")
@@ -337,12 +340,11 @@ class Llama(nnx.Module):
       w, r, tokens_BL = inputs
       part = (remat_lib.layer_input(h_BLD, remat), self.embed_tokens(tokens_BL, comms, embed_VD),
               positions)
-      if microbatches == 1:
+      if turns.n == 1:
         return module((w, r), part)[0]
-      return layer_microbatches.over_microbatches(module, (w, r), part, microbatches, remat,
-                                                  cfg)[0]
+      return layer_microbatches.over_microbatches(module, (w, r), part, turns, remat, cfg)[0]
 
-    depth = layer_microbatches.outer(depth, remat, microbatches, cfg)
+    depth = layer_microbatches.outer(depth, remat, turns.n, cfg)
     out = []
     with jax.named_scope("mtp"):
       for d in range(cfg.mtp.depth):  # module d+1 embeds t_{i+d+1}: the label of i+d
@@ -398,15 +400,15 @@ class Llama(nnx.Module):
 def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, positions: Positions,
                cfg: ModelConfig, comms: Seam = LOCAL, remat: str = "none",
                with_stats: bool = False, dot_state=None, unroll: bool = False,
-               microbatches: int = 1):
+               turns: layer_microbatches.Turns = layer_microbatches.WHOLE):
   """The blocks of `stacked` (weights with a leading layers axis: the whole stack, or one
   pipeline chunk of it) applied in order, as a scan of rematerialised layers. With
   `with_stats`, also the blocks' MoE router statistics averaged over the layers. `dot_state`:
   the layers' `matmul.DotState` (stacked likewise; FP8's amax histories), scanned beside the
   weights but never gathered or cast. `unroll`: the layers as straight-line code, not a loop
   (a pipeline's forward + backward pairs, whose halves XLA can only interleave so), as
-  `model.scan_layers: false` asks of every stack. `microbatches` > 1: each layer runs the
-  batch's micro-batches in turn (`layer_microbatches`, `train.accumulate: layer`)."""
+  `model.scan_layers: false` asks of every stack. `turns`: each layer runs the batch's
+  micro-batches in turn (`layer_microbatches`, `train.accumulate: layer`)."""
   dt = jnp.dtype(cfg.dtype)
   inv_freq = rope.for_model(cfg)
   depth = jax.tree.leaves(stacked)[0].shape[0]
@@ -418,13 +420,12 @@ def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, position
     weights, dots = inputs
     x_BLD = remat_lib.layer_input(x_BLD, remat)
     weights = comms.gather_layer(weights, dt, depth)
-    if microbatches == 1:
+    if turns.n == 1:
       return block(weights, dots, (x_BLD, positions))
     return layer_microbatches.over_microbatches(
-        lambda w, part: block(w, dots, part), weights, (x_BLD, positions), microbatches,
-        remat, cfg)
+        lambda w, part: block(w, dots, part), weights, (x_BLD, positions), turns, remat, cfg)
 
-  layer = layer_microbatches.outer(layer, remat, microbatches, cfg)
+  layer = layer_microbatches.outer(layer, remat, turns.n, cfg)
   dots = () if dot_state is None else (dot_state,)
   with jax.named_scope("layers"):
     x_BLD, stats = jax.lax.scan(layer, x_BLD, (comms.layer_inputs(stacked), dots),

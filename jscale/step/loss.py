@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jscale.model import matmul, mtp
+from jscale.model import layer_microbatches, matmul, mtp
 from jscale.model.positions import Positions
 from jscale.model.seam import LOCAL, Seam
 
@@ -236,19 +236,21 @@ def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int, logits_dty
 def mtp_terms(model, x_BLD: jax.Array, labels_BL: jax.Array, mask_BL: jax.Array,
               positions: Positions | jax.Array | None = None, comms: Seam = LOCAL,
               remat: str = "none", logits: Logits = Logits(), embed_VD: jax.Array | None = None,
-              head_DV: jax.Array | None = None, microbatches: int = 1) -> dict[str, jax.Array]:
+              head_DV: jax.Array | None = None,
+              turns: layer_microbatches.Turns = layer_microbatches.WHOLE
+              ) -> dict[str, jax.Array]:
   """Multi-token prediction's terms for one micro-batch (`jscale.model.mtp`), token sums over
   this device's targets like the main loss's `head_loss_sums` (`accumulate.TOKEN_SUMS`):
   "mtp_loss" [D], each depth's cross-entropy, and "mtp_objective", loss_weight times their
   mean. The step scales both by its 1 / (the main loss's token count over the whole batch), as
   it does the token loss, so they do not depend on how the batch is split into micro-batches
   and devices. `model`: a `Llama` with `cfg.mtp`; `x_BLD`: its trunk's output;
-  `microbatches`: each module's (`Llama.mtp_hidden`)."""
+  `turns`: how each module takes the batch (`Llama.mtp_hidden`)."""
   if head_DV is None:
     head_DV = model.head_inputs(x_BLD, comms, embed_VD)[1]
   sums = []
   for d, h_BLD in enumerate(model.mtp_hidden(x_BLD, labels_BL, positions, comms, remat,
-                                              embed_VD, microbatches), start=1):
+                                              embed_VD, turns), start=1):
     h_BLD = comms.enter_tensor_parallel(h_BLD).astype(head_DV.dtype)
     sums.append(head_loss_sums(h_BLD, head_DV, mtp.shift(labels_BL, d), mtp.shift(mask_BL, d),
                                comms, logits, model.head_dot, model.head_stored)[0])

@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 
 from jscale.config import Config
+from jscale.model import layer_microbatches
 from jscale.model import moe as moe_lib
 from jscale.model import positions as positions_lib
 from jscale.optim import lr_schedule, make_optimizer
@@ -35,14 +36,14 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
   token sums, which the step scales as the token loss, `accumulate.TOKEN_SUMS`).
   """
   moe = cfg.model.moe
-  in_layers = cfg.train.layer_microbatches
+  turns = layer_microbatches.Turns.of(cfg)
 
   def loss_fn(params, mb: Batch, comms: Comms = comms, dot_state: Any = None):
     with jax.named_scope("forward"):
       model = merge(graphdef, params, dot_state)
       positions = positions_lib.from_batch(mb)
       x_BLD, stats, embed_VD = model.trunk(mb["tokens"], positions, comms=comms,
-                                           remat=cfg.train.remat, microbatches=in_layers)
+                                           remat=cfg.train.remat, turns=turns)
       h_BLD, head_DV = model.head_inputs(x_BLD, comms, embed_VD)
       loss_sum, count = head_loss_sums(h_BLD, head_DV, mb["labels"], mb["loss_mask"], comms,
                                        Logits.of(cfg.train), model.head_dot,
@@ -51,7 +52,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, cfg: Config, comms: Comms = LOCAL) -> C
       if cfg.model.mtp is not None:
         stats = {**stats, **mtp_terms(model, x_BLD, mb["labels"], mb["loss_mask"],
                                       positions, comms, cfg.train.remat,
-                                      Logits.of(cfg.train), embed_VD, head_DV, in_layers)}
+                                      Logits.of(cfg.train), embed_VD, head_DV, turns)}
     return loss_sum, count, stats
 
   return loss_fn

@@ -38,7 +38,7 @@ def _check_signs(cfg: Config) -> None:
               "train.batch_size", "train.seq_len", "train.microbatches", "train.eval_batches",
               "checkpoint.keep", "logging.every", "pipeline.microbatches",
               "pipeline.virtual_stages", "model.rope_theta", "model.norm_eps", "model.init_std",
-              "train.lr", "parallel.expert_chunks"]
+              "train.lr", "parallel.expert_chunks", "parallel.overlap_microbatches"]
   for key in positive:
     if _get(cfg, key) <= 0:
       raise ConfigError(f"{key}={_get(cfg, key)} must be positive")
@@ -149,6 +149,12 @@ def _check_train(cfg: Config) -> None:
                                       not 0 <= t.profile_steps[0] <= t.profile_steps[1]):
     raise ConfigError(f"train.profile_steps={t.profile_steps}: give [first, last] with "
                       "0 <= first <= last")
+  side = cfg.parallel.overlap_microbatches
+  if side > 1 and (t.layer_microbatches == 1 or t.microbatches % side):
+    raise ConfigError(f"parallel.overlap_microbatches={side}: the layers run that many of "
+                      f"train.microbatches side by side, so it needs train.accumulate=layer "
+                      f"(now {t.accumulate}) and must divide train.microbatches "
+                      f"({t.microbatches}); set them so, or parallel.overlap_microbatches=1")
   if t.layer_microbatches > 1 and cfg.fp8.enabled and cfg.fp8.recipe == "delayed":
     # The amax histories ride on the backward as "gradients" that micro-batches combine by a
     # max (`accumulate`); a layer's micro-batch loop would sum them.

@@ -14,7 +14,7 @@ import deepseek_case
 import parity
 from conftest import small_config
 from jscale import predict, runtime
-from jscale.analysis import gpu_target, hlo, introspect
+from jscale.analysis import gpu_target, hlo, introspect, overlap
 from jscale.config import ConfigError
 from jscale.config_load import load_config
 from jscale.step import accumulate
@@ -149,3 +149,42 @@ def test_full_offload_keeps_the_layer_inputs_in_host_memory_on_h100():
   assert not re.search(r":S\(5\)", full)
   # 8 layers x 16 x 512 x 256 in bf16: 16 MiB of inputs no longer on the device
   assert offload_bytes < full_bytes - 12 * 2**20
+
+
+def test_overlapped_microbatches_train_as_one_device():
+  """`parallel.overlap_microbatches=2`: the two micro-batches side by side in each layer's loop
+  step give the numbers of one device accumulating them over the step."""
+  numerics = (*deepseek_case.DS, "train.microbatches=2", "train.remat=full")
+  want = parity.reference(*numerics)[:2]
+  got = parity.losses((*LAYOUTS[2], *numerics, "train.accumulate=layer",
+                       "parallel.overlap_microbatches=2"), jax.devices(), steps=2)
+  np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+@pytest.mark.parametrize("overrides", [("train.microbatches=4",),
+                                       ("train.microbatches=3", "train.accumulate=layer")],
+                         ids=["step accumulation", "not dividing"])
+def test_overlap_refused_where_it_cannot_apply(overrides):
+  with pytest.raises(ConfigError, match="parallel.overlap_microbatches=2: the layers run"):
+    load_config(None, ["train.batch_size=12", "parallel.overlap_microbatches=2", *overrides])
+
+
+# A tiny MoE over 8 H100s, one expert each, manual EP (as tests/parallel/test_expert_chunks.py).
+MOE_H100X8 = ("model.dtype=bfloat16", "checkpoint.every=0", "train.batch_size=16",
+              "model.moe.n_experts=8", "model.moe.top_k=2", "model.moe.d_ff=256",
+              "model.d_model=256", "train.seq_len=512", "train.remat=full", "mesh.expert=8",
+              "mesh.data=1", "parallel.collectives=manual", "train.microbatches=2",
+              "train.accumulate=layer")
+
+
+@pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
+def test_overlapped_microbatches_share_the_exchange_windows_on_h100s():
+  """In the XLA:GPU program for 8 H100s, two micro-batches side by side put one's Hopper
+  grouped-matmul kernels between the start and done of the other's ragged all-to-alls, which
+  one micro-batch at a time leaves empty of them."""
+  held = {}
+  for side in (1, 2):
+    cfg = load_config("configs/tiny.yaml", [*MOE_H100X8, f"parallel.overlap_microbatches={side}"])
+    text = predict.compile_for(cfg, "h100x8")[0]
+    held[side] = sum(w.count("mosaic_gpu") for w in overlap.windows(text, "ragged-all-to-all"))
+  assert held[2] >= held[1] + 4, held
