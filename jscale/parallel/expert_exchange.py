@@ -46,6 +46,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jscale.model import moe_dispatch as md
 from jscale.model.moe_gemm import GroupedDot
+from jscale.parallel import exchange_slots as slots_lib
 
 
 class Peers(NamedTuple):
@@ -189,43 +190,37 @@ def node_rows(t: int, topk_group: int, n_group: int, factor: float) -> int:
   return t if factor <= 0 else min(t, math.ceil(factor * t * topk_group / n_group))
 
 
-def round_trip(rows, s: md.Sorted, per_device: int, peers: Peers, cap: int, native: bool,
-               compute: Callable) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Sends the sorted assignment rows (a pytree of [A, ...] arrays in `s`'s order; row r goes to
-  peer s.expert_A[r] // per_device, ids past the peers' experts nowhere) out, runs
-  `compute(received, sizes_NE)` -> ([N·cap, D] result, a count) on each peer and brings the
-  result back: ([A, D] in sorted order, zero for the rows that went nowhere or did not fit;
-  which rows did not fit, [A] bool; the peer's count).
+def round_trip(send: Callable, s: md.Sorted, per_device: int, peers: Peers, cap: int,
+               native: bool, compute: Callable
+               ) -> tuple[jax.Array, slots_lib.Slots, jax.Array]:
+  """Sends `s`'s sorted assignment rows (row r to peer s.expert_A[r] // per_device; ids past
+  the peers' experts nowhere) out, runs `compute(received, sizes_NE)` -> ([N·cap, D] result,
+  a count) on each peer and brings the result back: (the returned rows, in the slots they
+  were sent from (`exchange_slots`), zero where nothing was sent; the slots; the peer's
+  count). `send(slots)`: the pytree of rows to send, in those slots.
 
-  Both directions land in a padded [N·cap, ...] layout: source (or destination) j's rows at
-  j·cap, sorted by local expert (`sizes_NE`: how many per source and local expert), so the
-  receiver never needs the senders' offsets. `cap`: the rows of a block; a sender's rows for
-  one peer past it (the last of them in sorted order) are not sent."""
+  The receiver's buffer is padded: source j's rows at j·cap, sorted by local expert
+  (`sizes_NE`: how many per source and local expert), so it never needs the senders' offsets;
+  the results go back to where each source sent them from. `cap`: the rows of a block; a
+  sender's rows for one peer past it (the last of them in sorted order) are not sent."""
   n = peers.size
-  wanted_NE = s.sizes_E.reshape(n, per_device)
-  sent_NE = _clipped(wanted_NE, cap)
-  per_dev_N = wanted_NE.sum(axis=1)
-  start_N = jnp.cumsum(per_dev_N) - per_dev_N  # sorted rows are contiguous per destination
-  send_N = sent_NE.sum(axis=1)
-  sizes_NE = checkpoint_name(  # kept by `remat: selective`: the backward exchanges no counts
-      peers.all_to_all(sent_NE), "moe_counts")
+  slots = slots_lib.layout(s, per_device, n, cap)
+  sent_NE = _clipped(s.sizes_E.reshape(n, per_device), cap)
+  # Kept by `remat: selective`: the backward exchanges no counts or offsets.
+  sizes_NE = checkpoint_name(peers.all_to_all(sent_NE), "moe_counts")
+  theirs_N = checkpoint_name(peers.all_to_all(slots.offsets_N), "moe_counts")
   recv_N = sizes_NE.sum(axis=1)
   mine_N = jnp.full((n,), peers.index() * cap, jnp.int32)
   block_N = jnp.arange(n, dtype=jnp.int32) * cap
-  exchange = lambda x, in_off, send, recv: ragged_all_to_all(
-      x, landing_zeros((n * cap,) + x.shape[1:], x.dtype, recv), in_off, send, mine_N, recv,
-      peers, cap,
-      native)
-  got = jax.tree.map(lambda x: exchange(x, start_N, send_N, recv_N), rows)
-  result, count = compute(got, sizes_NE)
-  back_NRD = exchange(result, block_N, recv_N, send_N).reshape(n, cap, -1)
-  # Sorted row r went to peer j = expert // per_device as its row r - start_N[j], if < cap.
-  dev_A = s.expert_A // per_device
-  j_A = jnp.minimum(dev_A, n - 1)
-  at_A = jnp.arange(dev_A.shape[0]) - start_N[j_A]
-  sent_A = (dev_A < n) & (at_A < cap)
-  out_AD = back_NRD[j_A, jnp.clip(at_A, 0, cap - 1)]
-  return jnp.where(sent_A[:, None], out_AD, 0), (dev_A < n) & ~sent_A, count
+  out = lambda x, recv: ragged_all_to_all(
+      x, landing_zeros((n * cap,) + x.shape[1:], x.dtype, recv), slots.offsets_N, slots.sent_N,
+      mine_N, recv, peers, cap, native)
+  result, count = compute(jax.tree.map(lambda x: out(x, recv_N), send(slots)), sizes_NE)
+  rows = slots.row_S.shape[0]
+  back = ragged_all_to_all(result, landing_zeros((rows,) + result.shape[1:], result.dtype,
+                                                 slots.sent_N),
+                           block_N, recv_N, theirs_N, slots.sent_N, peers, cap, native)
+  return back, slots, count
 
 
 def _clipped(sizes_NE: jax.Array, cap: int) -> jax.Array:
@@ -263,9 +258,10 @@ def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, peers:
   cap = receive_rows(t, k, e_l, peers.size, receive_factor, share_tokens)
   ffn = lambda got, sizes_NE: (_received_by_expert(got, sizes_NE, cap, w, dtype, gemm),
                                jnp.zeros((), jnp.int32))
-  out_AD, unsent_A, _ = round_trip(md.dispatch_sorted(x_TD.astype(dtype), s), s, e_l, peers,
-                                   cap, native_ragged, ffn)
-  return md.combine_sorted(out_AD, s, gates_TK), jnp.sum(unsent_A)
+  x_TD = x_TD.astype(dtype)
+  back_SD, slots, _ = round_trip(lambda sl: slots_lib.dispatch(x_TD, s, sl), s, e_l, peers,
+                                 cap, native_ragged, ffn)
+  return slots_lib.combine(back_SD, s, slots, gates_TK), jnp.sum(slots.unsent_A)
 
 
 def in_chunks(exchange: Callable, chunks: int, x_TD, ids_TK, gates_TK
@@ -313,8 +309,15 @@ def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, ax
   local_AK = jnp.where(in_TGK, ids_TK[:, None] - g_G[None, :, None] * e_g, e_g).reshape(-1, k)
   gates_AK = jnp.where(in_TGK, gates_TK[:, None], 0).reshape(-1, k)
   local_AK = local_AK[pairs.order_A]
-  rows = (md.dispatch_sorted(x_TD.astype(dtype), pairs), local_AK,
-          md.permute(gates_AK, pairs.order_A, pairs.rank_A))
+  gates_AK = md.permute(gates_AK, pairs.order_A, pairs.rank_A)
+  x_TD = x_TD.astype(dtype)
+
+  def rows(slots: slots_lib.Slots):
+    real_S1 = slots.real_S[:, None]
+    return (slots_lib.dispatch(x_TD, pairs, slots),
+            jnp.where(real_S1, local_AK[slots.row_S], e_g),
+            jnp.where(real_S1, gates_AK[slots.row_S], 0))
+
   cap = node_rows(t, topk_group, n_group, receive_factor)
 
   def in_node(got, sizes_N1):
@@ -324,7 +327,8 @@ def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, ax
                              dtype, Peers.within_nodes(axis, n_ep, per_node), native_ragged,
                              gemm, receive_factor, share_tokens=t)
 
-  out_AD, unsent_A, dropped_in_node = round_trip(
+  back_SD, slots, dropped_in_node = round_trip(
       rows, pairs, 1, Peers.across_nodes(axis, n_ep, per_node), cap, native_ragged, in_node)
-  dropped = jnp.sum(unsent_A[:, None] & (local_AK < e_g)) + dropped_in_node
-  return md.combine_sorted(out_AD, pairs, chosen_TG.astype(jnp.float32)), dropped
+  dropped = jnp.sum(slots.unsent_A[:, None] & (local_AK < e_g)) + dropped_in_node
+  return (slots_lib.combine(back_SD, pairs, slots, chosen_TG.astype(jnp.float32)),
+          dropped)

@@ -208,10 +208,12 @@ def test_crossing_rows_counts_experts_and_groups_on_other_nodes():
 
 
 @pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
-def test_the_predictor_prices_a_ragged_exchange_at_most_its_input():
-  """Bounded (`receive_factor`), hop 1's transposes write the whole [T·n_group] row array but
-  send at most their [N·cap] blocks: `jscale.predict` prices each ragged all-to-all at no more
-  rows than its input holds (here fewer than the routed T·K)."""
+def test_ragged_exchanges_send_and_land_in_their_blocks():
+  """Bounded (`receive_factor`), every ragged all-to-all of the two hops, forward and
+  transposed, sends from and lands in [N·cap] blocks (`exchange_slots`): hop 1's rows are no
+  [T·n_group] array of every (token, group) pair, and its transposes no longer write one; and
+  `jscale.predict` prices each at no more rows than its input holds (here fewer than the
+  routed T·K)."""
   n_group, topk_group, factor = 2, 1, 1.0
   sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
   args = jax.tree.map(sds, _inputs(n_group, topk_group, jnp.bfloat16))
@@ -222,8 +224,9 @@ def test_the_predictor_prices_a_ragged_exchange_at_most_its_input():
   priced = {c.name: c for c in
             (x.collective for x in launches.Program(text, routed_rows=T * K).items()
              if isinstance(x, launches.Launch) and x.collective is not None)}
-  wide = [c for c in hlo.collectives(text) if c.kind == "ragged-all-to-all"
-          and c.shapes[0] == f"bf16[{n_group * T},{D}]" and len(c.groups[0]) == n_group]
-  assert wide and n_group * cap < n_group * T <= T * K
-  for c in wide:  # the transposes: n_group·T rows out, n_group·cap rows in
+  across = [c for c in hlo.collectives(text) if c.kind == "ragged-all-to-all"
+            and c.shapes[0].startswith("bf16") and len(c.groups[0]) == n_group]
+  assert across and n_group * cap < n_group * T <= T * K
+  for c in across:  # out and back, forward and transposed: n_group·cap rows
+    assert c.shapes[0] == f"bf16[{n_group * cap},{D}]", c.shapes
     assert priced[c.name].bytes == n_group * cap * D * 2, (c.name, priced[c.name].bytes)
