@@ -87,7 +87,9 @@ def over_microbatches(fn: Callable, weights: Any, batch: Any, turns: Turns, rema
   """`fn(weights, batch_part) -> (y_bLD, stats)` over the `turns.n` micro-batches of `batch` (a
   pytree of [B, ...] arrays), `turns.side_by_side` at a time: (y [B, ...], the stats averaged
   over micro-batches, which hold equally many rows). Each call is checkpointed by `remat`'s
-  policy."""
+  policy. With one micro-batch: `fn` on the whole batch (`outer` checkpoints it)."""
+  if turns.n == 1:
+    return fn(weights, batch)
   w32, down = _accumulating(weights)
   # (Under full_offload the layer's input is what went to the host: each call keeps its part.)
   each = "full" if remat == "full_offload" else remat

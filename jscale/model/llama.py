@@ -300,8 +300,6 @@ class Llama(nnx.Module):
 
     def layer(x_BLD, inputs):
       x_BLD = remat_lib.layer_input(x_BLD, remat)
-      if turns.n == 1:
-        return block(inputs, (x_BLD, positions))[0], None
       return layer_microbatches.over_microbatches(block, inputs, (x_BLD, positions), turns,
                                                   remat, self.cfg)[0], None
 
@@ -340,8 +338,6 @@ class Llama(nnx.Module):
       w, r, tokens_BL = inputs
       part = (remat_lib.layer_input(h_BLD, remat), self.embed_tokens(tokens_BL, comms, embed_VD),
               positions)
-      if turns.n == 1:
-        return module((w, r), part)[0]
       return layer_microbatches.over_microbatches(module, (w, r), part, turns, remat, cfg)[0]
 
     depth = layer_microbatches.outer(depth, remat, turns.n, cfg)
@@ -420,8 +416,6 @@ def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, position
     weights, dots = inputs
     x_BLD = remat_lib.layer_input(x_BLD, remat)
     weights = comms.gather_layer(weights, dt, depth)
-    if turns.n == 1:
-      return block(weights, dots, (x_BLD, positions))
     return layer_microbatches.over_microbatches(
         lambda w, part: block(w, dots, part), weights, (x_BLD, positions), turns, remat, cfg)
 
