@@ -10,8 +10,8 @@ to send at most [81920, 7168], in the forward, the recompute and the backward. W
 blocks are larger (the flat exchange's buffer bounded at f > 1 times its even share), the
 sorted rows stay.
 
-A token's rows are gathered straight into their slots (`dispatch`); the rows returned into the
-same slots are gathered straight back onto their tokens and gated (`combine`). Both are written
+A token's rows are gathered straight into their slots (`dispatch`); the rows returned (always
+into blocks) are gathered straight back onto their tokens and gated (`combine`). Both are written
 with their transposes as gathers too (`jax.custom_vjp`), as `md.permute` is: XLA would
 transpose a gather into a scatter-add.
 
@@ -50,9 +50,10 @@ def blocks(a: int, n: int, cap: int) -> bool:
   return n * cap < a
 
 
-def layout(s: md.Sorted, per_device: int, n: int, cap: int) -> Slots:
+def layout(s: md.Sorted, per_device: int, n: int, cap: int, in_blocks: bool) -> Slots:
   """The slots of `s`'s rows for `n` peers of `per_device` experts each, `cap` rows sent to
-  a peer at most: per-peer blocks where `blocks`, else the sorted rows."""
+  a peer at most: per-peer blocks (`in_blocks`; the returned rows always land so), else the
+  sorted rows."""
   a = s.order_A.shape[0]
   per_dev_N = s.sizes_E.reshape(n, per_device).sum(axis=1)
   start_N = jnp.cumsum(per_dev_N) - per_dev_N  # sorted rows are contiguous per peer
@@ -62,7 +63,7 @@ def layout(s: md.Sorted, per_device: int, n: int, cap: int) -> Slots:
   at_A = jnp.arange(a, dtype=jnp.int32) - start_N[j_A]
   sent_A = (dev_A < n) & (at_A < cap)
   unsent_A = (dev_A < n) & ~sent_A
-  if blocks(a, n, cap):
+  if in_blocks:
     i_R = jnp.arange(cap, dtype=jnp.int32)
     slot_sorted = jnp.where(sent_A, j_A * cap + at_A, n * cap)
     return Slots(jnp.minimum(start_N[:, None] + i_R, a - 1).reshape(-1),

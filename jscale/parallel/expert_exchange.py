@@ -195,32 +195,30 @@ def round_trip(send: Callable, s: md.Sorted, per_device: int, peers: Peers, cap:
                ) -> tuple[jax.Array, slots_lib.Slots, jax.Array]:
   """Sends `s`'s sorted assignment rows (row r to peer s.expert_A[r] // per_device; ids past
   the peers' experts nowhere) out, runs `compute(received, sizes_NE)` -> ([N·cap, D] result,
-  a count) on each peer and brings the result back: (the returned rows, in the slots they
-  were sent from (`exchange_slots`), zero where nothing was sent; the slots; the peer's
-  count). `send(slots)`: the pytree of rows to send, in those slots.
+  a count) on each peer and brings the result back: (the returned [N·cap] rows, in per-peer
+  blocks, zero where nothing was sent; their slots (`exchange_slots`); the peer's count).
+  `send(slots)`: the pytree of rows to send, in the smaller of the two layouts.
 
-  The receiver's buffer is padded: source j's rows at j·cap, sorted by local expert
-  (`sizes_NE`: how many per source and local expert), so it never needs the senders' offsets;
-  the results go back to where each source sent them from. `cap`: the rows of a block; a
-  sender's rows for one peer past it (the last of them in sorted order) are not sent."""
+  Both directions land in blocks: source (or destination) j's rows at j·cap, sorted by local
+  expert (`sizes_NE`: how many per source and local expert), so no side needs the other's
+  offsets. `cap`: the rows of a block; a sender's rows for one peer past it (the last of them
+  in sorted order) are not sent."""
   n = peers.size
-  slots = slots_lib.layout(s, per_device, n, cap)
+  # Sent from the smaller of the two layouts; returned into blocks (no offsets to exchange).
+  sent = slots_lib.layout(s, per_device, n, cap,
+                          slots_lib.blocks(s.order_A.shape[0], n, cap))
+  back = slots_lib.layout(s, per_device, n, cap, True)
   sent_NE = _clipped(s.sizes_E.reshape(n, per_device), cap)
-  # Kept by `remat: selective`: the backward exchanges no counts or offsets.
-  sizes_NE = checkpoint_name(peers.all_to_all(sent_NE), "moe_counts")
-  theirs_N = checkpoint_name(peers.all_to_all(slots.offsets_N), "moe_counts")
+  sizes_NE = checkpoint_name(  # kept by `remat: selective`: the backward exchanges no counts
+      peers.all_to_all(sent_NE), "moe_counts")
   recv_N = sizes_NE.sum(axis=1)
   mine_N = jnp.full((n,), peers.index() * cap, jnp.int32)
-  block_N = jnp.arange(n, dtype=jnp.int32) * cap
-  out = lambda x, recv: ragged_all_to_all(
-      x, landing_zeros((n * cap,) + x.shape[1:], x.dtype, recv), slots.offsets_N, slots.sent_N,
-      mine_N, recv, peers, cap, native)
-  result, count = compute(jax.tree.map(lambda x: out(x, recv_N), send(slots)), sizes_NE)
-  rows = slots.row_S.shape[0]
-  back = ragged_all_to_all(result, landing_zeros((rows,) + result.shape[1:], result.dtype,
-                                                 slots.sent_N),
-                           block_N, recv_N, theirs_N, slots.sent_N, peers, cap, native)
-  return back, slots, count
+  exchange = lambda x, in_off, send_N, recv: ragged_all_to_all(
+      x, landing_zeros((n * cap,) + x.shape[1:], x.dtype, recv), in_off, send_N, mine_N, recv,
+      peers, cap, native)
+  got = jax.tree.map(lambda x: exchange(x, sent.offsets_N, sent.sent_N, recv_N), send(sent))
+  result, count = compute(got, sizes_NE)
+  return exchange(result, back.offsets_N, recv_N, sent.sent_N), back, count
 
 
 def _clipped(sizes_NE: jax.Array, cap: int) -> jax.Array:
