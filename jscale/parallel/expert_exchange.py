@@ -205,9 +205,9 @@ def round_trip(send: Callable, s: md.Sorted, per_device: int, peers: Peers, cap:
   in sorted order) are not sent."""
   n = peers.size
   # Sent from the smaller of the two layouts; returned into blocks (no offsets to exchange).
-  sent = slots_lib.layout(s, per_device, n, cap,
-                          slots_lib.blocks(s.order_A.shape[0], n, cap))
-  back = slots_lib.layout(s, per_device, n, cap, True)
+  in_blocks = slots_lib.blocks(s.order_A.shape[0], n, cap)
+  sent = slots_lib.layout(s, per_device, n, cap, in_blocks)
+  back = sent if in_blocks else slots_lib.layout(s, per_device, n, cap, True)
   sent_NE = _clipped(s.sizes_E.reshape(n, per_device), cap)
   sizes_NE = checkpoint_name(  # kept by `remat: selective`: the backward exchanges no counts
       peers.all_to_all(sent_NE), "moe_counts")
