@@ -100,6 +100,11 @@ class MoeConfig:
   # 0: room for the most a device can be sent (tokens * min(top_k, local experts) per source),
   # nothing dropped, at up to mesh.expert times the memory (jscale.parallel.expert_exchange)
   receive_factor: float = 0.0
+  # manual expert parallelism, dropless exchange: the rows go out in the compute dtype or e4m3
+  # with a power-of-two scale per row (D + 4 bytes a row: DeepSeek-V3's FP8 dispatch,
+  # jscale.fp8.wire); results and gradients come back in the compute dtype. With
+  # fp8.experts_scaling=row the experts' products round the rows the same way, so it adds none
+  dispatch_dtype: Literal["compute", "e4m3"] = "compute"
 
 
 @dataclasses.dataclass(frozen=True)

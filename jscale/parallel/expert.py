@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jscale.fp8 import wire as wire_lib
 from jscale.model import moe_dispatch as md
 from jscale.model.moe_gemm import GroupedDot
 from jscale.model.seam import Seam
@@ -114,14 +115,15 @@ class ManualExpert:
     x_TD, ids_TK, gates_TK = x_GTD[0], ids_GTK[0], gates_GTK[0]
     if moe.dispatch == "dropless":
       gpu = self.mesh.devices.flat[0].platform == "gpu"  # native ragged_all_to_all there
+      wire = wire_lib.e4m3_rows(dtype) if moe.dispatch_dtype == "e4m3" else None
       if moe.exchange == "node_limited":
         exchange = lambda x, i, g: ex.node_limited_exchange(
             x, i, g, w, dtype, "expert", n_ep, moe.n_group, moe.topk_group, gpu, gemm,
-            moe.receive_factor)
+            moe.receive_factor, wire)
       else:
         exchange = lambda x, i, g: ex.dropless_exchange(x, i, g, w, dtype,
                                                         ex.Peers.whole("expert", n_ep), gpu,
-                                                        gemm, moe.receive_factor)
+                                                        gemm, moe.receive_factor, wire=wire)
       y_TD, dropped = ex.in_chunks(exchange, self.expert_chunks, x_TD, ids_TK, gates_TK)
       return y_TD[None], dropped
     y_TD, dropped = ex.capacity_exchange(x_TD, ids_TK, gates_TK, w, dtype,

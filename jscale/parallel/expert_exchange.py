@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jscale.fp8.wire import Wire
 from jscale.model import moe_dispatch as md
 from jscale.model.moe_gemm import GroupedDot
 from jscale.parallel import exchange_slots as slots_lib
@@ -102,17 +103,19 @@ def capacity_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, factor
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                      peers: Peers, rows: int, native: bool):
+                      peers: Peers, rows: int, native: bool, wire: Wire | None = None):
   """`jax.lax.ragged_all_to_all` among `peers` (native: GPU, which moves only the real rows) or
   the same semantics on any backend (`padded_all_to_all`, `rows` per peer); differentiable
-  by one transpose for both (`_transposed`), so CPU tests check the one GPU runs."""
+  by one transpose for both (`_transposed`), so CPU tests check the one GPU runs. `wire`: the
+  rows (and `output`) travel encoded (`jscale.fp8.wire`, the FP8 dispatch); the transpose
+  sends the gradient back in `operand`'s dtype, passing it straight through the rounding."""
   if native:
     groups = peers.groups()
     bind = lambda *args: jax.lax.ragged_all_to_all(*args, axis_name=peers.axis,
                                                    axis_index_groups=groups)
   else:
     bind = lambda *args: padded_all_to_all(*args, peers=peers, rows=rows)
-  return _transposed(bind, peers, operand.shape, operand.dtype)(
+  return _transposed(bind, peers, operand.shape, operand.dtype, wire)(
       operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
 
 
@@ -142,16 +145,19 @@ def landing_zeros(shape, dtype, sizes_N: jax.Array) -> jax.Array:
   return jnp.broadcast_to(zero, shape)
 
 
-def _transposed(bind: Callable, peers: Peers, shape, dtype) -> Callable:
+def _transposed(bind: Callable, peers: Peers, shape, dtype, wire: Wire | None) -> Callable:
   """`bind` (a ragged all-to-all among `peers`) with its transpose written here: JAX's (0.10)
-  exchanges the offsets over the whole axis, ignoring `axis_index_groups`."""
+  exchanges the offsets over the whole axis, ignoring `axis_index_groups`. With a `wire` the
+  forward sends encoded rows; the transpose sends the plain gradient."""
+  send = bind if wire is None else (
+      lambda x, out, *offsets: wire.decode(bind(wire.encode(x), wire.encode(out), *offsets)))
 
   @jax.custom_vjp
   def exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
-    return bind(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    return send(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
 
   def fwd(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
-    out = bind(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    out = send(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
     return out, (input_offsets, send_sizes, output_offsets, recv_sizes)
 
   def bwd(res, g):
@@ -191,13 +197,15 @@ def node_rows(t: int, topk_group: int, n_group: int, factor: float) -> int:
 
 
 def round_trip(send: Callable, s: md.Sorted, per_device: int, peers: Peers, cap: int,
-               native: bool, compute: Callable
+               native: bool, compute: Callable, wire: Wire | None = None
                ) -> tuple[jax.Array, slots_lib.Slots, jax.Array]:
   """Sends `s`'s sorted assignment rows (row r to peer s.expert_A[r] // per_device; ids past
-  the peers' experts nowhere) out, runs `compute(received, sizes_NE)` -> ([N·cap, D] result,
-  a count) on each peer and brings the result back: (the returned [N·cap] rows, in per-peer
-  blocks, zero where nothing was sent; their slots (`exchange_slots`); the peer's count).
-  `send(slots)`: the pytree of rows to send, in the smaller of the two layouts.
+  the peers' experts nowhere) out, runs `compute((rows, extras), sizes_NE)` -> ([N·cap, D]
+  result, a count) on each peer and brings the result back: (the returned [N·cap] rows, in
+  per-peer blocks, zero where nothing was sent; their slots (`exchange_slots`); the peer's
+  count). `send(slots)`: (the [S, D] rows to send, a pytree of more per-row values), in the
+  smaller of the two layouts. `wire`: how the rows travel out (None: as they are; the result
+  comes back in its own dtype).
 
   Both directions land in blocks: source (or destination) j's rows at j·cap, sorted by local
   expert (`sizes_NE`: how many per source and local expert), so no side needs the other's
@@ -213,11 +221,12 @@ def round_trip(send: Callable, s: md.Sorted, per_device: int, peers: Peers, cap:
       peers.all_to_all(sent_NE), "moe_counts")
   recv_N = sizes_NE.sum(axis=1)
   mine_N = jnp.full((n,), peers.index() * cap, jnp.int32)
-  exchange = lambda x, in_off, send_N, recv: ragged_all_to_all(
+  exchange = lambda x, in_off, send_N, recv, on=None: ragged_all_to_all(
       x, landing_zeros((n * cap,) + x.shape[1:], x.dtype, recv), in_off, send_N, mine_N, recv,
-      peers, cap, native)
-  got = jax.tree.map(lambda x: exchange(x, sent.offsets_N, sent.sent_N, recv_N), send(sent))
-  result, count = compute(got, sizes_NE)
+      peers, cap, native, on)
+  out = lambda x, on=None: exchange(x, sent.offsets_N, sent.sent_N, recv_N, on)
+  rows_SD, extras = send(sent)
+  result, count = compute((out(rows_SD, wire), jax.tree.map(out, extras)), sizes_NE)
   return exchange(result, back.offsets_N, recv_N, sent.sent_N), back, count
 
 
@@ -243,22 +252,23 @@ def _received_by_expert(x_RD, sizes_NE, cap: int, w: md.ExpertWeights, dtype,
 
 def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, peers: Peers,
                       native_ragged: bool = False, gemm: GroupedDot = GroupedDot(),
-                      receive_factor: float = 0.0, share_tokens: int | None = None
-                      ) -> tuple[jax.Array, jax.Array]:
+                      receive_factor: float = 0.0, share_tokens: int | None = None,
+                      wire: Wire | None = None) -> tuple[jax.Array, jax.Array]:
   """Experts among `peers`, sorted rows through a ragged all-to-all: (output [T, D], dropped
   assignments: none unless `receive_factor` > 0 bounds the receive buffer, `receive_rows`).
   Expert ids index the peers' experts (peer j holds [j·E_l, (j+1)·E_l)); ids >= size·E_l
   mean "none here" and need gate 0. `native_ragged`: the backend's ragged_all_to_all (GPU),
-  else its padded emulation. `gemm`: the grouped matmul of the received rows."""
+  else its padded emulation. `gemm`: the grouped matmul of the received rows. `wire`: how
+  the rows travel out (`jscale.fp8.wire`; None: in `dtype`)."""
   e_l = w.n_experts
   t, k = ids_TK.shape
   s = md.sort_by_expert(ids_TK, e_l * peers.size)
   cap = receive_rows(t, k, e_l, peers.size, receive_factor, share_tokens)
-  ffn = lambda got, sizes_NE: (_received_by_expert(got, sizes_NE, cap, w, dtype, gemm),
+  ffn = lambda got, sizes_NE: (_received_by_expert(got[0], sizes_NE, cap, w, dtype, gemm),
                                jnp.zeros((), jnp.int32))
   x_TD = x_TD.astype(dtype)
-  back_SD, slots, _ = round_trip(lambda sl: slots_lib.dispatch(x_TD, s, sl), s, e_l, peers,
-                                 cap, native_ragged, ffn)
+  back_SD, slots, _ = round_trip(lambda sl: (slots_lib.dispatch(x_TD, s, sl), ()), s, e_l,
+                                 peers, cap, native_ragged, ffn, wire)
   return slots_lib.combine(back_SD, s, slots, gates_TK), jnp.sum(slots.unsent_A)
 
 
@@ -284,8 +294,8 @@ def in_chunks(exchange: Callable, chunks: int, x_TD, ids_TK, gates_TK
 
 def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis: str,
                           n_ep: int, n_group: int, topk_group: int, native_ragged: bool = False,
-                          gemm: GroupedDot = GroupedDot(), receive_factor: float = 0.0
-                          ) -> tuple[jax.Array, jax.Array]:
+                          gemm: GroupedDot = GroupedDot(), receive_factor: float = 0.0,
+                          wire: Wire | None = None) -> tuple[jax.Array, jax.Array]:
   """Dropless experts over `axis` in DeepSeek-V3's two hops (module docstring): (output [T, D],
   equal to `dropless_exchange` over the whole axis; dropped assignments). The n_group groups of
   experts tile the n_ep devices (n_group divides n_ep). Unbounded, hop 1's blocks hold T rows
@@ -294,7 +304,7 @@ def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, ax
   sizes both by their even shares: hop 1 ⌈f·T·topk_group / n_group⌉ rows per source
   (`node_rows`), hop 2 ⌈f·T·K / m⌉ (each device's T tokens bring about T·K assignments into
   the node, spread over its m devices); what does not fit is dropped and counted, per
-  assignment, as the flat exchange's is."""
+  assignment, as the flat exchange's is. `wire`: how the rows travel out, both hops."""
   per_node = n_ep // n_group
   e_g = w.n_experts * per_node  # experts per group: a node's
   t, k = ids_TK.shape
@@ -313,20 +323,21 @@ def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, ax
   def rows(slots: slots_lib.Slots):
     real_S1 = slots.real_S[:, None]
     return (slots_lib.dispatch(x_TD, pairs, slots),
-            jnp.where(real_S1, local_AK[slots.row_S], e_g),
-            jnp.where(real_S1, gates_AK[slots.row_S], 0))
+            (jnp.where(real_S1, local_AK[slots.row_S], e_g),
+             jnp.where(real_S1, gates_AK[slots.row_S], 0)))
 
   cap = node_rows(t, topk_group, n_group, receive_factor)
 
   def in_node(got, sizes_N1):
-    x_RD, local_RK, gates_RK = got
+    x_RD, (local_RK, gates_RK) = got
     real_R = (jnp.arange(cap) < sizes_N1).reshape(-1)  # padding rows: no experts
     return dropless_exchange(x_RD, jnp.where(real_R[:, None], local_RK, e_g), gates_RK, w,
                              dtype, Peers.within_nodes(axis, n_ep, per_node), native_ragged,
-                             gemm, receive_factor, share_tokens=t)
+                             gemm, receive_factor, share_tokens=t, wire=wire)
 
   back_SD, slots, dropped_in_node = round_trip(
-      rows, pairs, 1, Peers.across_nodes(axis, n_ep, per_node), cap, native_ragged, in_node)
+      rows, pairs, 1, Peers.across_nodes(axis, n_ep, per_node), cap, native_ragged, in_node,
+      wire)
   dropped = jnp.sum(slots.unsent_A[:, None] & (local_AK < e_g)) + dropped_in_node
   return (slots_lib.combine(back_SD, pairs, slots, chosen_TG.astype(jnp.float32)),
           dropped)

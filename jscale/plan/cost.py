@@ -182,10 +182,13 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
   if lay.expert > 1 and model.moe is not None:
     moe_layers = model.stack_layers / lay.stage // model.moe.every + (
         model.mtp.depth if model.mtp is not None else 0)
-    routed = tokens * model.moe.top_k * model.d_model * c
+    rows = tokens * model.moe.top_k
+    # The forward dispatch in e4m3 carries a row's D bytes and its fp32 scale (jscale.fp8.wire).
+    out_row = model.d_model + 4 if model.moe.dispatch_dtype == "e4m3" else model.d_model * c
     # The buffer's own slice stays put, but volumes omit the (n-1)/n factor throughout.
     out.append(Transfer("expert", "token dispatch + combine all-to-all, fwd and bwd",
-                        "all-to-all", 4 * moe_layers * routed, nodes("expert"), ""))
+                        "all-to-all", moe_layers * rows * (out_row + 3 * model.d_model * c),
+                        nodes("expert"), ""))
   if lay.stage > 1:
     # Every tick of the executed schedule sends on each of its channels, one activation-sized
     # message each (jscale's shard_map program: idle ticks send too): an activation forward

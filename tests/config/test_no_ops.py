@@ -38,6 +38,8 @@ EXAMPLES = {
     "data.bin_dtype": (["data.bin_dtype=uint32"], ["data.source=bin", "data.path=ids.bin"], {}),
     "model.moe.receive_factor": ([*MOE, "model.moe.receive_factor=2"],
                                  ["parallel.collectives=manual"], dict(expert=2)),
+    "model.moe.dispatch_dtype": ([*MOE, "model.moe.dispatch_dtype=e4m3"],
+                                 ["parallel.collectives=manual"], dict(expert=2)),
     "model.moe.capacity_factor": ([*MOE, "model.moe.capacity_factor=2"],
                                   ["model.moe.dispatch=capacity"], {}),
     "model.moe.gemm": ([*MOE, "model.moe.gemm=tiled", "model.moe.dispatch=capacity"],

@@ -418,3 +418,16 @@ def test_layer_accumulation_gathers_once_a_step_and_offload_keeps_no_inputs():
   cfg = load_config(None, ["model.preset=llama3_8b", *lay.overrides(4096, 8)])
   assert layout_of(cfg, {a: i * d for a, (i, d) in axis_sizes(cfg.mesh, 8).items()}) == lay
   assert lay in set(candidates(model, 8, 4096, 32))
+
+
+def test_fp8_dispatch_sends_a_byte_and_a_scale_per_row_forward():
+  """`model.moe.dispatch_dtype: e4m3`: of the exchange's four passes (dispatch and combine,
+  forward and backward), the forward dispatch carries D + 4 bytes a row instead of 2·D."""
+  overrides = ["model.preset=deepseek_v3_16b", "model.n_layers=4"]
+  lay = Layout(expert=8, mbs=1, accum=1, remat="full")
+  moved = lambda m: sum(t.bytes for t in cost.transfers(m, lay, 4096, 8) if t.kind == "all-to-all")
+  bf16 = load_config(None, overrides).model
+  fp8 = load_config(None, [*overrides, "model.moe.dispatch_dtype=e4m3"]).model
+  d = bf16.d_model
+  assert moved(fp8) == pytest.approx(moved(bf16) * (d + 4 + 3 * 2 * d) / (4 * 2 * d))
+

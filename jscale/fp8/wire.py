@@ -1,0 +1,57 @@
+"""FP8 rows on the wire: DeepSeek-V3's FP8 dispatch (`model.moe.dispatch_dtype: e4m3`).
+
+The rows an expert exchange sends out travel as e4m3 with a power-of-two scale per row, packed
+into one byte array so one all-to-all carries both:
+
+  encode   q[r] = x[r] / s[r] in e4m3,   s[r] = scale_for(max_d |x[r, d]|)
+           bytes[r] = q[r] (D bytes) ++ s[r] (4 bytes, fp32)          [S, D] -> u8[S, D + 4]
+  decode   x'[r] = q[r] * s[r]                                        in the compute dtype
+
+A row of D bf16 values (2·D bytes) goes out as D + 4 bytes. DeepSeek-V3 scales 1×128 blocks
+of each row; a scale per row is the one the routed experts' FP8 products take
+(`fp8.experts_scaling: row`, `jscale.fp8.grouped.scales_along`), and re-quantising a decoded
+row that way is exact: its amax is max|q|·s with max|q| in [224, 448], so its scale is s (or
+s/2 when max|q| rounded down to 224, and 2q is on the e4m3 grid too). With them the FP8
+dispatch adds no rounding. Zero bytes decode to a zero row (scale 0), so a receive buffer's
+untouched rows read as zeros.
+
+Only the forward is encoded: the exchange's transpose sends the gradients back in the compute
+dtype (DeepSeek-V3's combine and backward are bf16 too), so the gradient passes straight
+through the rounding, as an FP8 product's does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jscale.fp8 import grouped, scaling
+from jscale.fp8.scaling import E4M3
+
+_SCALE_BYTES = 4  # one fp32 scale per row
+
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+  """How [S, D] rows of `dtype` travel: `encode` to bytes, `decode` back (module docstring)."""
+  dtype: jnp.dtype
+
+  def encode(self, x_SD: jax.Array) -> jax.Array:
+    """u8[S, D + 4]: each row in e4m3 with its fp32 scale's bytes after it."""
+    s_S1 = grouped.scales_along(x_SD, 1, E4M3)
+    q_SD = jax.lax.bitcast_convert_type(scaling.quantize(x_SD, s_S1, E4M3), jnp.uint8)
+    s_S4 = jax.lax.bitcast_convert_type(s_S1[:, 0], jnp.uint8)
+    return jnp.concatenate([q_SD, s_S4], axis=1)
+
+  def decode(self, b_SW: jax.Array) -> jax.Array:
+    """[S, D] in `dtype` from `encode`'s bytes (zero bytes: a zero row)."""
+    q_SD = jax.lax.bitcast_convert_type(b_SW[:, :-_SCALE_BYTES], E4M3)
+    s_S = jax.lax.bitcast_convert_type(b_SW[:, -_SCALE_BYTES:], jnp.float32)
+    return scaling.dequantize(q_SD, s_S[:, None], self.dtype)
+
+
+def e4m3_rows(dtype) -> Wire:
+  """The FP8 dispatch's wire format for rows of the compute `dtype`."""
+  return Wire(jnp.dtype(dtype))
