@@ -22,9 +22,10 @@ from jscale.fp8 import grouped, grouped_kernel
 from jscale.fp8.dot import Recipe, fp8_dot_general
 from jscale.model import matmul
 
-# `fp8.targets` groups -> the linear layers' weight names (GQA, Mlp, MoE's shared expert).
+# `fp8.targets` groups -> the linear layers' weight names (GQA and MLA, Mlp, MoE's shared
+# expert).
 GROUPS = {
-    "attention": ("wq", "wk", "wv", "wo"),
+    "attention": ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wk_b", "wv_b"),
     "mlp": ("w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down"),
 }
 # The routed experts' grouped matmuls: a target of their own, current scaling per expert

@@ -75,10 +75,11 @@ class MLA(nnx.Module):
     # q is scaled so that the impls' 1/sqrt(N + P) becomes YaRN's softmax scale.
     self.q_scale = rope.yarn_softmax_scale(cfg.rope_scaling)
     names = [w for w in ("wq_a", "wq_b", "wq", "wkv_a", "wk_b", "wv_b", "wo") if hasattr(self, w)]
-    self.dots = {w: matmul.for_linear(dot_general, w) for w in names}
+    for w in names:  # attributes, as GQA's: a product may be a module (FP8's `Fp8Dot`)
+      setattr(self, f"{w}_dot", matmul.for_linear(dot_general, w))
 
   def _einsum(self, spec: str, x: jax.Array, w: str, comms: Seam) -> jax.Array:
-    return einsum(spec, x, getattr(self, w), self.dtype, self.dots[w], comms)
+    return einsum(spec, x, getattr(self, w), self.dtype, getattr(self, f"{w}_dot"), comms)
 
   def __call__(self, h_BLD: jax.Array, positions: Positions, inv_freq: jax.Array,
                comms: Seam) -> jax.Array:

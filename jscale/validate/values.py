@@ -82,11 +82,12 @@ def _check_fp8(cfg: Config) -> None:
     raise ConfigError("fp8.enabled with parallel.collective_matmul: the ring would run each "
                       "FP8 product once per chunk, each with its own scale; set one of them "
                       "false")
-  if linears and (m.mla is not None or m.mtp is not None or m.first_dense):
-    raise ConfigError(f"fp8.targets={list(f.targets)} with model.mla, model.mtp or "
-                      "model.moe.first_dense: FP8 linears cover the Llama / Mixtral blocks "
-                      "only; set fp8.targets=[experts] (the routed experts alone) or "
-                      "fp8.enabled=false")
+  if linears and f.recipe == "delayed" and (m.mla is not None or m.mtp is not None
+                                             or m.first_dense):
+    raise ConfigError(f"fp8.targets={list(f.targets)} with fp8.recipe=delayed and model.mla, "
+                      "model.mtp or model.moe.first_dense: delayed scaling keeps amax "
+                      "histories for the Llama / Mixtral blocks' linears only; set "
+                      "fp8.recipe=current (no state), or fp8.targets=[experts]")
   if fp8_linears.EXPERTS in names:
     _check_fp8_experts(cfg)
   if f.amax_history < 1:

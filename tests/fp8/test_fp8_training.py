@@ -4,16 +4,19 @@ losses and scale state in both collective modes and on data x tensor and fsdp x 
 the tiny model trained 300 steps within 2% of bf16, and an exact resume of the amax
 histories."""
 
+import collections
 import functools
 
 import jax
 import numpy as np
 import pytest
 
+import deepseek_case
 import parity
 from conftest import small_config
 from jscale import runtime
 from jscale import train as train_lib
+from jscale.config import ConfigError
 from jscale.analysis import dots
 from jscale.analysis.introspect import abstract_batch
 
@@ -34,6 +37,24 @@ def test_fp8_operands_on_exactly_the_targeted_linears(targets, linears):
   assert {d.operands for d in f8} == {("f8E4M3FN", "f8E4M3FN"), ("f8E5M2", "f8E4M3FN"),
                                       ("f8E4M3FN", "f8E5M2")}
   assert all(d.operands == ("bf16", "bf16") for d in found if d not in f8)
+
+
+def test_deepseek_linears_take_fp8_under_current_scaling():
+  """The tiny DeepSeek (a dense first layer, MoE layers with a shared expert, one MTP module),
+  `fp8.targets: [attention, mlp]`, current scaling: MLA's six projections and the SwiGLU's
+  three (dense, or the shared expert) in FP8 in each of the three layer functions; delayed
+  scaling is refused (its amax histories live in the Llama / Mixtral stack only)."""
+  ds = ("model.dtype=bfloat16", "train.seq_len=32", "train.batch_size=2", *FP8,
+        "fp8.targets=[attention,mlp]")
+  cfg = deepseek_case.config(*ds, "fp8.recipe=current")
+  rt = runtime.build(cfg, jax.devices()[:1])
+  found = dots.dot_generals(rt.train_step().lower(rt.abstract_state(), abstract_batch(cfg)))
+  f8 = [d for d in found if d.operands == ("f8E4M3FN", "f8E4M3FN")]
+  where = collections.Counter(d.location.split("/")[-1].split(" ")[-1] for d in f8)
+  assert sorted(where.values()) == [9, 9, 9], where  # dense prefix, the stack, MTP
+  assert len([d for d in found if any(t.startswith("f8") for t in d.operands)]) == 3 * 27
+  with pytest.raises(ConfigError, match="set fp8.recipe=current"):
+    deepseek_case.config(*ds, "fp8.recipe=delayed")
 
 
 def _train(overrides, n_devices, recipe="delayed", steps=3):

@@ -12,6 +12,8 @@ from flax import nnx
 
 from close import assert_close
 import deepseek_case
+from jscale.config import Fp8Config
+from jscale.fp8 import linears as fp8_linears
 from jscale.model import kv_cache, rope
 from jscale.model.mla import MLA, LATENT_EPS
 from jscale.model.positions import Positions
@@ -144,3 +146,25 @@ def test_cache_bytes_per_token_mla_gqa_mha():
   mha = kv_cache.bytes_per_token(dataclasses.replace(cfg, mla=None, head_dim=128))
   assert (mla, gqa, mha) == (61 * 576 * 2, 61 * 2 * 8 * 128 * 2, 61 * 2 * 128 * 128 * 2)
   print(f"cache bytes per token (bf16, 61 layers): MLA {mla:,}, GQA-8 {gqa:,}, MHA {mha:,}")
+
+
+def test_mla_in_fp8_is_the_plain_module_within_fp8_rounding():
+  """`fp8.targets: [attention]` (current scaling) takes MLA's six projections: the module's
+  value and gradients within FP8's rounding of the plain module's, not equal to them."""
+  cfg = _cfg()
+  fp8 = fp8_linears.from_config(Fp8Config(enabled=True, recipe="current",
+                                          targets=("attention",)))
+  h = jnp.asarray(np.random.default_rng(0).normal(size=(2, 12, cfg.d_model)), jnp.float32)
+  pos = Positions(jnp.broadcast_to(jnp.arange(12), (2, 12)))
+  inv = rope.for_model(cfg)
+
+  def run(dot_general):
+    graphdef, params = nnx.split(MLA(cfg, nnx.Rngs(params=0), dot_general=dot_general))
+    loss = lambda p, h: jnp.sum(jnp.sin(nnx.merge(graphdef, p)(h, pos, inv, LOCAL)) ** 2)
+    return jax.jit(jax.value_and_grad(loss, (0, 1)))(params, h)
+
+  (got, got_g), (want, want_g) = run(fp8), run(jax.lax.dot_general)
+  rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+  assert 0 < rel(got, want) < 0.05
+  for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+    assert 0 < rel(a, b) < 0.15, (a.shape, rel(a, b))
