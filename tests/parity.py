@@ -68,8 +68,10 @@ def losses(overrides, devices=None, steps: int = STEPS) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def reference(*numerics) -> np.ndarray:
-  """The single-device run with the same numerics (micro-batches, remat)."""
+  """The single-device run with the same numerics (micro-batches, remat); computed once per
+  process for each (the tests of a file share it: they run in one worker)."""
   return losses(("mesh.data=1", *numerics), jax.devices()[:1])
 
 
