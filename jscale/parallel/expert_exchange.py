@@ -149,15 +149,15 @@ def _transposed(bind: Callable, peers: Peers, shape, dtype, wire: Wire | None) -
   """`bind` (a ragged all-to-all among `peers`) with its transpose written here: JAX's (0.10)
   exchanges the offsets over the whole axis, ignoring `axis_index_groups`. With a `wire` the
   forward sends encoded rows; the transpose sends the plain gradient."""
-  send = bind if wire is None else (
+  forward = bind if wire is None else (
       lambda x, out, *offsets: wire.decode(bind(wire.encode(x), wire.encode(out), *offsets)))
 
   @jax.custom_vjp
   def exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
-    return send(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    return forward(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
 
   def fwd(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
-    out = send(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    out = forward(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
     return out, (input_offsets, send_sizes, output_offsets, recv_sizes)
 
   def bwd(res, g):
@@ -221,10 +221,10 @@ def round_trip(send: Callable, s: md.Sorted, per_device: int, peers: Peers, cap:
       peers.all_to_all(sent_NE), "moe_counts")
   recv_N = sizes_NE.sum(axis=1)
   mine_N = jnp.full((n,), peers.index() * cap, jnp.int32)
-  exchange = lambda x, in_off, send_N, recv, on=None: ragged_all_to_all(
+  exchange = lambda x, in_off, send_N, recv, as_=None: ragged_all_to_all(
       x, landing_zeros((n * cap,) + x.shape[1:], x.dtype, recv), in_off, send_N, mine_N, recv,
-      peers, cap, native, on)
-  out = lambda x, on=None: exchange(x, sent.offsets_N, sent.sent_N, recv_N, on)
+      peers, cap, native, as_)
+  out = lambda x, as_=None: exchange(x, sent.offsets_N, sent.sent_N, recv_N, as_)
   rows_SD, extras = send(sent)
   result, count = compute((out(rows_SD, wire), jax.tree.map(out, extras)), sizes_NE)
   return exchange(result, back.offsets_N, recv_N, sent.sent_N), back, count
