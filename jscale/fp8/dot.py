@@ -10,6 +10,11 @@ f8E5M2 tensors); XLA's GPU compiler turns such a dot and the multiply by the sca
 follows into one cuBLASLt FP8 gemm on Hopper (`__cublas$lt$matmul$f8`), and upcasts elsewhere.
 The pairs are e4m3 x e4m3, e5m2 x e4m3 and e4m3 x e5m2: the three cuBLASLt accepts.
 
+Its three products run under the named scope `GEMM_SCOPE`, which the lowered program's
+metadata carries: XLA:GPU compiled without a GPU forms no cuBLASLt FP8 gemm and upcasts
+(sometimes dropping the e4m3 rounding as excess precision), and `jscale.predict` finds the
+FP8 products by that name to time them as a GPU runs them.
+
 Scales come from amaxes: this step's (`Recipe.delayed=False`) or the previous steps' histories
 (delayed), which then ride through the custom_vjp as inputs whose "cotangents" are their
 updated values (Flax's overwrite-with-gradient): the step reads the new histories out of the
@@ -31,6 +36,8 @@ from jscale.fp8 import scaling
 from jscale.fp8.scaling import E4M3, E5M2
 
 Dims = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
+# The named scope of the three FP8 products (module docstring).
+GEMM_SCOPE = "fp8_gemm"
 # (x, w, g) amax histories, newest first; None under current scaling.
 Histories = tuple[jax.Array, jax.Array, jax.Array] | None
 
@@ -68,7 +75,8 @@ def _forward(dims, recipe, amax, lhs, rhs, histories):
   ax, aw = amax(lhs), amax(rhs)
   sx, sw = recipe.scale(ax, hx, E4M3), recipe.scale(aw, hw, E4M3)
   qx, qw = scaling.quantize(lhs, sx, E4M3), scaling.quantize(rhs, sw, E4M3)
-  y = jax.lax.dot_general(qx, qw, dims, preferred_element_type=jnp.float32)
+  with jax.named_scope(GEMM_SCOPE):
+    y = jax.lax.dot_general(qx, qw, dims, preferred_element_type=jnp.float32)
   # The FP8 residuals travel as their bytes: under a remat policy that saves them, JAX rounds
   # every saved float with reduce_precision(finfo(dtype)), which for e4m3fn (no infinities)
   # turns the top binade (256..448) into inf / NaN.
@@ -82,8 +90,11 @@ def _bwd(dims, recipe, amax, res, g):
   ag = amax(g)
   sg = recipe.scale(ag, None if histories is None else histories[2], E5M2)
   qg = scaling.quantize(g, sg, E5M2)
-  dx = _lhs_cotangent(qg, qw, dims, qx.ndim, g.dtype) * (sg * sw).astype(g.dtype)
-  dw = _rhs_cotangent(qx, qg, dims, qw.ndim, g.dtype) * (sx * sg).astype(g.dtype)
+  with jax.named_scope(GEMM_SCOPE):
+    dx_ = _lhs_cotangent(qg, qw, dims, qx.ndim, g.dtype)
+    dw_ = _rhs_cotangent(qx, qg, dims, qw.ndim, g.dtype)
+  dx = dx_ * (sg * sw).astype(g.dtype)
+  dw = dw_ * (sx * sg).astype(g.dtype)
   if histories is None:
     return dx, dw, None
   return dx, dw, tuple(scaling.push(h, a) for h, a in zip(histories, (ax, aw, ag)))

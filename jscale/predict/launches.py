@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Union
 
 from jscale.analysis import hlo
+from jscale.fp8 import dot as fp8_dot
 
 # Instructions that launch nothing: views, tuples, scalars, control markers.
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
@@ -204,6 +205,8 @@ class Program:
       self._custom_call(launch, comp, shape, attrs)
     elif op == "dot":
       self._gemm(launch, [], attrs, comp)
+    if launch.kind == "gemm" and fp8_dot.GEMM_SCOPE in op_name:
+      launch.dtype = "f8"  # an FP8 product, upcast here: on a GPU cuBLASLt's FP8 gemm
     return launch
 
   def _sliced_hero(self, name: str, attrs: str, callees: list[str]) -> Launch | None:

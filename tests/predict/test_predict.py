@@ -28,6 +28,7 @@ if not gpu_target.available():
 from jscale import predict  # noqa: E402
 from jscale.analysis import dots, hlo  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
+from jscale.fp8 import dot as fp8_dot  # noqa: E402
 from jscale import hardware  # noqa: E402
 from jscale import mesh as jscale_mesh  # noqa: E402
 from jscale.predict import timing, launches, rates, summary  # noqa: E402
@@ -82,6 +83,21 @@ def test_cublas_gemm_reads_like_the_triton_one(dtype):
   assert x.label.startswith("__cublas") and x.flops == GEMM_FLOPS
   assert x.mnk == (1, SQUARE, SQUARE, SQUARE) and x.dtype == ("bf16" if dtype == jnp.bfloat16
                                                                 else "f32")
+
+
+def test_an_fp8_product_upcast_by_the_compile_here_is_timed_as_fp8():
+  """XLA:GPU compiled without a GPU never forms cuBLASLt's FP8 gemm: an FP8 product
+  (`jscale.fp8.dot`) becomes a bf16 cuBLAS call on fusions that round to e4m3 and back. The
+  predictor times that call as the FP8 gemm a GPU runs (measured FP8 rows: docs/predict.md);
+  a bf16 product beside it stays bf16."""
+  a = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+  fp8 = lambda p, q: fp8_dot.fp8_dot_general(p, q, (((1,), (0,)), ((), ())),
+                                             fp8_dot.Recipe(delayed=False))
+  text = _compile(lambda p, q: (fp8(p, q), p @ q), a, a, options=predict.AUTOTUNED_GEMMS)
+  assert "__cublas$lt$matmul$f8" not in text
+  gemms = [i for i in launches.Program(text).items() if getattr(i, "kind", "") == "gemm"]
+  assert sorted(g.dtype for g in gemms) == ["bf16", "f8"], [(g.label, g.dtype) for g in gemms]
+  assert all(g.label.startswith("__cublas") for g in gemms)
 
 
 def test_gemm_efficiency_sees_waves_and_short_k():
