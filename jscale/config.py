@@ -105,6 +105,10 @@ class MoeConfig:
   # jscale.fp8.wire); results and gradients come back in the compute dtype. With
   # fp8.experts_scaling=row the experts' products round the rows the same way, so it adds none
   dispatch_dtype: Literal["compute", "e4m3"] = "compute"
+  # the same for the backward's rows to the experts (the outputs' gradients, the combine's
+  # transpose): e4m3 as DeepSeek-V3 sends them, D + 4 bytes a row, rounding the gradient the
+  # experts' down projection and everything before it receive; compute: exact
+  dispatch_grad_dtype: Literal["compute", "e4m3"] = "compute"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,14 +116,16 @@ class ManualExpert:
     if moe.dispatch == "dropless":
       gpu = self.mesh.devices.flat[0].platform == "gpu"  # native ragged_all_to_all there
       wire = wire_lib.e4m3_rows(dtype) if moe.dispatch_dtype == "e4m3" else None
+      grad_wire = wire_lib.e4m3_rows(dtype) if moe.dispatch_grad_dtype == "e4m3" else None
       if moe.exchange == "node_limited":
         exchange = lambda x, i, g: ex.node_limited_exchange(
             x, i, g, w, dtype, "expert", n_ep, moe.n_group, moe.topk_group, gpu, gemm,
-            moe.receive_factor, wire)
+            moe.receive_factor, wire, grad_wire)
       else:
         exchange = lambda x, i, g: ex.dropless_exchange(x, i, g, w, dtype,
                                                         ex.Peers.whole("expert", n_ep), gpu,
-                                                        gemm, moe.receive_factor, wire=wire)
+                                                        gemm, moe.receive_factor, wire=wire,
+                                                        grad_wire=grad_wire)
       y_TD, dropped = ex.in_chunks(exchange, self.expert_chunks, x_TD, ids_TK, gates_TK)
       return y_TD[None], dropped
     y_TD, dropped = ex.capacity_exchange(x_TD, ids_TK, gates_TK, w, dtype,

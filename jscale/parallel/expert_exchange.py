@@ -103,19 +103,21 @@ def capacity_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, factor
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                      peers: Peers, rows: int, native: bool, wire: Wire | None = None):
+                      peers: Peers, rows: int, native: bool, wire: Wire | None = None,
+                      grad_wire: Wire | None = None):
   """`jax.lax.ragged_all_to_all` among `peers` (native: GPU, which moves only the real rows) or
   the same semantics on any backend (`padded_all_to_all`, `rows` per peer); differentiable
   by one transpose for both (`_transposed`), so CPU tests check the one GPU runs. `wire`: the
-  rows (and `output`) travel encoded (`jscale.fp8.wire`, the FP8 dispatch); the transpose
-  sends the gradient back in `operand`'s dtype, passing it straight through the rounding."""
+  rows (and `output`) travel encoded (`jscale.fp8.wire`, the FP8 dispatch); `grad_wire`: the
+  transpose's rows do (None: the gradient goes back in `operand`'s dtype, passing straight
+  through the forward's rounding)."""
   if native:
     groups = peers.groups()
     bind = lambda *args: jax.lax.ragged_all_to_all(*args, axis_name=peers.axis,
                                                    axis_index_groups=groups)
   else:
     bind = lambda *args: padded_all_to_all(*args, peers=peers, rows=rows)
-  return _transposed(bind, peers, operand.shape, operand.dtype, wire)(
+  return _transposed(bind, peers, operand.shape, operand.dtype, wire, grad_wire)(
       operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
 
 
@@ -145,12 +147,20 @@ def landing_zeros(shape, dtype, sizes_N: jax.Array) -> jax.Array:
   return jnp.broadcast_to(zero, shape)
 
 
-def _transposed(bind: Callable, peers: Peers, shape, dtype, wire: Wire | None) -> Callable:
+def _encoded(bind: Callable, wire: Wire | None) -> Callable:
+  """`bind` sending its rows and landing buffer through `wire` (None: as they are)."""
+  if wire is None:
+    return bind
+  return lambda x, out, *offsets: wire.decode(bind(wire.encode(x), wire.encode(out), *offsets))
+
+
+def _transposed(bind: Callable, peers: Peers, shape, dtype, wire: Wire | None,
+                grad_wire: Wire | None = None) -> Callable:
   """`bind` (a ragged all-to-all among `peers`) with its transpose written here: JAX's (0.10)
-  exchanges the offsets over the whole axis, ignoring `axis_index_groups`. With a `wire` the
-  forward sends encoded rows; the transpose sends the plain gradient."""
-  forward = bind if wire is None else (
-      lambda x, out, *offsets: wire.decode(bind(wire.encode(x), wire.encode(out), *offsets)))
+  exchanges the offsets over the whole axis, ignoring `axis_index_groups`. The forward sends
+  its rows through `wire`, the transpose through `grad_wire` (None: as they are)."""
+  forward = _encoded(bind, wire)
+  backward = _encoded(bind, grad_wire)
 
   @jax.custom_vjp
   def exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
@@ -165,8 +175,8 @@ def _transposed(bind: Callable, peers: Peers, shape, dtype, wire: Wire | None) -
     # Each peer sends back the rows it was sent: from where they landed in its output (the
     # senders' output offsets) to where they came from (the senders' input offsets).
     landed_N = peers.all_to_all(output_offsets)
-    operand_g = bind(g, landing_zeros(shape, dtype, send_sizes), landed_N, recv_sizes,
-                     peers.all_to_all(input_offsets), send_sizes)
+    operand_g = backward(g, landing_zeros(shape, g.dtype, send_sizes), landed_N, recv_sizes,
+                         peers.all_to_all(input_offsets), send_sizes).astype(dtype)
     edges = jnp.zeros(g.shape[0] + 1, jnp.int32).at[landed_N].add(1).at[
         landed_N + recv_sizes].add(-1)
     received = (jnp.cumsum(edges)[:-1] > 0).reshape((-1,) + (1,) * (g.ndim - 1))
@@ -197,15 +207,16 @@ def node_rows(t: int, topk_group: int, n_group: int, factor: float) -> int:
 
 
 def round_trip(send: Callable, s: md.Sorted, per_device: int, peers: Peers, cap: int,
-               native: bool, compute: Callable, wire: Wire | None = None
-               ) -> tuple[jax.Array, slots_lib.Slots, jax.Array]:
+               native: bool, compute: Callable, wire: Wire | None = None,
+               grad_wire: Wire | None = None) -> tuple[jax.Array, slots_lib.Slots, jax.Array]:
   """Sends `s`'s sorted assignment rows (row r to peer s.expert_A[r] // per_device; ids past
   the peers' experts nowhere) out, runs `compute((rows, extras), sizes_NE)` -> ([N·cap, D]
   result, a count) on each peer and brings the result back: (the returned [N·cap] rows, in
   per-peer blocks, zero where nothing was sent; their slots (`exchange_slots`); the peer's
   count). `send(slots)`: (the [S, D] rows to send, a pytree of more per-row values), in the
   smaller of the two layouts. `wire`: how the rows travel out (None: as they are; the result
-  comes back in its own dtype).
+  comes back in its own dtype); `grad_wire`: how the result's gradient travels out in the
+  backward (None: as it is).
 
   Both directions land in blocks: source (or destination) j's rows at j·cap, sorted by local
   expert (`sizes_NE`: how many per source and local expert), so no side needs the other's
@@ -221,13 +232,13 @@ def round_trip(send: Callable, s: md.Sorted, per_device: int, peers: Peers, cap:
       peers.all_to_all(sent_NE), "moe_counts")
   recv_N = sizes_NE.sum(axis=1)
   mine_N = jnp.full((n,), peers.index() * cap, jnp.int32)
-  exchange = lambda x, in_off, send_N, recv, as_=None: ragged_all_to_all(
+  exchange = lambda x, in_off, send_N, recv, as_=None, grad_as=None: ragged_all_to_all(
       x, landing_zeros((n * cap,) + x.shape[1:], x.dtype, recv), in_off, send_N, mine_N, recv,
-      peers, cap, native, as_)
+      peers, cap, native, as_, grad_as)
   out = lambda x, as_=None: exchange(x, sent.offsets_N, sent.sent_N, recv_N, as_)
   rows_SD, extras = send(sent)
   result, count = compute((out(rows_SD, wire), jax.tree.map(out, extras)), sizes_NE)
-  return exchange(result, back.offsets_N, recv_N, sent.sent_N), back, count
+  return exchange(result, back.offsets_N, recv_N, sent.sent_N, None, grad_wire), back, count
 
 
 def _clipped(sizes_NE: jax.Array, cap: int) -> jax.Array:
@@ -253,13 +264,15 @@ def _received_by_expert(x_RD, sizes_NE, cap: int, w: md.ExpertWeights, dtype,
 def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, peers: Peers,
                       native_ragged: bool = False, gemm: GroupedDot = GroupedDot(),
                       receive_factor: float = 0.0, share_tokens: int | None = None,
-                      wire: Wire | None = None) -> tuple[jax.Array, jax.Array]:
+                      wire: Wire | None = None, grad_wire: Wire | None = None
+                      ) -> tuple[jax.Array, jax.Array]:
   """Experts among `peers`, sorted rows through a ragged all-to-all: (output [T, D], dropped
   assignments: none unless `receive_factor` > 0 bounds the receive buffer, `receive_rows`).
   Expert ids index the peers' experts (peer j holds [j·E_l, (j+1)·E_l)); ids >= size·E_l
   mean "none here" and need gate 0. `native_ragged`: the backend's ragged_all_to_all (GPU),
   else its padded emulation. `gemm`: the grouped matmul of the received rows. `wire`: how
-  the rows travel out (`jscale.fp8.wire`; None: in `dtype`)."""
+  the rows travel out (`jscale.fp8.wire`; None: in `dtype`); `grad_wire`: how the outputs'
+  gradients travel out to the experts in the backward."""
   e_l = w.n_experts
   t, k = ids_TK.shape
   s = md.sort_by_expert(ids_TK, e_l * peers.size)
@@ -268,7 +281,7 @@ def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, peers:
                                jnp.zeros((), jnp.int32))
   x_TD = x_TD.astype(dtype)
   back_SD, slots, _ = round_trip(lambda sl: (slots_lib.dispatch(x_TD, s, sl), ()), s, e_l,
-                                 peers, cap, native_ragged, ffn, wire)
+                                 peers, cap, native_ragged, ffn, wire, grad_wire)
   return slots_lib.combine(back_SD, s, slots, gates_TK), jnp.sum(slots.unsent_A)
 
 
@@ -295,7 +308,8 @@ def in_chunks(exchange: Callable, chunks: int, x_TD, ids_TK, gates_TK
 def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis: str,
                           n_ep: int, n_group: int, topk_group: int, native_ragged: bool = False,
                           gemm: GroupedDot = GroupedDot(), receive_factor: float = 0.0,
-                          wire: Wire | None = None) -> tuple[jax.Array, jax.Array]:
+                          wire: Wire | None = None, grad_wire: Wire | None = None
+                          ) -> tuple[jax.Array, jax.Array]:
   """Dropless experts over `axis` in DeepSeek-V3's two hops (module docstring): (output [T, D],
   equal to `dropless_exchange` over the whole axis; dropped assignments). The n_group groups of
   experts tile the n_ep devices (n_group divides n_ep). Unbounded, hop 1's blocks hold T rows
@@ -304,7 +318,8 @@ def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, ax
   sizes both by their even shares: hop 1 ⌈f·T·topk_group / n_group⌉ rows per source
   (`node_rows`), hop 2 ⌈f·T·K / m⌉ (each device's T tokens bring about T·K assignments into
   the node, spread over its m devices); what does not fit is dropped and counted, per
-  assignment, as the flat exchange's is. `wire`: how the rows travel out, both hops."""
+  assignment, as the flat exchange's is. `wire`, `grad_wire`: how the rows and the outputs'
+  gradients travel out, both hops."""
   per_node = n_ep // n_group
   e_g = w.n_experts * per_node  # experts per group: a node's
   t, k = ids_TK.shape
@@ -333,11 +348,12 @@ def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, ax
     real_R = (jnp.arange(cap) < sizes_N1).reshape(-1)  # padding rows: no experts
     return dropless_exchange(x_RD, jnp.where(real_R[:, None], local_RK, e_g), gates_RK, w,
                              dtype, Peers.within_nodes(axis, n_ep, per_node), native_ragged,
-                             gemm, receive_factor, share_tokens=t, wire=wire)
+                             gemm, receive_factor, share_tokens=t, wire=wire,
+                             grad_wire=grad_wire)
 
   back_SD, slots, dropped_in_node = round_trip(
       rows, pairs, 1, Peers.across_nodes(axis, n_ep, per_node), cap, native_ragged, in_node,
-      wire)
+      wire, grad_wire)
   dropped = jnp.sum(slots.unsent_A[:, None] & (local_AK < e_g)) + dropped_in_node
   return (slots_lib.combine(back_SD, pairs, slots, chosen_TG.astype(jnp.float32)),
           dropped)

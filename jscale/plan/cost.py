@@ -183,12 +183,14 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
     moe_layers = model.stack_layers / lay.stage // model.moe.every + (
         model.mtp.depth if model.mtp is not None else 0)
     rows = tokens * model.moe.top_k
-    # The forward dispatch in e4m3 carries a row's D bytes and its fp32 scale (jscale.fp8.wire).
-    out_row = model.d_model + 4 if model.moe.dispatch_dtype == "e4m3" else model.d_model * c
+    # A row to the experts in e4m3 carries its D bytes and its fp32 scale (jscale.fp8.wire):
+    # the forward's dispatch, and the backward's output gradients (the combine's transpose).
+    row = lambda dtype: model.d_model + 4 if dtype == "e4m3" else model.d_model * c
+    passes = (row(model.moe.dispatch_dtype) + row(model.moe.dispatch_grad_dtype)
+              + 2 * model.d_model * c)
     # The buffer's own slice stays put, but volumes omit the (n-1)/n factor throughout.
     out.append(Transfer("expert", "token dispatch + combine all-to-all, fwd and bwd",
-                        "all-to-all", moe_layers * rows * (out_row + 3 * model.d_model * c),
-                        nodes("expert"), ""))
+                        "all-to-all", moe_layers * rows * passes, nodes("expert"), ""))
   if lay.stage > 1:
     # Every tick of the executed schedule sends on each of its channels, one activation-sized
     # message each (jscale's shard_map program: idle ticks send too): an activation forward

@@ -1,6 +1,7 @@
 """The FP8 dispatch (`model.moe.dispatch_dtype: e4m3`, `jscale.fp8.wire`): rows go out as e4m3
 with a power-of-two scale per row, D + 4 bytes; results and gradients come back in the compute
-dtype. Checked: the wire format against the row-scaled quantisation it encodes; the flat and
+dtype (with `model.moe.dispatch_grad_dtype: e4m3` the backward's output gradients go out to
+the experts in e4m3 too, rounded per row and hop). Checked: the wire format against the row-scaled quantisation it encodes; the flat and
 node-limited exchanges on 8 simulated devices equal one device on the rows rounded once (hop 2
 re-encodes hop 1's rows exactly), gradients passing straight through; with the experts' FP8
 products scaled per row the tiny DeepSeek trains under node-limited EP as one device (the
@@ -82,26 +83,41 @@ def _step(exchange, devices):
                                out_specs=(rows, (rows, rows, W_SPEC)), check_vma=False))
 
 
-def _flat(native=False, dtype=jnp.float32):
+def _flat(native=False, dtype=jnp.float32, grads=False):
+  grad_wire = wire.e4m3_rows(dtype) if grads else None
   return lambda x, i, g, w: ex.dropless_exchange(
       x, i, g, w, dtype, ex.Peers.whole("expert", N), native,
-      wire=wire.e4m3_rows(dtype))[0]
+      wire=wire.e4m3_rows(dtype), grad_wire=grad_wire)[0]
 
 
-def _node_limited(n_group, topk_group, native=False, dtype=jnp.float32, factor=0.0):
+def _node_limited(n_group, topk_group, native=False, dtype=jnp.float32, factor=0.0,
+                  grads=False):
+  grad_wire = wire.e4m3_rows(dtype) if grads else None
   return lambda x, i, g, w: ex.node_limited_exchange(
       x, i, g, w, dtype, "expert", N, n_group, topk_group, native, receive_factor=factor,
-      wire=wire.e4m3_rows(dtype))[0]
+      wire=wire.e4m3_rows(dtype), grad_wire=grad_wire)[0]
+
+
+def _rounded(x):
+  """Straight through: x rounded as the wire rounds it, the gradient of the unrounded."""
+  return x + jax.lax.stop_gradient(WIRE.decode(WIRE.encode(x)) - x)
+
+
+@jax.custom_vjp
+def _grad_rounded(y):
+  """The identity whose gradient is rounded as the wire rounds it."""
+  return y
+
+
+_grad_rounded.defvjp(lambda y: (y, None), lambda _, g: (WIRE.decode(WIRE.encode(g)),))
 
 
 @pytest.mark.parametrize("name, n_group, topk_group", [
     ("flat", 2, 1), ("node_limited", 2, 1), ("node_limited", 4, 2)])
 def test_fp8_dispatch_equals_one_device_on_the_rounded_rows(name, n_group, topk_group):
   x, ids, gates, w = _inputs(n_group, topk_group)
-  # Straight through: the rows rounded as the wire rounds them, the gradient of the unrounded.
-  rounded = lambda x: x + jax.lax.stop_gradient(WIRE.decode(WIRE.encode(x)) - x)
   ref = lambda x, gates, w: (jnp.sum(jnp.sin(y := md.dropless(
-      rounded(x), ids, gates, w, jnp.float32)) * 3), y)
+      _rounded(x), ids, gates, w, jnp.float32)) * 3), y)
   (_, want_y), want_g = jax.value_and_grad(ref, (0, 1, 2), has_aux=True)(x, gates, w)
   exchange = _flat() if name == "flat" else _node_limited(n_group, topk_group)
   y, g = _step(exchange, jax.devices()[:N])(x, ids, gates, w)
@@ -110,6 +126,39 @@ def test_fp8_dispatch_equals_one_device_on_the_rounded_rows(name, n_group, topk_
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
   # ... and the rounding is there: the unrounded rows give other values.
   assert not np.allclose(y, md.dropless(x, ids, gates, w, jnp.float32), rtol=1e-3)
+
+
+def _experts_with_rounded_grads(x, ids, gates, w, hops: int):
+  """One device's experts whose rows to the experts are rounded in the forward (straight
+  through) and whose output gradients are rounded before the experts: per assignment row
+  (gate·dy), and with two hops first per token (dy, hop 1's row: a group's gated sum)."""
+  s = md.sort_by_expert(ids, E)
+  out_AD = md.ragged_ffn(md.dispatch_sorted(_rounded(x), s), s.sizes_E, w, jnp.float32)
+  y = md.combine_sorted(_grad_rounded(out_AD), s, gates)
+  return _grad_rounded(y) if hops == 2 else y
+
+
+@pytest.mark.parametrize("name, n_group, topk_group", [
+    ("flat", 2, 1), ("node_limited", 2, 1), ("node_limited", 4, 2)])
+def test_fp8_output_gradients_equal_one_device_rounding_them_before_the_experts(
+    name, n_group, topk_group):
+  """`model.moe.dispatch_grad_dtype: e4m3` (DeepSeek-V3 sends the gradient before the down
+  projection in FP8): the backward's rows to the experts are rounded per row, once per hop."""
+  x, ids, gates, w = _inputs(n_group, topk_group)
+  hops = 1 if name == "flat" else 2
+  ref = lambda x, gates, w: (jnp.sum(jnp.sin(
+      y := _experts_with_rounded_grads(x, ids, gates, w, hops)) * 3), y)
+  (_, want_y), want_g = jax.value_and_grad(ref, (0, 1, 2), has_aux=True)(x, gates, w)
+  exchange = (_flat(grads=True) if name == "flat"
+              else _node_limited(n_group, topk_group, grads=True))
+  y, g = _step(exchange, jax.devices()[:N])(x, ids, gates, w)
+  np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+  for got, want in zip(jax.tree.leaves(g), jax.tree.leaves(want_g)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+  # ... and the gradient is rounded: straight through gives another.
+  _, exact = _step(_flat() if name == "flat" else _node_limited(n_group, topk_group),
+                   jax.devices()[:N])(x, ids, gates, w)
+  assert not np.allclose(g[0], exact[0], rtol=1e-3)
 
 
 ROW_FP8 = ("fp8.enabled=true", "fp8.targets=[experts]", "fp8.experts_scaling=row",
@@ -125,19 +174,26 @@ def test_with_row_scaled_fp8_experts_the_dispatch_trains_as_one_device():
         "model.moe.dispatch_dtype=e4m3")
   want = parity.losses(ds, jax.devices()[:1], 2)
   np.testing.assert_allclose(parity.losses((*ds, *ep), jax.devices()[:4], 2), want, rtol=1e-5)
+  # The output gradients in FP8 too: the first loss is the same, the gradient rounded.
+  got = parity.losses((*ds, *ep, "model.moe.dispatch_grad_dtype=e4m3"), jax.devices()[:4], 2)
+  np.testing.assert_allclose(got[0, 0], want[0, 0], rtol=1e-5)
+  np.testing.assert_allclose(got, want, rtol=2e-2)
+  assert not np.allclose(got[0, 1], want[0, 1], rtol=1e-5)
 
 
 @functools.cache
 def _h100_program(n_group=2, topk_group=1, factor=1.0):
   sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
   args = jax.tree.map(sds, _inputs(n_group, topk_group, jnp.bfloat16))
-  step = _step(_node_limited(n_group, topk_group, True, jnp.bfloat16, factor),
+  step = _step(_node_limited(n_group, topk_group, True, jnp.bfloat16, factor, grads=True),
                gpu_target.devices("h100x8"))
   return step.lower(*args).compile().as_text()
 
 
 @pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
-def test_h100_program_sends_u8_rows_out_and_compute_dtype_rows_back():
+def test_h100_program_sends_u8_rows_to_the_experts_and_compute_dtype_rows_back():
+  """Both dispatch directions in FP8 (the forward's rows, the backward's output gradients),
+  both combine directions (the results, the inputs' gradients) in bf16, on each hop."""
   n_group, topk_group, factor = 2, 1, 1.0
   text = _h100_program(n_group, topk_group, factor)
   cap1 = ex.node_rows(T, topk_group, n_group, factor)
@@ -147,8 +203,8 @@ def test_h100_program_sends_u8_rows_out_and_compute_dtype_rows_back():
   # Hop 1 (across the 2 nodes) and hop 2 (inside one): out in u8, back in bf16, both ways.
   assert (n_group, f"u8[{n_group * cap1},{D + 4}]") in shapes, shapes
   assert (n_group, f"bf16[{n_group * cap1},{D}]") in shapes, shapes
-  assert {s for _, s in shapes if s.startswith("u8")} and all(
-      s.startswith(("u8", "bf16")) for _, s in shapes)
+  dtypes = [c.shapes[0].split("[")[0] for c in rows]
+  assert sorted(dtypes) == ["bf16"] * 4 + ["u8"] * 4, dtypes
   priced = {x.collective.name: x.collective for x in launches.Program(text).items()
             if isinstance(x, launches.Launch) and x.collective is not None}
   for c in rows:
