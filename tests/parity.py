@@ -68,7 +68,6 @@ def losses(overrides, devices=None, steps: int = STEPS) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def reference(*numerics) -> np.ndarray:
   """The single-device run with the same numerics (micro-batches, remat); computed once per
   process for each (the tests of a file share it: they run in one worker)."""
