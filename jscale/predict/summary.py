@@ -50,6 +50,9 @@ class Summary:
   # allocates (results/h200_measured/memory_check_h200.md: a step warned so ran).
   remat_limit_bytes: int | None = None
   remat_reached_bytes: int | None = None
+  # (what, seconds per step): the collectives the compute stream waits for, most first,
+  # grouped by kind, size and span (`exposed_by`)
+  exposed_by: list[tuple[str, float]] = dataclasses.field(default_factory=list)
 
   @property
   def fits(self) -> bool | None:
@@ -84,7 +87,25 @@ def summarize(s: Schedule, chip: Chip, model_flops: float, tokens: int, top: int
   notes += ([f"loop {n}: trip count unknown to XLA, timed once" for n in s.unknown_trips]
            + sorted({x.note for x in s.timed if x.runs and x.bound == "roofline" and x.note}))
   return Summary(s.seconds, tokens / s.seconds, model_flops / (s.seconds * peak), model_flops,
-                 peak, by, exposed, top_rows, _gap(s, chip, model_flops, exposed, gaps), notes)
+                 peak, by, exposed, top_rows, _gap(s, chip, model_flops, exposed, gaps), notes,
+                 exposed_by=exposed_by(s))
+
+
+def exposed_by(s: Schedule, top: int = 8) -> list[tuple[str, float]]:
+  """Where the exposed collective time goes: the compute stream's waits for each collective
+  (its -done, or a synchronous one's queue and run), summed over the collectives of one kind,
+  size and span, most first. A loop's first trip stands for every trip, so the rows can differ
+  a little from the step's exposed total."""
+  named = {x.launch.name: x for x in s.timed}
+  by: dict[str, list] = {}
+  for name, t in s.waits.items():
+    x = named.get(name)
+    what = "?" if x is None else _what(x) + (f" ({x.note})" if x.note else "")
+    row = by.setdefault(what, [0.0, 0])
+    row[0] += t
+    row[1] += 1
+  rows = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+  return [(f"{what}, {n} launch{'es' if n > 1 else ''}", t) for what, (t, n) in rows]
 
 
 def _what(x: Timed) -> str:
@@ -140,6 +161,10 @@ def format_summary(r: Summary, header: str) -> str:
             f"({_to_target(r.step_s - target_s)}); where the time goes beyond the "
             "gemms and attention:"]
   lines += [f"  {ms(t):>8.1f} ms  {w}" for w, t in r.gap_to_target]
+  shown = [(w, t) for w, t in r.exposed_by if t >= 0.01 * r.exposed_collectives_s > 0]
+  if shown:
+    lines += ["", "the collectives the compute waits for (the exposed time, by kind):"]
+    lines += [f"  {ms(t):>8.1f} ms  {w}" for w, t in shown]
   lines += [f"note: {n}" for n in r.notes]
   return "\n".join(lines)
 

@@ -167,6 +167,11 @@ class _Clock:
   host_free: float = 0.0     # the host link's copies (host-offloaded activations)
   pending: dict = dataclasses.field(default_factory=dict)  # start name -> finish time
   comm_busy: float = 0.0     # collective time queued (for the exposed share)
+  # collective name -> seconds a step's compute stream waits for it (its -done, or a
+  # synchronous collective's queue and run), each wait counted `wait_runs` times (0 in a
+  # conditional's trials; the dict is shared by the copies they make)
+  waits: dict = dataclasses.field(default_factory=dict)
+  wait_runs: int = 1
 
   def shift(self, dt: float) -> None:
     self.t += dt
@@ -183,6 +188,9 @@ class Schedule:
   branches: list[str]       # which branch each conditional was timed by
   unknown_trips: list[str]  # loops XLA gave no trip count (timed once)
   ticks: str = ""           # how the pipeline executor's ticks were timed ("" without)
+  # collective name -> seconds per step the compute stream waits for it (a loop's first trip
+  # once and its steady state for the others, as the step's time is extrapolated)
+  waits: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 _TICK = re.compile(rf"/{TICK_SCOPE}/[^/]+$")
@@ -219,7 +227,8 @@ def schedule(items: list[Item], chip: rates.Chip, ticks: np.ndarray | None = Non
     said = (f"pipeline: {notes.tick} ticks timed from the executed table, each at the longest "
             f"op a stage runs in it" + ("" if notes.tick == len(notes.ticks) else
                                         f" (the table has {len(notes.ticks)}: check the loop)"))
-  return Schedule(clock.t, list(timed.values()), notes.branches, notes.unknown, said)
+  return Schedule(clock.t, list(timed.values()), notes.branches, notes.unknown, said,
+                  clock.waits)
 
 
 def _run(items, clock: _Clock, runs: int, timed, notes: _Notes, chip, count: bool = True
@@ -243,8 +252,10 @@ def _loop(it: Loop, clock: _Clock, runs: int, timed, notes: _Notes, chip, count:
     return
   _run(it.body, clock, runs * trips, timed, notes, chip, count)
   if trips > 1:
-    t1 = clock.t
+    t1, weight = clock.t, clock.wait_runs
+    clock.wait_runs = weight * (trips - 1)  # the steady state's waits stand for trips 2..n
     _run(it.body, clock, 0, timed, notes, chip, False)  # steady state
+    clock.wait_runs = weight
     clock.shift((trips - 2) * (clock.t - t1))
 
 
@@ -253,7 +264,7 @@ def _branches(it: Branches, clock: _Clock, runs: int, timed, notes: _Notes, chip
   """The longest branch; for an executor tick, the longest of those its stages run."""
   trials = []
   for branch in it.branches:
-    trials.append(dataclasses.replace(clock, pending=dict(clock.pending)))
+    trials.append(dataclasses.replace(clock, pending=dict(clock.pending), wait_runs=0))
     _run(branch, trials[-1], 0, timed, notes, chip, False)
   if not trials:
     return
@@ -280,12 +291,19 @@ def _launch(it: Launch, clock: _Clock, runs: int, timed, chip, count: bool) -> N
     clock.comm_free = begin + x.seconds
     clock.pending[it.name] = clock.comm_free
   elif it.kind == "collective":  # synchronous: the compute stream waits
-    clock.t = max(clock.t, clock.comm_free) + x.seconds
+    _waited(clock, it.name, max(clock.t, clock.comm_free) + x.seconds)
     clock.comm_free = clock.t
   elif it.kind == "transfer":  # async over the host link, waited for at its -done
     clock.host_free = max(clock.t, clock.host_free) + x.seconds
     clock.pending[it.name] = clock.host_free
   elif it.kind == "done":
-    clock.t = max(clock.t, clock.pending.pop(it.done_of, clock.t))
+    _waited(clock, it.done_of, clock.pending.pop(it.done_of, clock.t))
   else:
     clock.t += x.seconds + x.gap
+
+
+def _waited(clock: _Clock, name: str, ready: float) -> None:
+  """The compute stream waits until `ready` for collective `name`: recorded per step."""
+  if clock.wait_runs and ready > clock.t:
+    clock.waits[name] = clock.waits.get(name, 0.0) + (ready - clock.t) * clock.wait_runs
+  clock.t = max(clock.t, ready)

@@ -239,7 +239,10 @@ def test_async_collective_hides_behind_the_compute_between_start_and_done(betwee
   done = launches.Launch("agd", "all-gather-done", "done", "all-gather", "", done_of="ag")
   items = [_collective(1.0)] + ([_work("w", between_ms)] if between_ms else []) + [done]
   busy = between_ms * 1e-3 + (FIT.launch_s if between_ms else 0.0)
-  assert timing.schedule(items, CHIP).seconds == pytest.approx(max(busy, 1e-3))
+  s = timing.schedule(items, CHIP)
+  assert s.seconds == pytest.approx(max(busy, 1e-3))
+  # ... and what is exposed is the wait for that collective
+  assert s.waits.get("ag", 0.0) == pytest.approx(max(0.0, 1e-3 - busy), abs=1e-12)
 
 
 def test_loop_carried_collective_overlaps_the_next_iteration():
@@ -251,8 +254,27 @@ def test_loop_carried_collective_overlaps_the_next_iteration():
   assert timing.schedule([launches.Loop("l", 5, hidden)], CHIP).seconds == pytest.approx(
       5 * (2e-3 + FIT.launch_s))
   late = [done, _work("w", 2.0), _collective(1.0)]
-  assert timing.schedule([launches.Loop("l", 5, late)], CHIP).seconds == pytest.approx(
-      5 * (2e-3 + FIT.launch_s) + 4 * 1e-3)
+  s = timing.schedule([launches.Loop("l", 5, late)], CHIP)
+  assert s.seconds == pytest.approx(5 * (2e-3 + FIT.launch_s) + 4 * 1e-3)
+  # The waits as the time is extrapolated: none in the first trip, 1 ms in each other.
+  assert s.waits == pytest.approx({"ag": 4e-3})
+  assert not timing.schedule([launches.Loop("l", 5, hidden)], CHIP).waits
+
+
+def test_the_exposed_time_is_told_by_the_collectives_waited_for():
+  """`summary.exposed_by`: the waits grouped by kind, size and span, the longest first, and
+  the report prints them."""
+  done = lambda n: launches.Launch(n + "d", "all-gather-done", "done", "all-gather", "",
+                                   done_of=n)
+  big, small = _collective(3.0), dataclasses.replace(_collective(1.0), name="ag2")
+  items = [big, _work("w", 1.0), done("ag"), small, done("ag2")]
+  s = timing.schedule(items, CHIP)
+  r = summary.summarize(s, CHIP, 1e9, 1000)
+  (w1, t1), (w2, t2) = r.exposed_by
+  assert w1.startswith("all-gather") and w1.endswith("1 launch") and w2.endswith("1 launch")
+  assert t1 == pytest.approx(2e-3 - FIT.launch_s) and t2 == pytest.approx(1e-3)
+  assert t1 + t2 == pytest.approx(r.exposed_collectives_s)
+  assert "the collectives the compute waits for" in summary.format_summary(r, "")
 
 
 # The guard: llama3_1b as configured, compiled for one H100 as launched, one compile per config.
