@@ -8,6 +8,8 @@ BF16 peak, the peer's from its tok/s.
     python scripts/peers_h100.py [--only 8b,70b] [--collectives both] [--out results/peers_h100.md]
     python scripts/peers_h100.py --only dsv3_1024,dsv3_nemo1024,dsv3_256 --collectives manual \
         --guided 0     # DeepSeek-V3 671B: 20 compiles of ~4 minutes here, ~3 GB each
+    python scripts/peers_h100.py --only dsv3_1024,dsv3_nemo1024 --given "mesh.fsdp=16 ..."
+        # a layout given by hand in place of the planner's pick, said so in the table
 
 Writes a table per family (dense, MoE) with the commit that predicted it, keeping the other
 family's table as it was; the predictions are predictions.
@@ -128,6 +130,27 @@ def _order(t):  # a program that does not fit ranks after every one that does
   return (not t[0].fits, t[0].step_s)
 
 
+def given_row(p: Peer, overrides: tuple[str, ...]) -> dict:
+  """The peer's figures and jscale's predicted ones for a layout given by hand (`overrides`:
+  the mesh, parallelism and numerics), which the planner did not pick."""
+  model = load_config(None, [*p.model, "model.dtype=bfloat16"]).model
+  fpt = metrics.flops_per_token(model, p.seq)
+  r = _predicted(p.model, p.gpus, (f"train.seq_len={p.seq}",
+                                   f"train.batch_size={p.step_tokens // p.seq}", *overrides))
+  return _figures(p, fpt, r, "given: " + " ".join(o.split(".", 1)[1] for o in overrides), None)
+
+
+def _figures(p: Peer, fpt: float, r, pick: str, planner_mfu: float | None) -> dict:
+  peer = peer_tok_s(p, fpt)
+  ours = r.tokens_per_s / p.gpus
+  return {"peer": p.what, "source": p.source, "peer_tok_s": peer,
+          "peer_mfu": peer * fpt / H100.peak_flops["bf16"], "pick": pick,
+          "planner_mfu": planner_mfu, "predicted_tok_s": ours, "predicted_mfu": r.mfu,
+          "ratio": ours / peer,
+          "memory": (f"{r.memory_bytes / 2**30:.1f} GiB, " if r.memory_bytes else "")
+          + ("fits" if r.fits else "does not fit")}
+
+
 def row(p: Peer, top: int, modes: tuple[str, ...], guided: int) -> dict:
   """The peer's figures and jscale's predicted ones for the planner's pick: its estimate's
   first layout, or with `top` > 1 the fastest compiled program of its first `top`, each in
@@ -142,14 +165,7 @@ def row(p: Peer, top: int, modes: tuple[str, ...], guided: int) -> dict:
   tried += [(predicted(p, x, mode, variant), x, mode, name)
             for _, x, mode, _ in tried[:guided] for name, variant in VARIANTS]
   r, pick, mode, costs = min(tried, key=_order)
-  peer = peer_tok_s(p, fpt)
-  ours = r.tokens_per_s / p.gpus
-  peak = H100.peak_flops["bf16"]
-  return {"peer": p.what, "source": p.source, "peer_tok_s": peer, "peer_mfu": peer * fpt / peak,
-          "pick": f"{pick.layout.describe()} ({mode}{costs})", "planner_mfu": pick.cost.mfu,
-          "predicted_tok_s": ours, "predicted_mfu": r.mfu, "ratio": ours / peer,
-          "memory": (f"{r.memory_bytes / 2**30:.1f} GiB, " if r.memory_bytes else "")
-          + ("fits" if r.fits else "does not fit")}
+  return _figures(p, fpt, r, f"{pick.layout.describe()} ({mode}{costs})", pick.cost.mfu)
 
 
 def _sections(path: str) -> dict[str, list[str]]:
@@ -179,6 +195,9 @@ def main() -> None:
                   "estimate's first alone)")
   ap.add_argument("--collectives", choices=("xla", "manual", "both"), default="both",
                   help="the modes each layout is compiled in (both: the faster program counts)")
+  ap.add_argument("--given", default="", metavar="OVERRIDES",
+                  help="space-separated config overrides of a layout given by hand, predicted "
+                  "in place of the planner's pick (the table says so)")
   ap.add_argument("--guided", type=int, default=3, metavar="N",
                   help="compile the N fastest programs again with parallel.schedule_costs="
                   "predicted, model.scan_layers=false and both (0: as scanned, XLA's own "
@@ -195,13 +214,18 @@ def main() -> None:
       f"; its {args.guided} fastest also with the predicted kernel costs given to XLA's "
       "scheduler (`parallel.schedule_costs=predicted`), with the layers unrolled "
       "(`model.scan_layers=false`), and both" if args.guided else ""))
+  given = tuple(args.given.split())
+  if given:
+    how = (f"predicted at {commit}; not the planner's pick: a layout given by hand "
+           "(`scripts/peers_h100.py --given`), the fastest program found that fits")
   path = os.path.join(ROOT, args.out)
   sections = _sections(path)
   for family, title in TITLES.items():
     peers = [p for p in PEERS if p.family == family and (not keys or p.key in keys)]
     if peers:
       sections[family] = ["", f"**{title}** {how[0].upper()}{how[1:]}.", "", *HEADER,
-                          *(_line(row(p, args.rank_compiled, modes, args.guided))
+                          *(_line(given_row(p, given) if given else
+                                  row(p, args.rank_compiled, modes, args.guided))
                             for p in peers)]
   lines = [INTRO]
   for family in TITLES:
@@ -212,8 +236,9 @@ def main() -> None:
 
 
 def _line(r: dict) -> str:
+  planner = "—" if r["planner_mfu"] is None else f"{r['planner_mfu']:.1%}"
   out = (f"| {r['peer']} | {r['peer_tok_s']:,.0f} | {r['peer_mfu']:.1%} | {r['pick']} | "
-         f"{r['planner_mfu']:.1%} | {r['predicted_tok_s']:,.0f} | {r['predicted_mfu']:.1%} | "
+         f"{planner} | {r['predicted_tok_s']:,.0f} | {r['predicted_mfu']:.1%} | "
          f"{r['ratio']:.2f}x | {r['memory']} | {r['source']} |")
   print(out, flush=True)
   return out
