@@ -15,9 +15,11 @@ s/2 when max|q| rounded down to 224, and 2q is on the e4m3 grid too). With them 
 dispatch adds no rounding. Zero bytes decode to a zero row (scale 0), so a receive buffer's
 untouched rows read as zeros.
 
-Only the forward is encoded: the exchange's transpose sends the gradients back in the compute
-dtype (DeepSeek-V3's combine and backward are bf16 too), so the gradient passes straight
-through the rounding, as an FP8 product's does.
+The dispatch's transpose sends the inputs' gradients back in the compute dtype (DeepSeek-V3's
+combine and its backward are bf16 too), so the gradient passes straight through the forward's
+rounding, as an FP8 product's does. The backward's rows to the experts (the outputs'
+gradients, the combine's transpose) travel through a wire of their own where asked
+(`model.moe.dispatch_grad_dtype: e4m3`, as DeepSeek-V3 sends them): those are rounded.
 """
 
 from __future__ import annotations
