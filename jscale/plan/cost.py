@@ -23,7 +23,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jscale import hardware
-from jscale.config import ModelConfig
+from jscale.config import ModelConfig, MoeConfig
 from jscale.metrics import flops_per_token
 from jscale.plan import busy, memory
 from jscale.plan.layout import Layout, layout_of
@@ -180,17 +180,7 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
   if lay.sequence > 1:
     out.append(_context_transfer(model, lay, tokens, layers, nodes("sequence")))
   if lay.expert > 1 and model.moe is not None:
-    moe_layers = model.stack_layers / lay.stage // model.moe.every + (
-        model.mtp.depth if model.mtp is not None else 0)
-    rows = tokens * model.moe.top_k
-    # A row to the experts in e4m3 carries its D bytes and its fp32 scale (jscale.fp8.wire):
-    # the forward's dispatch, and the backward's output gradients (the combine's transpose).
-    row = lambda dtype: model.d_model + 4 if dtype == "e4m3" else model.d_model * c
-    passes = (row(model.moe.dispatch_dtype) + row(model.moe.dispatch_grad_dtype)
-              + 2 * model.d_model * c)
-    # The buffer's own slice stays put, but volumes omit the (n-1)/n factor throughout.
-    out.append(Transfer("expert", "token dispatch + combine all-to-all, fwd and bwd",
-                        "all-to-all", moe_layers * rows * passes, nodes("expert"), ""))
+    out.append(_expert_transfer(model, model.moe, lay, tokens, nodes("expert")))
   if lay.stage > 1:
     # Every tick of the executed schedule sends on each of its channels, one activation-sized
     # message each (jscale's shard_map program: idle ticks send too): an activation forward
@@ -204,6 +194,22 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
                         "all-reduce", 2 * other_psi * GRAD_BYTES, nodes("stage"),
                         "last backward"))
   return out
+
+
+def _expert_transfer(model: ModelConfig, moe: MoeConfig, lay: Layout, tokens: int, nodes: int
+                     ) -> Transfer:
+  """The expert exchange per device (`moe`: `model`'s): each MoE layer's dispatch and combine,
+  forward and backward, a row per routed assignment."""
+  c = jnp.dtype(model.dtype).itemsize
+  moe_layers = model.stack_layers / lay.stage // moe.every + (
+      model.mtp.depth if model.mtp is not None else 0)
+  # A row to the experts in e4m3 carries its D bytes and its fp32 scale (jscale.fp8.wire):
+  # the forward's dispatch, and the backward's output gradients (the combine's transpose).
+  row = lambda dtype: model.d_model + 4 if dtype == "e4m3" else model.d_model * c
+  passes = row(moe.dispatch_dtype) + row(moe.dispatch_grad_dtype) + 2 * model.d_model * c
+  # The buffer's own slice stays put, but volumes omit the (n-1)/n factor throughout.
+  return Transfer("expert", "token dispatch + combine all-to-all, fwd and bwd", "all-to-all",
+                  moe_layers * tokens * moe.top_k * passes, nodes, "")
 
 
 def _context_transfer(model: ModelConfig, lay: Layout, tokens: int, layers: float,
