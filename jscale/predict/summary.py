@@ -94,8 +94,8 @@ def summarize(s: Schedule, chip: Chip, model_flops: float, tokens: int, top: int
 def exposed_by(s: Schedule, top: int = 8) -> list[tuple[str, float]]:
   """Where the exposed collective time goes: the compute stream's waits for each collective
   (its -done, or a synchronous one's queue and run), summed over the collectives of one kind,
-  size and span, most first. A loop's first trip stands for every trip, so the rows can differ
-  a little from the step's exposed total."""
+  size and span, most first. A loop's waits are weighted as its time is extrapolated (first
+  trip once, steady state for the rest), so the rows add up to about the exposed total."""
   named = {x.launch.name: x for x in s.timed}
   by: dict[str, list] = {}
   for name, t in s.waits.items():

@@ -166,7 +166,6 @@ class _Clock:
   comm_free: float = 0.0     # communication stream
   host_free: float = 0.0     # the host link's copies (host-offloaded activations)
   pending: dict = dataclasses.field(default_factory=dict)  # start name -> finish time
-  comm_busy: float = 0.0     # collective time queued (for the exposed share)
   # collective name -> seconds a step's compute stream waits for it (its -done, or a
   # synchronous collective's queue and run), each wait counted `wait_runs` times (0 in a
   # conditional's trials; the dict is shared by the copies they make)
