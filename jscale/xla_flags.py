@@ -95,31 +95,32 @@ def with_overlap_flags(xla_flags: str, cfg=None) -> str:
 # CollectivePipeliningMode, and the XLA_FLAGS booleans still parse ("[Deprecated] True maps to
 # --xla_gpu_pipeline_all_gather=on", read from jax 0.11.2's plugin). As compile options, which
 # name DebugOptions fields, the booleans are refused ("No such compile option:
-# 'xla_gpu_enable_pipelined_all_reduce'", `jscale.predict` under jax 0.11.2 on an H200,
-# 2026-11-29); jax 0.10.2 takes them. From 0.11 they are left out, so a step compiled for
-# prediction pipelines as XLA's default mode decides where the launcher's asks for "on"; the
-# enum's spelling as a compile option is not yet checked on a 0.11 install.
-_FLAG_ONLY_FROM = (0, 11)
-_FLAG_ONLY = ("xla_gpu_enable_pipelined_all_gather", "xla_gpu_enable_pipelined_reduce_scatter",
-              "xla_gpu_enable_pipelined_all_reduce")
+# 'xla_gpu_enable_pipelined_all_reduce'", 2026-11-29), and the field takes the enum's full name
+# (scripts/pipeline_modes.py under jax 0.11.2 on an H200, 2026-11-30: 'COLLECTIVE_PIPELINING_
+# MODE_ON' and 2 taken; 'on', 'ON' and True refused). A boolean the launcher asks for is that.
+_MODES_FROM = (0, 11)
+_PIPELINED = "xla_gpu_enable_pipelined_"
+_MODE_ON = "COLLECTIVE_PIPELINING_MODE_ON"
 
 
 def pipeliner_booleans_are_options(jax_version: tuple[int, ...] | None = None) -> bool:
   """Whether `jax_version`'s XLA (default: the running one) takes the collective pipeliner's
-  booleans as compile options."""
-  return tuple(jax_version or jax.__version_info__)[:2] < _FLAG_ONLY_FROM
+  booleans as compile options (else its `xla_gpu_pipeline_*` modes)."""
+  return tuple(jax_version or jax.__version_info__)[:2] < _MODES_FROM
 
 
 def compiler_options(cfg=None, jax_version: tuple[int, ...] | None = None
-                     ) -> dict[str, bool | int]:
+                     ) -> dict[str, bool | int | str]:
   """The overlap flags for `cfg` as `Lowered.compile(compiler_options=...)` takes them under
   `jax_version` (default: the running jax's): what a step compiled for GPUs elsewhere
   (`jscale.analysis`) needs to be the launcher's program."""
-  leave_out = () if pipeliner_booleans_are_options(jax_version) else _FLAG_ONLY
-  out = {}
+  as_booleans = pipeliner_booleans_are_options(jax_version)
+  out: dict[str, bool | int | str] = {}
   for flag in overlap_flags(cfg):
     name, value = flag[2:].split("=")
-    if name in leave_out:
+    if name.startswith(_PIPELINED) and not as_booleans:
+      assert value == "true", flag  # overlap_flags leaves a pipeliner out, never sets it false
+      out["xla_gpu_pipeline_" + name[len(_PIPELINED):]] = _MODE_ON
       continue
     out[name] = value == "true" if value in ("true", "false") else int(value)
   return out

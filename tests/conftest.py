@@ -3,14 +3,22 @@
 import os
 import subprocess
 import sys
+from importlib import metadata
 
 # The suite is compile-bound (tiny shapes, many layouts), so XLA:CPU compiles for speed of
 # compiling: LLVM -O0 (halves compile time) and the legacy elemental emitters instead of the
 # MLIR fusion emitters (a third less again: the emitters, not the pass pipeline, own XLA:CPU's
 # compile time). Sharding, collectives and what the tests inspect hold under both; CPU
 # numerics may move in the last bits. Set before jax is imported (subprocesses inherit them).
+# jax 0.11's XLA has no legacy emitters, and an unknown XLA_FLAGS entry ends the process
+# (exit 1 before pytest prints a line: "Unknown flag in XLA_FLAGS: --xla_cpu_use_fusion_emitters",
+# jax 0.11.2 on an H200, 2026-11-30), so that switch is set only where XLA has it.
+LEGACY_EMITTERS = tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2]) < (0, 11)
+# Compile options for XLA:CPU's default (fusion) emitters, for the tests whose figures need them.
+FUSION_EMITTERS = {"xla_cpu_use_fusion_emitters": True} if LEGACY_EMITTERS else {}
 _FLAGS = os.environ.get("XLA_FLAGS", "")
-for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+for _flag in ("--xla_backend_optimization_level=0",
+              *(("--xla_cpu_use_fusion_emitters=false",) if LEGACY_EMITTERS else ())):
   if _flag.split("=")[0] not in _FLAGS:
     _FLAGS += " " + _flag
 os.environ["XLA_FLAGS"] = (_FLAGS + " --xla_force_host_platform_device_count=8").strip()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import parity
-from conftest import small_config
+from conftest import FUSION_EMITTERS, small_config
 from jscale import runtime
 from jscale.analysis import introspect
 from jscale.step import state as state_lib
@@ -130,7 +130,7 @@ def test_zero2_shards_the_stage_gradient_accumulators(mode):
     # XLA:CPU's default emitters (conftest turns them off for speed), whose fusions the peak
     # below was measured with; the legacy emitters' fusions leave the accumulators a smaller
     # share of it.
-    compiled = lowered.compile(compiler_options={"xla_cpu_use_fusion_emitters": True})
+    compiled = lowered.compile(compiler_options=FUSION_EMITTERS)
     temp[zero] = introspect.memory(compiled)["temp"]
   blocks = jax.eval_shape(lambda: state_lib.init_state(cfg))["params"]["blocks"]
   stage_grad_bytes = 4 * sum(x.size for x in jax.tree.leaves(blocks)) / 2

@@ -333,9 +333,14 @@ def test_launcher_xla_flags_exist_in_this_jaxlib():
     assert "--xla_gpu_enable_pipelined_all_gather=true" not in xla_flags.with_overlap_flags("", acc)
   assert "--xla_gpu_enable_pipelined_all_gather=true" in xla_flags.overlap_flags()
   assert xla_flags.compiler_options()["xla_gpu_all_gather_combine_threshold_bytes"] == 2**27
-  # jax 0.11's XLA refuses the pipeliner's booleans as compile options (XLA_FLAGS still parse)
+  # jax 0.11's XLA refuses the pipeliner's booleans as compile options (XLA_FLAGS still parse):
+  # its modes instead, the one left out with micro-batches left out there too
   assert xla_flags.compiler_options(None, (0, 10, 2))["xla_gpu_enable_pipelined_all_reduce"]
-  assert not [k for k in xla_flags.compiler_options(None, (0, 11, 2)) if "pipelined" in k]
+  new = xla_flags.compiler_options(None, (0, 11, 2))
+  assert not [k for k in new if "pipelined" in k]
+  assert new["xla_gpu_pipeline_all_reduce"] == "COLLECTIVE_PIPELINING_MODE_ON"
+  assert new["xla_gpu_pipeline_all_gather"] == "COLLECTIVE_PIPELINING_MODE_ON"
+  assert "xla_gpu_pipeline_all_gather" not in xla_flags.compiler_options(acc, (0, 12, 0))
   assert not xla_flags.pipeliner_booleans_are_options((0, 12, 0))
   # xla mode's ZeRO-3 keeps each weight's gradient reduce-scatter apart (8 MiB), manual 128 MiB
   rs = "xla_gpu_reduce_scatter_combine_threshold_bytes"

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import parity
 import pytest
-from conftest import small_config
+from conftest import FUSION_EMITTERS, small_config
 
 from jscale import optim, runtime
 from jscale import train as train_lib
@@ -33,7 +33,7 @@ def _default_xla(fn, *args):
   bit equality across two programs holds with the fusions they were compared under, where the
   legacy emitters contract a multiply-add in one program and not the other."""
   compiled = jax.jit(fn).lower(*args).compile(
-      compiler_options={"xla_cpu_use_fusion_emitters": True})
+      compiler_options=FUSION_EMITTERS)
   return compiled(*args)
 
 
