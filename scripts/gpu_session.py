@@ -15,7 +15,7 @@ There, one device-tool call per part, `carry: [".whl"]`:
   python3 scripts/gpu_session.py run curves  # issue 18: FP8's 200-step loss curves
   python3 scripts/gpu_session.py run long_context  # issues 51/52: 8B at 32k, document mask
   python3 scripts/gpu_session.py run pipeline_modes  # jax 0.11's spelling of the pipeliner modes
-  python3 scripts/gpu_session.py run followup_50  # issue 50: FP8 gathers, fused-experts proxy
+  python3 scripts/gpu_session.py run followup_50  # issue 50: FP8 gathers, fused-experts proxy (measured 11-30)
   python3 scripts/gpu_session.py plan        # every part's commands, runnable by hand
 A part installs the wheels into /tmp/site (no network there), runs its commands in order, each
 with what is left of --budget-s (default 540 s, under the tool's 600), logs to $OUT/<part>.log
@@ -197,7 +197,8 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
     # Issue 50 after the 2026-11-29 lease, in one call: the FP8 tiled experts since their weights
     # gather as 32-bit words (198 ms with byte gathers), the proxy again beside it (both rows'
     # step programs and traces kept, to join measured kernels to predicted ones by name), the
-    # kernel at DeepSeek's widths on balanced groups, and the pipeliner modes' spelling.
+    # kernel at DeepSeek's widths on balanced groups, and the pipeliner modes' spelling. Run
+    # 2026-11-30 (135 ms, 41.5%: results/h200_measured/README.md).
     "followup_50": [
         ("compile options: the collective pipeliner's modes under this jax",
          [PY, "scripts/pipeline_modes.py"], {}, []),
