@@ -355,3 +355,5 @@ def test_plan_compiles_each_layout_both_ways(flag, how, capsys):
   printed = capsys.readouterr()
   assert "compiled 2/2" in printed.err and f"(manual, {how}) in" in printed.err
   assert printed.out.count("verify ") == 2 and f"(manual, {how})" in printed.out
+  steps = [float(x) for x in re.findall(r"compiled ([\d.]+) ms, MFU", printed.out)]
+  assert len(steps) == 2 and steps == sorted(steps), printed.out  # fastest first

@@ -307,22 +307,18 @@ def test_bench_train_predicts_the_program_its_run_compiled(llama3_1b, tmp_path):
 
 
 def test_plan_ranks_verified_layouts_by_their_compiled_step(capsys):
-  """`python -m jscale.plan --verify 2 --target h100x8 --rank compiled`: each compiled layout's
-  predicted step and MFU beside the planner's estimate, fastest compiled program first."""
-  assert plan_main(["--model", "configs/tiny.yaml", "--gpus", "8", "--seq", "256",
-                    "--global-batch-tokens", "16k", "--top", "2", "--verify", "2", "--target",
-                    "h100x8", "--rank", "compiled"]) == 0
-  printed = capsys.readouterr()
-  out = printed.out.split("--verify's 2 layouts, fastest compiled program that fits first")[1]
-  steps = [float(x) for x in re.findall(r"compiled ([\d.]+) ms, MFU", out)]
-  assert len(steps) == 2 and steps == sorted(steps), out
-  assert re.search(r"^compiled 2/2: .* in \d+ s$", printed.err, re.M), printed.err
-  # A spent budget compiles the first layout and says what it left out.
+  """`python -m jscale.plan --verify 2 --target h100x8 --rank compiled` with its compile budget
+  spent: the first layout always compiles, with its predicted step and MFU beside the planner's
+  estimate, and the line says what was left out. (Two compiled programs ranked fastest first:
+  tests/plan/test_gpu_compile.py's test_plan_compiles_each_layout_both_ways.)"""
   assert plan_main(["--model", "configs/tiny.yaml", "--gpus", "8", "--seq", "256",
                     "--global-batch-tokens", "16k", "--top", "2", "--verify", "2", "--target",
                     "h100x8", "--rank", "compiled", "--compile-budget-s", "0"]) == 0
-  err = capsys.readouterr().err
-  assert "compiled 1/2" in err and "compiles 2-2 left out (raise --compile-budget-s)" in err
+  printed = capsys.readouterr()
+  out = printed.out.split("--verify's 1 layouts, fastest compiled program that fits first")[1]
+  assert len(re.findall(r"compiled ([\d.]+) ms, MFU", out)) == 1, out
+  assert re.search(r"^compiled 1/2: .* in \d+ s$", printed.err, re.M), printed.err
+  assert "compiles 2-2 left out (raise --compile-budget-s)" in printed.err
 
 
 # XLA:GPU leaves `known_trip_count` off some loops: this one (cut from llama3_1b's micro-batch
