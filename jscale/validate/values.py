@@ -26,6 +26,7 @@ def check_config(cfg: Config) -> None:
   if cfg.fp8.enabled:
     _check_fp8(cfg)
   _check_train(cfg)
+  _check_layer_microbatches(cfg)
   distributed.validate(cfg.distributed)
   _check_checkpoint_and_data(cfg)
   _check_layout(cfg)
@@ -150,12 +151,27 @@ def _check_train(cfg: Config) -> None:
                                       not 0 <= t.profile_steps[0] <= t.profile_steps[1]):
     raise ConfigError(f"train.profile_steps={t.profile_steps}: give [first, last] with "
                       "0 <= first <= last")
-  side = cfg.parallel.overlap_microbatches
+
+
+def _check_layer_microbatches(cfg: Config) -> None:
+  """`train.accumulate=layer`'s micro-batch loop inside each layer, and what it can carry."""
+  t, side = cfg.train, cfg.parallel.overlap_microbatches
   if side > 1 and (t.layer_microbatches == 1 or t.microbatches % side):
     raise ConfigError(f"parallel.overlap_microbatches={side}: the layers run that many of "
                       f"train.microbatches side by side, so it needs train.accumulate=layer "
                       f"(now {t.accumulate}) and must divide train.microbatches "
                       f"({t.microbatches}); set them so, or parallel.overlap_microbatches=1")
+  if side > 1 and t.microbatches > side and t.remat == "offload":
+    # XLA:GPU (jax 0.10.2) fails the step in layout assignment, "Expected instruction to have
+    # shape equal to ...": the loop over the side-by-side groups carries the residuals in host
+    # memory (S(5)) where its tuple expects device memory. One group (no loop), groups of one
+    # (overlap 1) and full_offload's layer inputs compile (tests/step/test_layer_microbatches.py;
+    # found compiling the 671B's layout with offload, 2026-11-30).
+    raise ConfigError(f"train.remat=offload with parallel.overlap_microbatches={side} and "
+                      f"train.microbatches={t.microbatches}: XLA:GPU cannot compile a loop over "
+                      "side-by-side micro-batches whose residuals wait in host memory; use "
+                      "train.remat=full_offload (the layers' inputs in host memory) or "
+                      "selective, or parallel.overlap_microbatches=1")
   if t.layer_microbatches > 1 and cfg.fp8.enabled and cfg.fp8.recipe == "delayed":
     # The amax histories ride on the backward as "gradients" that micro-batches combine by a
     # max (`accumulate`); a layer's micro-batch loop would sum them.

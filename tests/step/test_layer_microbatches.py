@@ -153,12 +153,35 @@ def test_overlapped_microbatches_train_as_one_device():
   np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
-@pytest.mark.parametrize("overrides", [("train.microbatches=4",),
-                                       ("train.microbatches=3", "train.accumulate=layer")],
-                         ids=["step accumulation", "not dividing"])
-def test_overlap_refused_where_it_cannot_apply(overrides):
-  with pytest.raises(ConfigError, match="parallel.overlap_microbatches=2: the layers run"):
+OVERLAP_RUNS = "parallel.overlap_microbatches=2: the layers run"
+OFFLOAD_LOOP = "train.remat=offload with parallel.overlap_microbatches=2 and train.microbatches=4"
+
+
+@pytest.mark.parametrize("overrides,refusal", [
+    (("train.microbatches=4",), OVERLAP_RUNS),
+    (("train.microbatches=3", "train.accumulate=layer"), OVERLAP_RUNS),
+    (("train.microbatches=4", "train.accumulate=layer", "train.remat=offload"), OFFLOAD_LOOP)],
+                         ids=["step accumulation", "not dividing", "offload in a loop"])
+def test_overlap_refused_where_it_cannot_apply(overrides, refusal):
+  with pytest.raises(ConfigError, match=refusal):
     load_config(None, ["train.batch_size=12", "parallel.overlap_microbatches=2", *overrides])
+
+
+def test_overlap_with_residuals_in_host_memory_compiles_where_allowed_on_h100():
+  """XLA:GPU fails a loop over side-by-side micro-batches under `train.remat=offload` (refused
+  above; `python -m jscale.predict --target h100x1 model.dtype=bfloat16 train.batch_size=8
+  train.microbatches=4 train.accumulate=layer train.remat=offload
+  parallel.overlap_microbatches=2` with the refusal lifted: "Expected instruction to have shape
+  equal to", jax 0.10.2). What the refusal offers compiles: full_offload's layer inputs in host
+  memory across that loop, and offload with one group of two (no loop)."""
+  texts = {}
+  for micro, remat in ((4, "full_offload"), (2, "offload")):
+    cfg = load_config("configs/tiny.yaml", [
+        "model.dtype=bfloat16", "checkpoint.every=0", "train.batch_size=8",
+        "train.accumulate=layer", "parallel.overlap_microbatches=2",
+        f"train.microbatches={micro}", f"train.remat={remat}"])
+    texts[remat] = predict.compile_for(cfg, "h100x1")[0]
+  assert re.search(r":S\(5\)\}", texts["full_offload"])  # the layer inputs on the host
 
 
 # A tiny MoE over 8 H100s, one expert each, manual EP (as tests/parallel/test_expert_chunks.py).
