@@ -15,7 +15,7 @@ There, one device-tool call per part, `carry: [".whl"]`:
   python3 scripts/gpu_session.py run curves  # issue 18: FP8's 200-step loss curves
   python3 scripts/gpu_session.py run long_context  # issues 51/52: 8B at 32k, document mask
   python3 scripts/gpu_session.py run pipeline_modes  # jax 0.11's spelling of the pipeliner modes
-  python3 scripts/gpu_session.py run followup_50  # issue 50: FP8 gathers, fused-experts proxy (measured 11-30)
+  python3 scripts/gpu_session.py run followup_50  # issue 50: FP8 gathers, the proxy (run 11-30)
   python3 scripts/gpu_session.py plan        # every part's commands, runnable by hand
 A part installs the wheels into /tmp/site (no network there), runs its commands in order, each
 with what is left of --budget-s (default 540 s, under the tool's 600), logs to $OUT/<part>.log

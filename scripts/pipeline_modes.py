@@ -10,7 +10,8 @@ pipeline_modes`; seconds, no GPU work). Under jax 0.10 every one is refused: the
 import jax
 import jax.numpy as jnp
 
-CANDIDATES = ("COLLECTIVE_PIPELINING_MODE_ON", "COLLECTIVE_PIPELINING_MODE_OFF", "on", "ON", 2, True)
+CANDIDATES = ("COLLECTIVE_PIPELINING_MODE_ON", "COLLECTIVE_PIPELINING_MODE_OFF", "on", "ON", 2,
+              True)
 
 
 def main() -> None:
