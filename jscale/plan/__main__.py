@@ -157,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     checked = _compile((fitting or rows)[:args.verify], args, gpu, devices)
     if args.rank == "compiled":  # a program that does not fit ranks after every one that does
       checked.sort(key=lambda r: (not r["fits_compiled"], r["step_compiled"]))
-      print(f"--verify's {len(checked)} layouts, fastest compiled program that fits first "
-            "(those that do not fit last, marked):")
+      n = len(checked)  # programs: a layout compiles once per mode, schedule and loop asked
+      print(f"--verify's {n} compiled program{'' if n == 1 else 's'}, the fastest that fits "
+            "first (those that do not fit last, marked):")
     for r in checked:
       print(verify.describe(r))
   return 0 if fitting else 1

@@ -315,7 +315,7 @@ def test_plan_ranks_verified_layouts_by_their_compiled_step(capsys):
                     "--global-batch-tokens", "16k", "--top", "2", "--verify", "2", "--target",
                     "h100x8", "--rank", "compiled", "--compile-budget-s", "0"]) == 0
   printed = capsys.readouterr()
-  out = printed.out.split("--verify's 1 layouts, fastest compiled program that fits first")[1]
+  out = printed.out.split("--verify's 1 compiled program, the fastest that fits first")[1]
   assert len(re.findall(r"compiled ([\d.]+) ms, MFU", out)) == 1, out
   assert re.search(r"^compiled 1/2: .* in \d+ s$", printed.err, re.M), printed.err
   assert "compiles 2-2 left out (raise --compile-budget-s)" in printed.err
