@@ -15,6 +15,7 @@ There, one device-tool call per part, `carry: [".whl"]`:
   python3 scripts/gpu_session.py run curves  # issue 18: FP8's 200-step loss curves
   python3 scripts/gpu_session.py run long_context  # issues 51/52: 8B at 32k, document mask
   python3 scripts/gpu_session.py run pipeline_modes  # jax 0.11's spelling of the pipeliner modes
+  python3 scripts/gpu_session.py run jax011_checks  # compiled kernel tests and GPU targets, jax 0.11
   python3 scripts/gpu_session.py run followup_50  # issue 50: FP8 gathers, the proxy (run 11-30)
   python3 scripts/gpu_session.py plan        # every part's commands, runnable by hand
 A part installs the wheels into /tmp/site (no network there), runs its commands in order, each
@@ -215,6 +216,17 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
          [PY, "scripts/bench_moe_gpu.py", "--part", "kernels", "--shapes", "deepseek",
           "--no-sweep", "--out", "results/bench_moe_gpu_deepseek.md"], {},
          ["results/bench_moe_gpu_deepseek_kernels.md"]),  # 8 files come back: the log and these
+    ],
+    # What the 2026-11-30 lease left unrun under jax 0.11.2 once the suite ran there (conftest):
+    # the compiled RMSNorm kernels, and the GPU-target test of xla mode's reduce-scatters with
+    # the pipeliner's modes given by name (the accumulation cases passed).
+    "jax011_checks": [
+        ("Hopper kernels compiled: values and gradients against the references",
+         [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", *HOPPER_TESTS, "-k", "on_hopper"],
+         {"JAX_PLATFORMS": "cuda"}, []),
+        ("XLA:GPU targets under this jax: the pipeliner's modes as compile options",
+         [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/plan/test_gpu_compile.py",
+          "-k", "accumulation_leaves_out or reduce_scatters_start"], {}, []),
     ],
     # jax >= 0.11 refuses the pipeliner's booleans as compile options (jscale/xla_flags.py):
     # which spelling of its `xla_gpu_pipeline_*` modes does it take? (seconds, no GPU work)
