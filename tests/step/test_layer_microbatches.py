@@ -167,6 +167,7 @@ def test_overlap_refused_where_it_cannot_apply(overrides, refusal):
     load_config(None, ["train.batch_size=12", "parallel.overlap_microbatches=2", *overrides])
 
 
+@pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
 def test_overlap_with_residuals_in_host_memory_compiles_where_allowed_on_h100():
   """XLA:GPU fails a loop over side-by-side micro-batches under `train.remat=offload` (refused
   above; `python -m jscale.predict --target h100x1 model.dtype=bfloat16 train.batch_size=8
