@@ -11,8 +11,8 @@ loss and, in the same pass, its gradients (dh and the head's dW accumulated in f
 softmax gradient is p - onehot, known in the forward. The backward only scales them by the
 loss's cotangent, so the chunked path runs the head's three matmuls once each, like the
 unchunked one, and never holds more than one chunk's logits. It reads each chunk's logits
-twice: once for the max, sum-exp and label logit together (`max_sum_exp`, an online softmax
-reduction), once for the softmax gradient.
+twice: once for the max and sum-exp together (`max_sum_exp`, an online softmax reduction),
+once for the softmax gradient; the label's logit is gathered, one element a token.
 """
 
 from __future__ import annotations
@@ -73,11 +73,31 @@ def _softmax_stats(logits, labels, comms: Seam) -> _Stats:
 def _label_loss(logits, labels, m, s, comms: Seam) -> tuple[jax.Array, jax.Array]:
   """(whether each (possibly sharded) vocab entry is the token's label, the token loss
   log(s) + m - label logit), given the max m and sum-exp s. The label logit is a masked sum
-  over the vocab (not a gather): vocab shards give partial sums."""
+  over the vocab (not a gather, whose transpose would scatter into a zeroed [..., V] under
+  autodiff): vocab shards give partial sums."""
+  hit = _hit(logits, labels, comms)
+  return hit, _token_loss(m, s, comms.vocab_sum(jnp.where(hit, logits, 0.0)))
+
+
+def _hit(logits, labels, comms: Seam) -> jax.Array:
+  """Whether each (possibly sharded) vocab entry of `logits` is the token's label [..., V]."""
   vocab_ids_V = jnp.arange(logits.shape[-1]) + comms.vocab_offset(logits.shape[-1])
-  hit = vocab_ids_V == labels[..., None]
-  target = comms.vocab_sum(jnp.where(hit, logits, 0.0))
-  return hit, (jnp.log(s) + m - target)[..., 0]
+  return vocab_ids_V == labels[..., None]
+
+
+def _token_loss(m, s, target) -> jax.Array:
+  """-log softmax at the label: log(sum-exp) + max - the label's logit (all [..., 1])."""
+  return (jnp.log(s) + m - target)[..., 0]
+
+
+def _label_logit(logits, labels, comms: Seam) -> jax.Array:
+  """The label's logit [..., 1], gathered: one element a token where a masked sum reads every
+  logit once more (the chunked loss, which makes its own gradients, so nothing transposes the
+  gather). On a vocab shard a label outside it gives 0, and the seam's sum the logit."""
+  v = logits.shape[-1]
+  local = labels[..., None] - comms.vocab_offset(v)
+  picked = jnp.take_along_axis(logits, jnp.clip(local, 0, v - 1), axis=-1)
+  return comms.vocab_sum(jnp.where((local >= 0) & (local < v), picked, 0.0))
 
 
 def _online_combine(a, b):
@@ -184,12 +204,13 @@ def _chunked(h_BLD, head_DV, labels_BL, mask_BL, comms: Seam, n: int, logits_dty
                                               preferred_element_type=logits_dtype),
                               LOGITS_NAMES).astype(jnp.float32)
     m, s = max_sum_exp(logits, comms)
-    hit, token_loss = _label_loss(logits, labels_BC, m, s, comms)
+    token_loss = _token_loss(m, s, _label_logit(logits, labels_BC, comms))
     loss_SQ = jnp.sum(by_shard(token_loss * mask_BC), axis=(1, 3))
     if not with_grads:
       return per_shard(loss_SQ), None, None
     # d(loss)/d(logits) = (softmax - onehot) * mask, cast to the compute dtype for both
     # products (dh: partial over vocab shards, summed by the head's tensor-parallel entry).
+    hit = _hit(logits, labels_BC, comms)
     dlogits = ((jnp.exp(logits - m) / s - hit) * mask_BC[..., None]).astype(h_BCD.dtype)
     dh_BCD = matmul.contract("BCV,DV->BCD", dlogits, head_DV, dot_general)
     dw_SQDV = matmul.contract("sbqcd,sbqcv->sqdv", by_shard(h_BCD), by_shard(dlogits),

@@ -156,14 +156,15 @@ def _vocab_reductions(jaxpr, vocab: int) -> list[str]:
 
 
 def test_chunked_loss_reads_the_logits_twice():
-  """Each chunk's fp32 logits are reduced once (max and sum-exp together, the label logit
-  beside them) and read once more for the softmax gradient: no separate max over the vocab.
-  The chunk's code is traced twice: the first chunk, which starts the sums, and the loop's."""
+  """Each chunk's fp32 logits are reduced once (max and sum-exp together) and read once more
+  for the softmax gradient: no separate max over the vocab, and the label's logit gathered,
+  not summed over it (on the DeepSeek-V3 16B proxy that sum was a 1.7 GB pass of its own,
+  0.56 ms predicted on an H100). The chunk's code is traced twice: the first chunk, which
+  starts the sums, and the loop's."""
   h, w, labels, mask = _inputs(jnp.bfloat16)
   f = lambda h, w: loss_lib.head_loss_sums(h, w, labels, mask, logits=loss_lib.Logits(0.03))[0]
   jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(h, w).jaxpr
-  assert sorted(_vocab_reductions(jaxpr, 1000)) == ["reduce", "reduce", "reduce_sum",
-                                                     "reduce_sum"]
+  assert sorted(_vocab_reductions(jaxpr, 1000)) == ["reduce", "reduce"]
 
 
 def _eqns(jaxpr):
