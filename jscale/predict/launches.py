@@ -8,9 +8,10 @@ structure: a `while` is a `Loop` over its body's launches with XLA's known trip 
 `conditional` a `Branches` of its branches, a `call` is inlined. `jscale.predict.timing` times
 the launches and walks the structure.
 
-Bytes are what a fused kernel must move: each operand once (a parameter read only through a
-dynamic-slice counts the slice; the buffer a dynamic-update-slice updates in place counts
-nothing, and the write is the update alone) plus the result.
+Bytes are what a fused kernel must move: each operand once (a parameter read only through
+slices and gathers, or views and conversions of it, counts what they take; the buffer a
+dynamic-update-slice updates in place counts nothing, and the write is the update alone) plus
+the result.
 
 XLA:GPU's dynamic-slice fusion (`--xla_gpu_enable_dynamic_slice_fusion`, on by default in the
 XLA of jax 0.11; off in 0.10's, which fails to compile a train step with it) wraps one kernel,
@@ -244,10 +245,10 @@ class Program:
     insts = self.comps[fused]
     params = {n: int(re.match(r"\s*(\d+)", a).group(1)) for n, _, o, a in insts
               if o == "parameter"}
-    users: dict[str, list[tuple[str, object, int]]] = {}
+    users: dict[str, list[tuple[str, object, int, str]]] = {}
     for n, s, o, a in insts:
       for pos, src in enumerate(hlo.operands(a)):
-        users.setdefault(src, []).append((o, s, pos))
+        users.setdefault(src, []).append((o, s, pos, n))
     root = insts[-1]  # a fused computation's ROOT is printed last
     views = {n: hlo.operands(a)[0] for n, _, o, a in insts if o == "bitcast"}
     in_place = {}
@@ -262,14 +263,13 @@ class Program:
     operands = hlo.operands(attrs)
     total = 0.0
     for pname, index in params.items():
-      full = _size(outer[operands[index]]) if index < len(operands) and \
-          operands[index] in outer else 0
-      uses = users.get(pname, [])
+      outside = outer.get(operands[index]) if index < len(operands) else None
+      full = _size(outside) if outside is not None else 0
       if pname in in_place:
         continue  # updated in place: only the update is written (counted below)
-      if uses and all(o in ("dynamic-slice", "slice", "gather") and pos == 0
-                      for o, _, pos in uses):
-        total += min(full, sum(_size(s) for _, s, _ in uses))
+      picked = _picked(users, pname) if outside is not None else None
+      if picked is not None:  # elements taken out of it, at its own width
+        total += min(full, picked * full / max(1, _elements(outside)))
       else:
         total += full
     written = _size(shape)
@@ -365,6 +365,30 @@ class Program:
                         "causal": True, "impl": "hopper" if "hopper" in kernel else "pallas",
                         "part": part}
     launch.flops = _attention_flops(b, h, l, s, k, True, backward) * (part if backward else 1)
+
+
+def _elements(shape) -> int:
+  return sum(math.prod(dims) for _, dims in hlo.leaves(shape))
+
+
+def _picked(users: dict, name: str) -> int | None:
+  """Elements of the fused value `name` that its kernel reads where only slices and gathers
+  (operand 0) take from it, directly or through views and conversions (XLA fuses the logits'
+  fp32 convert before the label's gather: one element a row read, not the row); None where
+  anything reads it whole."""
+  uses = users.get(name, [])
+  total = 0
+  for op, shape, pos, user in uses:
+    if op in ("bitcast", "convert", "reshape"):
+      inner = _picked(users, user)
+      if inner is None:
+        return None
+      total += inner
+    elif op in ("dynamic-slice", "slice", "gather") and pos == 0:
+      total += _elements(shape)
+    else:
+      return None
+  return total if uses else None
 
 
 def _set_gemm(launch: Launch, lhs, rhs, lc, lb, rc, rb) -> None:
