@@ -59,6 +59,7 @@ class Launch:
   attention: dict | None = None  # cuDNN / flash: {"pass", "seq", "head_dim", "causal"}
   collective: hlo.Collective | None = None
   done_of: str = ""         # for kind "done": the start it waits for
+  online: int = 0           # elements an online softmax reduction combines (`_online_elements`)
 
   @property
   def kernel_name(self) -> str:
@@ -202,6 +203,7 @@ class Program:
         self._gemm(launch, callees, attrs)
       elif callees:
         launch.bytes = self._fusion_bytes(comp, shape, attrs, callees[0])
+        launch.online = self._online_elements(callees[0])
     elif op == "custom-call":
       self._custom_call(launch, comp, shape, attrs)
     elif op == "dot":
@@ -276,6 +278,19 @@ class Program:
     if in_place and root[2] in ("dynamic-update-slice", "tuple", "bitcast"):
       written = min(written, sum(in_place.values()))  # only the updated slices are written
     return total + written
+
+  def _online_elements(self, fused: str) -> int:
+    """Elements the fused computation's variadic reductions with an exp in their combiner take
+    (the loss's (max, sum-exp) pairs, `jscale.step.loss.max_sum_exp`): XLA:GPU runs them at a
+    measured rate far under the HBM's (`rates.ONLINE_SOFTMAX`); 0 where it has none."""
+    total = 0
+    for _, shape, op, attrs in self.comps[fused]:
+      if op != "reduce" or not isinstance(shape, list):  # a tuple result: variadic
+        continue
+      combiner = _callees(attrs, self.comps)
+      if any(o == "exponential" for c in combiner for _, _, o, _ in self.comps[c]):
+        total += _elements(self._shapes[fused][hlo.operands(attrs)[0]])
+    return total
 
   def _root_dot(self, callees: list[str]) -> bool:
     return bool(callees) and any(o in ("dot", "convolution") for _, _, o, _ in

@@ -91,6 +91,14 @@ GROUPED = {"grouped_matmul": 732e12, "transposed_grouped_matmul": 501e12}
 # from the 2026-11-28 step's kernel total was the kernel's old per-visit search over the 64
 # groups (it now reads a table), not the narrow tiles.
 GROUPED_NARROW = 477e12
+# XLA:GPU's variadic reduction with exps in its combiner, the chunked loss's one-pass (max,
+# sum-exp) (`launches._online_elements`): elements a second, from the DeepSeek-V3 16B proxy's
+# traced steps on the H200 (results/h200_measured/dsv3_proxy_h200_2026-11-29.xplane.pb.gz,
+# 2026-11-30's in the session's files): 4 launches a step of 4096 x 102400 bf16 logits, 0.692
+# and 0.709 ms each, 1.2 TB/s where plain reductions in the same steps ran 3.5-4.5. Two exps
+# and selects an element in the combiner, not the bytes, bound it, so the H200's figure
+# stands for the H100's.
+ONLINE_SOFTMAX = 4096 * 102400 / 0.70e-3
 # RMSNorm kernels, fraction of the copy bandwidth (results/h200_measured/bench_kernels.md, N
 # 16384, D 2048 / 4096 averaged; the backward's share derived from fwd+bwd minus fwd).
 NORM = {("hopper", "fwd"): 0.87, ("hopper", "bwd"): 0.75,

@@ -104,6 +104,9 @@ def time_launch(x: Launch, chip: rates.Chip) -> Timed:
   if x.kind == "transfer":
     return Timed(x, x.bytes / chip.host_bytes_s, 0.0, "host link")
   t = mem(x.bytes) / fit.memory
+  if x.online and x.online / rates.ONLINE_SOFTMAX > t:
+    return Timed(x, x.online / rates.ONLINE_SOFTMAX, fit.launch_s, "measured",
+                 note="online softmax reduction")
   return Timed(x, t, fit.launch_s, "memory" if t > fit.launch_s else "launch")
 
 

@@ -120,6 +120,32 @@ def test_memory_bound_fusion_moves_its_bytes():
   assert t.gap == FIT.launch_s and t.bound == "memory"
 
 
+def _online(a, b):  # (max, sum-exp) pairs -> of their union: the one-pass softmax's combiner
+  (m1, s1), (m2, s2) = a, b
+  m = jnp.maximum(m1, m2)
+  return m, s1 * jnp.exp(m1 - m) + s2 * jnp.exp(m2 - m)
+
+
+def test_an_online_softmax_reduction_runs_at_its_measured_rate():
+  """A variadic reduction with exps in its combiner (the chunked loss's one-pass (max, sum-exp)
+  until 2026-11-30) is timed per element at the rate the H200 ran it (on an H100, 2.5x its
+  bytes' time); a plain max reduction by its bytes."""
+  x = jax.ShapeDtypeStruct((4096, 25600), jnp.bfloat16)
+  one_pass = lambda v: jax.lax.reduce((v.astype(jnp.float32), jnp.ones(v.shape, jnp.float32)),
+                                      (jnp.float32(-jnp.inf), jnp.float32(0)), _online, (1,))
+  launches_ = [i for i in launches.Program(_compile(one_pass, x)).items() if i.kind == "memory"]
+  online = [i for i in launches_ if i.online]
+  big = max(online, key=lambda i: i.online)  # XLA splits it: the partial pairs, then theirs
+  assert big.online == 4096 * 25600
+  t = timing.time_launch(big, CHIP)
+  assert t.bound == "measured" and t.seconds == pytest.approx(big.online / rates.ONLINE_SOFTMAX)
+  assert t.seconds > 2 * big.bytes / CHIP.hbm_bytes_s
+  plain = [i for i in launches.Program(_compile(lambda v: jnp.max(v, axis=1), x)).items()
+           if i.kind == "memory"]
+  assert plain and not any(i.online for i in plain)
+  assert timing.time_launch(max(plain, key=lambda i: i.bytes), CHIP).bound == "memory"
+
+
 @pytest.mark.parametrize("label, rate", [("grouped_matmul", 732e12),
                                          ("transposed_grouped_matmul", 501e12)])
 def test_grouped_matmul_kernels_run_at_their_measured_rates(label, rate):
