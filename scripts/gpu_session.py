@@ -17,6 +17,7 @@ There, one device-tool call per part, `carry: [".whl"]`:
   python3 scripts/gpu_session.py run pipeline_modes  # jax 0.11's spelling of the pipeliner modes
   python3 scripts/gpu_session.py run jax011_checks  # compiled kernel tests and GPU targets, jax 0.11
   python3 scripts/gpu_session.py run followup_50  # issue 50: FP8 gathers, the proxy (run 11-30)
+  python3 scripts/gpu_session.py run loss_passes  # issue 50: the loss's passes, the proxy again
   python3 scripts/gpu_session.py plan        # every part's commands, runnable by hand
 A part installs the wheels into /tmp/site (no network there), runs its commands in order, each
 with what is left of --budget-s (default 540 s, under the tool's 600), logs to $OUT/<part>.log
@@ -216,6 +217,21 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
          [PY, "scripts/bench_moe_gpu.py", "--part", "kernels", "--shapes", "deepseek",
           "--no-sweep", "--out", "results/bench_moe_gpu_deepseek.md"], {},
          ["results/bench_moe_gpu_deepseek_kernels.md"]),  # 8 files come back: the log and these
+    ],
+    # The chunked loss since 2026-11-30 (two plain reductions for max and sum-exp, the label's
+    # logit gathered): the four passes alone at one chunk of the proxy's head, then the proxy
+    # (predicted 103.6 ms on an H100 against 104.2 with the one-pass reduction; measured 96 ms
+    # on the H200 before), its program and trace kept to join to the prediction.
+    "loss_passes": [
+        ("softmax_passes: the loss's passes over a 4096 x 102400 chunk",
+         [PY, "scripts/softmax_passes.py"], {}, ["results/softmax_passes.md"]),
+        ("bench_train: the proxy with the new loss",
+         [PY, "scripts/bench_train.py", "--exact", "--steps", "15", "--only",
+          "dsv3-16b-3L selective b2 bf16 moments bf16 logits", "--out",
+          "results/bench_train_deepseek.md", "--keep", "results/kept"], {},
+         ["results/bench_train_deepseek.md", "results/bench_train_deepseek.csv",
+          *(f"results/kept/dsv3-16b-3L_selective_b2_bf16_moments_bf16_logits.{kind}.gz"
+            for kind in ("hlo.txt", "xplane.pb"))]),
     ],
     # What the 2026-11-30 lease left unrun under jax 0.11.2 once the suite ran there (conftest):
     # the compiled RMSNorm kernels, and the GPU-target test of xla mode's reduce-scatters with
