@@ -11,9 +11,8 @@ loss and, in the same pass, its gradients (dh and the head's dW accumulated in f
 softmax gradient is p - onehot, known in the forward. The backward only scales them by the
 loss's cotangent, so the chunked path runs the head's three matmuls once each, like the
 unchunked one, and never holds more than one chunk's logits. It reads each chunk's logits
-three times: for the max, for the sum of exps (`max_sum_exp`: two plain reductions run faster
-than one online-softmax reduction on XLA:GPU), and for the softmax gradient; the label's logit
-is gathered, one element a token.
+twice: once for the max and sum-exp together (`max_sum_exp`, an online softmax reduction),
+once for the softmax gradient; the label's logit is gathered, one element a token.
 """
 
 from __future__ import annotations
@@ -50,18 +49,34 @@ def cross_entropy_sums(logits_BLV: jax.Array, labels_BL: jax.Array, mask_BL: jax
   the total token count. The vocab axis may be sharded: max, sum-exp and the label logit are
   reduced through the model's seam, so no device ever holds the full-vocab logits.
   """
-  logits = logits_BLV.astype(jnp.float32)
-  m, s = max_sum_exp(logits, comms)
+  stats = _softmax_stats(logits_BLV.astype(jnp.float32), labels_BL, comms)
   mask = mask_BL.astype(jnp.float32)
-  return jnp.sum(_label_loss(logits, labels_BL, m, s, comms) * mask), jnp.sum(mask)
+  return jnp.sum(stats.token_loss * mask), jnp.sum(mask)
 
 
-def _label_loss(logits, labels, m, s, comms: Seam) -> jax.Array:
-  """The token loss log(s) + m - label logit, given the max m and sum-exp s, differentiable
-  in the logits. The label logit is a masked sum over the vocab (not a gather, whose transpose
-  would scatter into a zeroed [..., V]): vocab shards give partial sums."""
-  target = comms.vocab_sum(jnp.where(_hit(logits, labels, comms), logits, 0.0))
-  return _token_loss(m, s, target)
+class _Stats(NamedTuple):
+  exp: jax.Array  # exp(logits - max) [..., V]
+  sum_exp: jax.Array  # [..., 1]
+  hit: jax.Array  # logits' vocab entry == label [..., V]
+  token_loss: jax.Array  # log-sum-exp - label logit [...]
+
+
+def _softmax_stats(logits, labels, comms: Seam) -> _Stats:
+  """The cross-entropy's pieces, with max, sum-exp and the label logit reduced over the
+  (possibly sharded) vocab through the seam, so no device collects the full-vocab logits."""
+  m = jax.lax.stop_gradient(comms.vocab_max(logits))
+  e = jnp.exp(logits - m)
+  s = comms.vocab_sum(e)
+  return _Stats(e, s, *_label_loss(logits, labels, m, s, comms))
+
+
+def _label_loss(logits, labels, m, s, comms: Seam) -> tuple[jax.Array, jax.Array]:
+  """(whether each (possibly sharded) vocab entry is the token's label, the token loss
+  log(s) + m - label logit), given the max m and sum-exp s. The label logit is a masked sum
+  over the vocab (not a gather, whose transpose would scatter into a zeroed [..., V] under
+  autodiff): vocab shards give partial sums."""
+  hit = _hit(logits, labels, comms)
+  return hit, _token_loss(m, s, comms.vocab_sum(jnp.where(hit, logits, 0.0)))
 
 
 def _hit(logits, labels, comms: Seam) -> jax.Array:
@@ -85,19 +100,29 @@ def _label_logit(logits, labels, comms: Seam) -> jax.Array:
   return comms.vocab_sum(jnp.where((local >= 0) & (local < v), picked, 0.0))
 
 
+def _online_combine(a, b):
+  # (max, sum of exp(x - max)) of two parts -> of their union. A part of only -inf entries
+  # (max -inf, sum 0) must not make exp(-inf - -inf) = nan.
+  (m1, s1), (m2, s2) = a, b
+  m = jnp.maximum(m1, m2)
+  at = jnp.where(m == -jnp.inf, 0.0, m)
+  return m, s1 * jnp.exp(m1 - at) + s2 * jnp.exp(m2 - at)
+
+
 def max_sum_exp(logits: jax.Array, comms: Seam = LOCAL) -> tuple[jax.Array, jax.Array]:
-  """(max, sum of exp(logits - max)) over the (possibly sharded) vocab axis, keeping dims: a
-  max, then a sum of exps, each a plain reduction XLA:GPU runs at the HBM's pace. The one-pass
-  form (a reduction of (max, sum) pairs, each rescaled to the larger max as they meet: the
-  online softmax of Milakov & Gimelshein, 2018) reads the logits once but puts two exps and
-  selects an element into the combiner: on the H200 it ran at 1.2 TB/s, 0.70 ms a 4096 x
-  102400 bf16 chunk (`jscale.predict.rates.ONLINE_SOFTMAX`), where the same step's plain
-  reductions ran at 3.5-4.5 TB/s, ~0.2 ms a pass over such a chunk. Each
-  shard's max and sum are combined over the vocab shards through the seam. A row of only -inf
-  (a masked vocab) gives max -inf and sum 0, no nan. The max is a constant to autodiff: the
-  log-sum-exp log(s) + m does not depend on it."""
-  m = jax.lax.stop_gradient(comms.vocab_max(logits))
-  return m, comms.vocab_sum(jnp.exp(logits - jnp.where(m == -jnp.inf, 0.0, m)))
+  """(max, sum of exp(logits - max)) over the (possibly sharded) vocab axis, keeping dims, in
+  one pass over the logits: a reduction of (max, sum) pairs, each part's sum rescaled to the
+  larger max as the parts meet (the online softmax of Milakov & Gimelshein, 2018). The two-pass
+  form reads fp32 logits twice, once for the max and once for the sum. Each shard's pair is
+  combined over the vocab shards through the seam (GSPMD combines a sharded reduction's
+  partial pairs itself; the seam then sees one pair). Not differentiable (a custom reduction):
+  for the chunked loss, which makes its own gradients."""
+  f32 = jnp.float32
+  m, s = jax.lax.reduce((logits, jnp.ones_like(logits)), (f32(-jnp.inf), f32(0.0)),
+                        _online_combine, (logits.ndim - 1,))
+  m, s = m[..., None], s[..., None]
+  m_all = comms.vocab_max(m)
+  return m_all, comms.vocab_sum(s * jnp.exp(m - jnp.where(m_all == -jnp.inf, 0.0, m_all)))
 
 
 def num_chunks(local_shape: tuple[int, int, int], budget_mb: float, itemsize: int = 4) -> int:
