@@ -218,10 +218,11 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
           "--no-sweep", "--out", "results/bench_moe_gpu_deepseek.md"], {},
          ["results/bench_moe_gpu_deepseek_kernels.md"]),  # 8 files come back: the log and these
     ],
-    # The chunked loss since 2026-11-30 (two plain reductions for max and sum-exp, the label's
-    # logit gathered): the four passes alone at one chunk of the proxy's head, then the proxy
-    # (predicted 103.6 ms on an H100 against 104.2 with the one-pass reduction; measured 96 ms
-    # on the H200 before), its program and trace kept to join to the prediction.
+    # The chunked loss's passes: the online (max, sum-exp) reduction against two plain ones
+    # (predicted 0.6 ms a step faster on the proxy, 0.5 GiB more at its peak) and the label's
+    # logit gathered (since 2026-11-30) against its masked sum, alone at one chunk of the
+    # proxy's head; then the proxy (predicted 94.0 ms on an H200; 96 measured on 2026-11-30),
+    # its program and trace kept to join to the prediction.
     "loss_passes": [
         ("softmax_passes: the loss's passes over a 4096 x 102400 chunk",
          [PY, "scripts/softmax_passes.py"], {}, ["results/softmax_passes.md"]),
