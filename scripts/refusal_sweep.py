@@ -7,7 +7,8 @@ with a few overrides, on 8 CPU devices. A case is loaded and validated as the tr
 (`load_config`, then `runtime.build`'s checks on the mesh), then its train step is compiled:
 
   refused    a ConfigError before any compile (its first line is shown)
-  compiles   accepted, and the step compiles (the parity tests say whether it trains right)
+  compiles   accepted, and the step compiles (the parity tests say whether it trains right);
+             "warned, compiles" where the trainer would print a no-op warning (shown)
   FAILS      accepted, then any other error: a hole to close
 
     JAX_PLATFORMS=cpu python scripts/refusal_sweep.py [case ...] [--out results/refusal_sweep.md]
@@ -26,7 +27,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (after the environment is set)
 
-from jscale import runtime  # noqa: E402
+from jscale import runtime, validate  # noqa: E402
 from jscale.analysis.introspect import abstract_batch  # noqa: E402
 from jscale.config import ConfigError  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
@@ -36,6 +37,7 @@ BASE = ("model.preset=deepseek_v3_tiny", "model.n_layers=5", "model.dtype=float3
 M = ("parallel.collectives=manual",)
 DUALPIPEV = ("mesh.stage=2", "pipeline.schedule=dualpipev", "pipeline.virtual_stages=2",
              "pipeline.microbatches=4")
+LAYER = ("train.accumulate=layer", "train.microbatches=2")
 
 CASES: dict[str, tuple[str, ...]] = {
     "expert_chunks in xla mode": ("mesh.expert=4", "parallel.expert_chunks=2"),
@@ -85,6 +87,51 @@ CASES: dict[str, tuple[str, ...]] = {
     "bf16 moments, b2 0.999": ("train.moments_dtype=bfloat16", "train.b2=0.999"),
     "cuDNN attention in fp32": ("model.attention_impl=cudnn",),
     "Pallas kernels on a CPU": ("model.moe.gemm=pallas",),
+    # The layer loop's micro-batches, FP8 on the wire and host offload (2026-11-29/30)
+    "layer micro-batches, xla mode": ("train.accumulate=layer", "train.microbatches=2"),
+    "layer micro-batches, EP, manual": M + LAYER + ("mesh.expert=4",),
+    "layer micro-batches side by side": M + LAYER + ("mesh.expert=4",
+                                                     "parallel.overlap_microbatches=2"),
+    "side by side, not dividing": M + LAYER + ("mesh.expert=4", "parallel.overlap_microbatches=3"),
+    "side by side, step accumulation": M + ("mesh.expert=4", "train.microbatches=2",
+                                            "parallel.overlap_microbatches=2"),
+    "layer micro-batches, ZeRO-3 x EP": M + LAYER + ("mesh.fsdp=2", "mesh.expert=4",
+                                                     "parallel.zero_stage=3",
+                                                     "parallel.overlap_microbatches=2"),
+    "layer micro-batches, node-limited": M + LAYER + ("mesh.expert=4",
+                                                      "model.moe.exchange=node_limited",
+                                                      "parallel.overlap_microbatches=2"),
+    "layer micro-batches, expert_chunks": M + LAYER + ("mesh.expert=4",
+                                                       "parallel.expert_chunks=2"),
+    "layer micro-batches, DualPipeV": M + ("train.accumulate=layer",) + DUALPIPEV,
+    "layer micro-batches, offload": M + LAYER + ("mesh.expert=4", "train.remat=offload",
+                                                 "parallel.overlap_microbatches=2"),
+    "layer micro-batches, TP": M + LAYER + ("mesh.tensor=2",),
+    "layer micro-batches, context parallel": LAYER + ("model.mtp=null", "mesh.sequence=2"),
+    "FP8 dispatch, xla mode": ("mesh.expert=4", "model.moe.dispatch_dtype=e4m3"),
+    "FP8 dispatch, manual flat": M + ("mesh.expert=4", "model.moe.dispatch_dtype=e4m3",
+                                      "model.moe.dispatch_grad_dtype=e4m3"),
+    "FP8 dispatch, node-limited": M + ("mesh.expert=4", "model.moe.exchange=node_limited",
+                                       "model.moe.dispatch_dtype=e4m3",
+                                       "model.moe.dispatch_grad_dtype=e4m3"),
+    "FP8 dispatch without EP": M + ("model.moe.dispatch_dtype=e4m3",),
+    "FP8 dispatch, capacity dispatch": M + ("mesh.expert=4", "model.moe.dispatch=capacity",
+                                            "model.moe.dispatch_dtype=e4m3"),
+    "FP8 gradient rows alone": M + ("mesh.expert=4", "model.moe.dispatch_grad_dtype=e4m3"),
+    "FP8 dispatch and FP8 experts": M + ("mesh.expert=4", "model.moe.dispatch_dtype=e4m3",
+                                         "fp8.enabled=true", "fp8.targets=[experts]"),
+    "bf16 logits, fp32 model": ("train.logits_dtype=bfloat16",),
+    "bf16 logits, chunked, vocab-parallel": M + ("model.dtype=bfloat16", "mesh.tensor=2",
+                                                 "train.logits_dtype=bfloat16",
+                                                 "train.logits_chunk_mb=0.01"),
+    "chunked loss, context parallel": ("model.mtp=null", "mesh.sequence=2",
+                                       "train.logits_chunk_mb=0.01"),
+    "bf16 moments, ZeRO-1": ("mesh.fsdp=2", "parallel.zero_stage=1",
+                             "train.moments_dtype=bfloat16", "model.dtype=bfloat16"),
+    "compute copies, ZeRO-1 x EP, manual": M + ("mesh.fsdp=2", "mesh.expert=2",
+                                                "parallel.zero_stage=1", "model.dtype=bfloat16"),
+    "compute copies, micro-batches, bf16": ("model.dtype=bfloat16", "train.microbatches=2"),
+    "full remat in host memory": ("train.remat=full_offload",),
 }
 
 
@@ -99,7 +146,8 @@ def run_case(overrides: tuple[str, ...]) -> tuple[str, str]:
     rt.train_step().lower(rt.abstract_state(), abstract_batch(cfg)).compile()
   except Exception as e:  # noqa: BLE001  (the sweep reports whatever breaks)
     return "FAILS", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-  return "compiles", ""
+  warned = validate.no_op_warnings(cfg, rt.mesh)
+  return ("warned, compiles", warned[0]) if warned else ("compiles", "")
 
 
 def main() -> None:
@@ -116,8 +164,9 @@ def main() -> None:
           "`JAX_PLATFORMS=cpu python scripts/refusal_sweep.py` (tiny DeepSeek-V3, 5 layers, 8 CPU "
           "devices; overrides on top of "
           f"`{' '.join(BASE)}`). refused: a ConfigError before compile; compiles: accepted and "
-          "compiled; FAILS: accepted, then broke.", "",
-          "| case | overrides | outcome | the error's first line |", "|---|---|---|---|"]
+          "compiled (warned: the trainer prints a no-op warning); FAILS: accepted, then broke.", "",
+          "| case | overrides | outcome | the error's (or warning's) first line |",
+          "|---|---|---|---|"]
   with open(args.out, "w") as f:
     f.write("\n".join(head + rows) + "\n")
 
