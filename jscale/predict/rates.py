@@ -93,9 +93,9 @@ GROUPED = {"grouped_matmul": 732e12, "transposed_grouped_matmul": 501e12}
 GROUPED_NARROW = 477e12
 # XLA:GPU's variadic reduction with exps in its combiner, the chunked loss's one-pass (max,
 # sum-exp) (`launches._online_elements`): elements a second, from the DeepSeek-V3 16B proxy's
-# traced steps on the H200 (results/h200_measured/dsv3_proxy_h200_2026-11-29.xplane.pb.gz,
-# 2026-11-30's in the session's files): 4 launches a step of 4096 x 102400 bf16 logits, 0.692
-# and 0.709 ms each, 1.2 TB/s where plain reductions in the same steps ran 3.5-4.5. Two exps
+# traced steps on the H200 (results/h200_measured/dsv3_proxy_h200_2026-11-{29,30}.xplane.pb.gz,
+# the 30th's program beside it): 4 launches a step of 4096 x 102400 bf16 logits, 0.692 and
+# 0.709 ms each, 1.2 TB/s where plain reductions in the same steps ran 3.5-4.5. Two exps
 # and selects an element in the combiner, not the bytes, bound it, so the H200's figure
 # stands for the H100's.
 ONLINE_SOFTMAX = 4096 * 102400 / 0.70e-3
