@@ -54,3 +54,15 @@ def test_the_2026_11_29_step_its_kernels_as_traced():
   attention = [t for t in timed if t.launch.kind == "attention"]
   assert attention and not [t for t in attention if "head dim" in t.note]
   assert ms(lambda t: t.launch.kind == "attention") == pytest.approx(8.95, rel=0.03)
+
+
+def test_the_2026_11_29_step_its_online_softmax_as_traced():
+  """The chunked loss's one-pass (max, sum-exp) reductions in that step: 4 launches over 4096 x
+  102,400 bf16 logits, which the trace has at 5.54 ms over its 2 steps (0.69 ms each, 1.2
+  TB/s); priced by their bytes they were 0.8 ms a step, at `rates.ONLINE_SOFTMAX` as traced."""
+  with gzip.open(STEP_2026_11_29, "rt") as f:
+    timed = predict.predict(f.read(), "h200", routed_rows=49152).timed
+  full = [t for t in timed if t.launch.online >= 4096 * 102400]  # XLA fused two in one here
+  assert sum(t.launch.online * t.runs for t in full) == 4 * 4096 * 102400
+  assert all(t.bound == "measured" for t in full)
+  assert sum(t.seconds * t.runs for t in full) * 1e3 == pytest.approx(5.54 / 2, rel=0.05)
