@@ -49,34 +49,20 @@ def cross_entropy_sums(logits_BLV: jax.Array, labels_BL: jax.Array, mask_BL: jax
   the total token count. The vocab axis may be sharded: max, sum-exp and the label logit are
   reduced through the model's seam, so no device ever holds the full-vocab logits.
   """
-  stats = _softmax_stats(logits_BLV.astype(jnp.float32), labels_BL, comms)
+  token_loss = _token_losses(logits_BLV.astype(jnp.float32), labels_BL, comms)
   mask = mask_BL.astype(jnp.float32)
-  return jnp.sum(stats.token_loss * mask), jnp.sum(mask)
+  return jnp.sum(token_loss * mask), jnp.sum(mask)
 
 
-class _Stats(NamedTuple):
-  exp: jax.Array  # exp(logits - max) [..., V]
-  sum_exp: jax.Array  # [..., 1]
-  hit: jax.Array  # logits' vocab entry == label [..., V]
-  token_loss: jax.Array  # log-sum-exp - label logit [...]
-
-
-def _softmax_stats(logits, labels, comms: Seam) -> _Stats:
-  """The cross-entropy's pieces, with max, sum-exp and the label logit reduced over the
-  (possibly sharded) vocab through the seam, so no device collects the full-vocab logits."""
+def _token_losses(logits, labels, comms: Seam) -> jax.Array:
+  """Each token's loss, differentiable in the logits: max, sum-exp and the label logit reduced
+  over the (possibly sharded) vocab through the seam, so no device collects the full-vocab
+  logits. The label logit is a masked sum over the vocab (not a gather, whose transpose would
+  scatter into a zeroed [..., V]): vocab shards give partial sums."""
   m = jax.lax.stop_gradient(comms.vocab_max(logits))
-  e = jnp.exp(logits - m)
-  s = comms.vocab_sum(e)
-  return _Stats(e, s, *_label_loss(logits, labels, m, s, comms))
-
-
-def _label_loss(logits, labels, m, s, comms: Seam) -> tuple[jax.Array, jax.Array]:
-  """(whether each (possibly sharded) vocab entry is the token's label, the token loss
-  log(s) + m - label logit), given the max m and sum-exp s. The label logit is a masked sum
-  over the vocab (not a gather, whose transpose would scatter into a zeroed [..., V] under
-  autodiff): vocab shards give partial sums."""
-  hit = _hit(logits, labels, comms)
-  return hit, _token_loss(m, s, comms.vocab_sum(jnp.where(hit, logits, 0.0)))
+  s = comms.vocab_sum(jnp.exp(logits - m))
+  target = comms.vocab_sum(jnp.where(_hit(logits, labels, comms), logits, 0.0))
+  return _token_loss(m, s, target)
 
 
 def _hit(logits, labels, comms: Seam) -> jax.Array:
