@@ -6,11 +6,12 @@ once and the train loop prints and records the choice.
 
 Every impl takes q [B, L, H, K], k [B, S, G, K] and v [B, S, G, Kv] with H a multiple of G
 (grouped-query attention: K/V are never repeated in memory) and returns [B, L, H, Kv]: V's head
-size may differ from Q's (e.g. MLA; cuDNN's jax.nn.dot_product_attention needs Kv == K, so V is
-zero-padded to K's size and the output sliced: `with_v_padded`). The causal mask is the usual
-one, or, given token positions (context parallelism reorders tokens), query i sees key j when
-pos_q[i] >= pos_k[j]. "ring" is ring attention over
-the `sequence` mesh axis (`jscale.parallel.context.ring`, called through the model's seam); on one
+size may differ from Q's (e.g. MLA). cuDNN runs such sizes as they are from 9.10 on Hopper
+(`jax_compat.cudnn_mla_attention`: MLA's 192 / 128 does (3K + 2Kv) / 5K of the padded
+backward's work); before, V is zero-padded to K's size and the output sliced (`with_v_padded`).
+The causal mask is the usual one, or, given token positions (context parallelism reorders
+tokens), query i sees key j when pos_q[i] >= pos_k[j]. "ring" is ring attention over the
+`sequence` mesh axis (`jscale.parallel.context.ring`, called through the model's seam); on one
 device it is one diagonal block, i.e. plain attention. "pallas" is the Pallas flash attention
 kernel (`pallas_kernels.flash_attention`, GPU; `interpret=True` runs it in the Pallas
 interpreter), index-causal only; under a mesh the model's seam runs it on each device's shards
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jscale import jax_compat
 from jscale.model import blockwise_attention, matmul
 from jscale.model import positions as positions_lib
 from jscale.model.positions import Positions
@@ -76,7 +78,8 @@ def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGV: jax.Array,
                     causal: bool = True, positions=None,
                     segment_ids: jax.Array | None = None) -> jax.Array:
   """cuDNN fused attention (GPU only; GQA handled by the kernel; index-causal only; a V head
-  size below Q's, MLA's, through `with_v_padded`). `segment_ids` [B, L] (documents) mask
+  size below Q's, MLA's, as it is where cuDNN takes it, `jax_compat.cudnn_mla_supported`,
+  else through `with_v_padded`). `segment_ids` [B, L] (documents) mask
   across documents through a dense [B, 1, L, L] mask, which cuDNN reads as a bias: memory
   quadratic in L, unlike the flash kernel's segment ids (`auto` prefers those)."""
   if positions is not None:
@@ -86,6 +89,9 @@ def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGV: jax.Array,
     raise ValueError(f"cudnn attention needs V's head size at most K's, got "
                      f"{v_BSGV.shape[-1]} and {k_BSGK.shape[-1]}: use "
                      f"model.attention_impl=xla, pallas or ring")
+  if v_BSGV.shape[-1] < k_BSGK.shape[-1] and jax_compat.cudnn_mla_supported():
+    return jax_compat.cudnn_mla_attention(q_BLHK, k_BSGK, v_BSGV, causal,
+                                          _document_mask(segment_ids))
   return with_v_padded(functools.partial(nn_attention, causal=causal, segment_ids=segment_ids,
                                          implementation="cudnn"))(q_BLHK, k_BSGK, v_BSGV)
 
@@ -94,10 +100,15 @@ def nn_attention(q_BLHK, k_BSGK, v_BSGV, causal: bool, segment_ids: jax.Array | 
                  implementation: Literal["xla", "cudnn"]) -> jax.Array:
   """`jax.nn.dot_product_attention` with documents (`segment_ids` [B, L]) as its boolean
   [B, 1, L, S] mask (tests run the same call with implementation="xla" on CPU)."""
-  mask = (None if segment_ids is None else
-          segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-  return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGV, mask=mask, is_causal=causal,
-                                      implementation=implementation)
+  return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGV, mask=_document_mask(segment_ids),
+                                      is_causal=causal, implementation=implementation)
+
+
+def _document_mask(segment_ids: jax.Array | None) -> jax.Array | None:
+  """Documents `segment_ids` [B, L] as a boolean [B, 1, L, L] mask (None: no documents)."""
+  if segment_ids is None:
+    return None
+  return segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
 
 
 def pallas_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
@@ -201,8 +212,10 @@ def auto_impl(platform: str, dtype, head_dim: int, context_parallel: bool = Fals
   if platform == "gpu":
     why_not = cudnn_applies(dtype, head_dim, compute_capability, v_head_dim)
     if why_not is None:
-      padded = (f" (V's {v_head_dim} padded to {head_dim})"
-                if v_head_dim is not None and v_head_dim != head_dim else "")
+      padded = ("" if v_head_dim is None or v_head_dim == head_dim else
+                f" (V's {v_head_dim} as it is: cuDNN's MLA sizes)"
+                if jax_compat.cudnn_mla_supported(compute_capability) else
+                f" (V's {v_head_dim} padded to {head_dim})")
       return "cudnn", (f"GPU, {jnp.dtype(dtype).name}, head_dim {head_dim}: cuDNN flash "
                        f"attention{padded}")
     return "xla", f"GPU, but cuDNN does not apply: {why_not}"

@@ -56,7 +56,7 @@ class Launch:
   dtype: str = ""           # gemm operand type: bf16, f32, f8 (the slower operand)
   highest: bool = False     # an f32 gemm at HIGHEST precision (no TF32)
   mnk: tuple[int, int, int, int] = (0, 0, 0, 0)  # gemm (batch, m, n, k)
-  attention: dict | None = None  # cuDNN / flash: {"pass", "seq", "head_dim", "causal"}
+  attention: dict | None = None  # cuDNN / flash: {"pass", "seq", "head_dim", "causal", ...}
   collective: hlo.Collective | None = None
   done_of: str = ""         # for kind "done": the start it waits for
   online: int = 0           # elements an online softmax reduction combines (`_online_elements`)
@@ -335,13 +335,13 @@ class Program:
     elif target.startswith("__cudnn$fmha"):
       fmha = _json_after(attrs, "cudnn_fmha_backend_config") or {}
       b, h, l, s = (int(x) for x in fmha["intermediate_tensor_shape"]["dimensions"])
-      k = operands[0][1][-1]
+      k, kv = operands[0][1][-1], operands[2][1][-1]  # Q's head size, V's (MLA's apart)
       causal = fmha.get("mask_type", "") == "CAUSAL"
       backward = "Backward" in target
       launch.kind = "attention"
       launch.attention = {"pass": "bwd" if backward else "fwd", "seq": s, "head_dim": k,
-                          "causal": causal, "impl": "cudnn"}
-      launch.flops = _attention_flops(b, h, l, s, k, causal, backward)
+                          "causal": causal, "impl": "cudnn", "v_head_dim": kv}
+      launch.flops = _attention_flops(b, h, l, s, k, causal, backward, kv)
     elif target in ("mosaic_gpu", "mosaic_gpu_v2", "__gpu$xla.gpu.triton"):
       kernel = _pallas_name(launch.op_name) or _attr(attrs, "name")
       launch.kind, launch.label = "kernel", kernel
@@ -426,11 +426,14 @@ def _gemm_type(lt: str, rt: str) -> str:
   return "f32"
 
 
-def _attention_flops(b, h, l, s, k, causal: bool, backward: bool) -> float:
-  """QKᵀ and PV: 4·B·H·L·S·K, halved by a causal mask; the backward 2.5x (FlashAttention-2's
-  count: QKᵀ recomputed, dV, dP, dQ, dK)."""
-  f = 4.0 * b * h * l * s * k * (0.5 if causal else 1.0)
-  return 2.5 * f if backward else f
+def _attention_flops(b, h, l, s, k, causal: bool, backward: bool, kv: int | None = None
+                     ) -> float:
+  """QKᵀ over Q's head size K and PV over V's Kv (K unless given: MLA's differ), 2·B·H·L·S
+  each, halved by a causal mask; the backward QKᵀ recomputed, dQ and dK over K, dP and dV over
+  Kv (FlashAttention-2's count: 2.5x the forward where Kv = K)."""
+  kv = k if kv is None else kv
+  per = 2.0 * b * h * l * s * (0.5 if causal else 1.0)
+  return per * (3 * k + 2 * kv) if backward else per * (k + kv)
 
 
 def _pallas_name(op_name: str) -> str:

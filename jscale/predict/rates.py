@@ -105,16 +105,20 @@ NORM = {("hopper", "fwd"): 0.87, ("hopper", "bwd"): 0.75,
         ("pallas", "fwd"): 0.89, ("pallas", "bwd"): 0.46}
 
 
-def attention_rate(impl: str, causal: bool, head_dim: int, seq: int, backward: bool
-                   ) -> tuple[float | None, str]:
+def attention_rate(impl: str, causal: bool, head_dim: int, seq: int, backward: bool,
+                   v_head_dim: int | None = None) -> tuple[float | None, str]:
   """(FLOP/s, note) of one attention pass; None where nothing was measured. Backward rates
-  follow from fwd and fwd + bwd: the backward does 2.5x the forward's FLOPs."""
+  follow from fwd and fwd + bwd: the backward does 2.5x the forward's FLOPs. A V head size
+  apart from Q's (`v_head_dim`, MLA's in cuDNN since 9.10) takes Q's head size's rate, over
+  the FLOPs it does (no such kernel timed yet: the note says so)."""
   keys = [k for k in ATTENTION if k[0] == impl and k[1] == causal]
   if not keys:
     return None, f"no measured {impl} rate"
   key = min(keys, key=lambda k: abs(math.log2(k[2] / head_dim)))
   points = ATTENTION[key]
   note = "" if key[2] == head_dim else f"head dim {key[2]}'s rate"
+  if v_head_dim not in (None, head_dim):
+    note = ", ".join(x for x in (note, f"V {v_head_dim} at V {key[2]}'s rate (not timed)") if x)
   seqs = [p[0] for p in points]
   if seq < seqs[0] or seq > seqs[-1]:
     note = ", ".join(x for x in (note, f"seq {seq} outside the measured {seqs[0]}-{seqs[-1]}")

@@ -115,7 +115,9 @@ def _what(x: Timed) -> str:
     return f"{l.dtype}{' HIGHEST' if l.highest else ''} {'%dx' % b if b > 1 else ''}{m}x{n}x{k}"
   if l.kind == "attention":
     a = l.attention
-    return f"{a['impl']} {a['pass']} seq {a['seq']} head {a['head_dim']}"
+    v = a.get("v_head_dim", a["head_dim"])
+    return (f"{a['impl']} {a['pass']} seq {a['seq']} head {a['head_dim']}"
+            + (f"/{v}" if v != a["head_dim"] else ""))
   if l.kind == "collective" and l.collective is not None:
     return f"{l.collective.kind} {l.collective.bytes / 2**20:.1f} MiB"
   return f"{l.label} {l.bytes / 2**20:.1f} MiB"

@@ -91,7 +91,7 @@ def time_launch(x: Launch, chip: rates.Chip) -> Timed:
   if x.kind == "attention":
     a = x.attention
     rate, note = rates.attention_rate(a["impl"], a["causal"], a["head_dim"], a["seq"],
-                                      a["pass"] == "bwd")
+                                      a["pass"] == "bwd", a.get("v_head_dim"))
     if rate is None:
       return Timed(x, x.flops / chip.peak["bf16"], fit.launch_s, "roofline", note=note)
     return Timed(x, x.flops / rate, fit.launch_s, "measured", note=note)

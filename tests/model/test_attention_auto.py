@@ -25,8 +25,9 @@ from jscale.model import llama
     (("gpu", jnp.bfloat16, 60), "xla", "head_dim=60"),
     (("gpu", jnp.bfloat16, 64, False, True, "7.0"), "xla", "compute capability 7.0"),
     (("gpu", jnp.bfloat16, 64, False, True, "9.0"), "cudnn", "cuDNN"),
-    # MLA: q / k 192, v 128: Hopper's cuDNN takes head sizes up to 256, V padded to Q's
-    (("gpu", jnp.bfloat16, 192, False, True, "9.0", 128), "cudnn", "V's 128 padded to 192"),
+    # MLA: q / k 192, v 128: Hopper's cuDNN takes head sizes up to 256, and since 9.10 V's
+    # apart from Q's (jax_compat.cudnn_mla_supported), with no padding
+    (("gpu", jnp.bfloat16, 192, False, True, "9.0", 128), "cudnn", "V's 128 as it is"),
     (("gpu", jnp.bfloat16, 192, False, True, "8.0", 128), "xla", "at most 128 before Hopper"),
     (("gpu", jnp.bfloat16, 64, False, True, "9.0", 128), "xla", "v head_dim 128 > q head_dim"),
     (("gpu", jnp.bfloat16, 64, True, True), "pallas", "flash-kernel blocks"),

@@ -120,24 +120,28 @@ MLA_192 = ("model.preset=deepseek_v3_tiny", "model.mla.qk_nope_head_dim=128",
            "model.mla.qk_rope_head_dim=64", "model.mla.v_head_dim=128", "train.seq_len=256")
 
 
-def test_mla_runs_cudnn_attention_on_h100_with_v_padded():
-  """attention_impl=auto for MLA on an H100: cuDNN's fused kernels at Q's head size 192, V
-  zero-padded from 128 (`attention.with_v_padded`), forward and backward once per layer —
-  no materialised scores (plain XLA's [B, H, L, L] fusions were the DeepSeek proxy's largest
-  kernels)."""
+def test_mla_runs_cudnn_attention_on_h100_at_its_own_head_sizes():
+  """attention_impl=auto for MLA on an H100: cuDNN's fused kernels with Q and K at 192 and V at
+  its own 128 (cuDNN >= 9.10 on Hopper, `jax_compat.cudnn_mla_attention`; before, V was
+  zero-padded to 192, `attention.with_v_padded`), forward and backward once per layer — no
+  materialised scores (plain XLA's [B, H, L, L] fusions were the DeepSeek proxy's largest
+  kernels) and no padded V: the forward writes [B, H, L, 128], the backward's dV is 128 wide."""
   cfg = load_config("configs/tiny.yaml", [*TINY_BF16, *MLA_192])
   rt = runtime.build(cfg, gpu_target.devices("h100x1"))
-  assert rt.cfg.model.attention_impl == "cudnn" and "padded to 192" in rt.kernels.attention_why
+  assert rt.cfg.model.attention_impl == "cudnn" and "128 as it is" in rt.kernels.attention_why
   compiled, _ = introspect.compile_train_step(cfg, gpu_target.devices("h100x1"))
   text = compiled.as_text()
   calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))
   layers = cfg.model.n_layers + cfg.model.mtp.depth
   assert calls["__cudnn$fmhaSoftmax"] == calls["__cudnn$fmhaSoftmaxBackward"] >= 2, calls
   assert calls["__cudnn$fmhaSoftmax"] <= layers * UNROLL, calls
-  # The forward's output [B, H, L, 192] (sliced to V's 128 after it); V enters padded.
-  fmha = re.findall(r"= \(bf16\[\d+,\d+,\d+,(\d+)\]\S*, f32\[[^]]*\]\S*, u8\[0\]\S*\) "
-                    r'custom-call\(([^)]*)\), custom_call_target="__cudnn\$fmhaSoftmax"', text)
-  assert fmha and all(dim == "192" and "pad" in operands for dim, operands in fmha), fmha
+  fwd = re.findall(r"= \(bf16\[\d+,\d+,\d+,(\d+)\]\S*, f32\[[^]]*\]\S*, u8\[0\]\S*\) "
+                   r'custom-call\(([^)]*)\), custom_call_target="__cudnn\$fmhaSoftmax"', text)
+  assert fwd and all(dim == "128" and "pad" not in operands for dim, operands in fwd), fwd
+  bwd = re.findall(r"= \(bf16\[[\d,]+\]\S*, bf16\[[\d,]+\]\S*, bf16\[\d+,\d+,\d+,(\d+)\]\S*, "
+                   r'u8\[0\]\S*\) custom-call\([^)]*\), custom_call_target="__cudnn\$fmhaSoftmaxBackward"',
+                   text)
+  assert len(bwd) == calls["__cudnn$fmhaSoftmaxBackward"] and set(bwd) == {"128"}, bwd
 
 
 MOE_GPU = ("model.moe.n_experts=8", "model.moe.top_k=2", "model.moe.d_ff=256",

@@ -66,3 +66,22 @@ def test_the_2026_11_29_step_its_online_softmax_as_traced():
   assert sum(t.launch.online * t.runs for t in full) == 4 * 4096 * 102400
   assert all(t.bound == "measured" for t in full)
   assert sum(t.seconds * t.runs for t in full) * 1e3 == pytest.approx(5.54 / 2, rel=0.05)
+
+
+@pytest.mark.parametrize("backward, share", [(False, (192 + 128) / (2 * 192)),
+                                             (True, (3 * 192 + 2 * 128) / (5 * 192))])
+def test_mla_attention_at_its_own_head_sizes_takes_its_share_of_the_padded_time(backward,
+                                                                                 share):
+  """cuDNN's attention with V's 128 beside Q's 192 (MLA, `jax_compat.cudnn_mla_attention`)
+  does QKᵀ over 192 and PV over 128 (the backward dQ, dK and the recomputed QKᵀ over 192, dP
+  and dV over 128): at the padded kernel's measured rate, that share of its time, with a note
+  that this kernel's own rate was not timed."""
+  def launch(v_head_dim: int) -> launches.Launch:
+    a = {"pass": "bwd" if backward else "fwd", "seq": 4096, "head_dim": 192, "causal": True,
+         "impl": "cudnn", "v_head_dim": v_head_dim}
+    flops = launches._attention_flops(2, 16, 4096, 4096, 192, True, backward, v_head_dim)
+    return launches.Launch("a", "custom-call", "attention", "", "", flops=flops, attention=a)
+
+  own, padded = (timing.time_launch(launch(kv), CHIP) for kv in (128, 192))
+  assert own.seconds == pytest.approx(share * padded.seconds)
+  assert "not timed" in own.note and "not timed" not in padded.note
