@@ -130,3 +130,20 @@ def test_cudnn_refuses_a_v_head_larger_than_q():
   q, k, v, _ = _inputs(16, 4, 2, 16, 32)
   with pytest.raises(ValueError, match="needs V's head size at most K's, got 32 and 16"):
     attn_lib.cudnn_attention(q, k, v)
+
+
+ON_HOPPER = (jax.default_backend() == "gpu"
+             and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="cuDNN's fused attention needs a (Hopper) GPU")
+@pytest.mark.parametrize("k,kv", [(192, 128), (128, 128)])
+def test_cudnn_attention_at_mla_head_sizes_on_hopper(k, kv):
+  """`cudnn_attention` with V's 128 beside Q's 192 (cuDNN's MLA sizes, no padding, where
+  `jax_compat.cudnn_mla_supported`), on a Hopper GPU: values and gradients in bf16 against
+  the fp32 plain reference (bf16 operands, so a bf16 tolerance)."""
+  q, kk, v, do = (x.astype(jnp.bfloat16) for x in _inputs(256, 4, 2, k, kv, seed=k))
+  got = jax.jit(lambda *a: _value_and_grads(attn_lib.cudnn_attention, *a))(q, kk, v, do)
+  want = _value_and_grads(lambda q, k, v: _plain(q, k, v, True),
+                          *(x.astype(jnp.float32) for x in (q, kk, v, do)))
+  _check(f"cudnn k={k} kv={kv}", [g.astype(jnp.float32) for g in got], want, 2e-2)
