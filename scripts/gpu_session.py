@@ -17,7 +17,7 @@ There, one device-tool call per part, `carry: [".whl"]`:
   python3 scripts/gpu_session.py run pipeline_modes  # jax 0.11's spelling of the pipeliner modes
   python3 scripts/gpu_session.py run jax011_checks  # compiled kernel tests and GPU targets, jax 0.11
   python3 scripts/gpu_session.py run followup_50  # issue 50: FP8 gathers, the proxy (run 11-30)
-  python3 scripts/gpu_session.py run loss_passes  # issue 50: cuDNN MLA, the loss's passes, the proxy
+  python3 scripts/gpu_session.py run loss_passes  # issue 50: cuDNN MLA, zero fills, loss passes, proxy
   python3 scripts/gpu_session.py plan        # every part's commands, runnable by hand
 A part installs the wheels into /tmp/site (no network there), runs its commands in order, each
 with what is left of --budget-s (default 540 s, under the tool's 600), logs to $OUT/<part>.log
@@ -219,16 +219,20 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
          ["results/bench_moe_gpu_deepseek_kernels.md"]),  # 8 files come back: the log and these
     ],
     # cuDNN's attention at MLA's own head sizes (2026-12-01; V was padded to 192 before) against
-    # the plain reference; the chunked loss's passes: the online (max, sum-exp) reduction
-    # against two plain ones (predicted 0.6 ms a step faster on the proxy, 0.5 GiB more at its
-    # peak) and the label's logit gathered (since 2026-11-30) against its masked sum, alone at
-    # one chunk of the proxy's head; then the proxy (96 ms measured on an H200 on 2026-11-30),
-    # its program and trace kept to join to the prediction (the cuDNN MLA kernel's own rate).
+    # the plain reference; the tiny DeepSeek's losses with XLA's zero-init elimination on and
+    # off (`xla_flags`, 2026-12-01: equal, or the flag comes out); the chunked loss's passes:
+    # the online (max, sum-exp) reduction against two plain ones (predicted 0.6 ms a step faster
+    # on the proxy, 0.5 GiB more at its peak) and the label's logit gathered (since 2026-11-30)
+    # against its masked sum, alone at one chunk of the proxy's head; then the proxy (96 ms
+    # measured on an H200 on 2026-11-30), its program and trace kept to join to the prediction
+    # (the cuDNN MLA kernel's own rate).
     "loss_passes": [
         ("cuDNN's attention at MLA's head sizes (V 128, Q 192): values and gradients",
          [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
           "tests/model/test_attention_v_head_dim.py", "-k", "on_hopper"],
          {"JAX_PLATFORMS": "cuda"}, []),
+        ("zero_init_parity: the loop outputs' zero fills elided change no loss",
+         [PY, "scripts/zero_init_parity.py"], {}, []),
         ("softmax_passes: the loss's passes over a 4096 x 102400 chunk",
          [PY, "scripts/softmax_passes.py"], {}, ["results/softmax_passes.md"]),
         ("bench_train: the proxy with the new loss",

@@ -8,6 +8,7 @@ prefill and decode step, on one H100 and tensor-parallel on two.
 """
 
 import collections
+import functools
 import re
 
 import pytest
@@ -164,17 +165,35 @@ def test_dropless_expert_flops_on_h100(gemm, low, high):
   assert low <= expert / ideal <= high, expert / ideal
 
 
+@functools.cache
+def _moe_step_on_h100() -> str:
+  """The tiny MoE's train step (`MOE_GPU`, `model.moe.gemm: auto`) compiled for one H100."""
+  cfg = load_config("configs/tiny.yaml", [*TINY_BF16, *MOE_GPU])
+  return introspect.compile_train_step(cfg, gpu_target.devices("h100x1"))[0].as_text()
+
+
 def test_auto_runs_the_hopper_grouped_matmul_on_h100s():
   """`model.moe.gemm: auto` is resolved for the mesh's devices (H100s here, on a CPU machine):
   the step runs the Hopper kernels, six per layer ([gate | up] and down: 2 forward, 4
   backward), no XLA expert dot."""
   cfg = load_config("configs/tiny.yaml", [*TINY_BF16, *MOE_GPU])
-  devices = gpu_target.devices("h100x1")
-  assert runtime.build(cfg, devices).cfg.model.moe.gemm == "pallas"
-  compiled, _ = introspect.compile_train_step(cfg, devices)
-  text = compiled.as_text()
+  assert runtime.build(cfg, gpu_target.devices("h100x1")).cfg.model.moe.gemm == "pallas"
+  text = _moe_step_on_h100()
   assert text.count('custom_call_target="mosaic_gpu') == 6 * UNROLL
   assert not [d for d in dots.compiled_dots(text) if re.search(r"ragged|tiles", d.location)]
+
+
+def test_the_layer_scans_stacks_are_allocated_not_zero_filled_on_h100():
+  """The layer scan's stacked outputs (the forward's saved activations, the backward's weight
+  gradients: [layers, ...]) are allocated (AllocateBuffer: XLA:GPU's zero-init elimination,
+  `xla_flags`, proves the loop writes every row before reading it), not zero-filled by a
+  kernel first: no parameterless broadcast fusion of the step makes a [layers, ...] array
+  (without the flag 28 did in this step)."""
+  text = _moe_step_on_h100()
+  layers = load_config("configs/tiny.yaml", []).model.n_layers
+  fills = re.findall(r"= (\S+|\([^)]*\)) fusion\(\), kind=kLoop, calls=%fused_broadcast", text)
+  assert not [f for f in fills if re.search(rf"\[{layers},", f)], fills
+  assert text.count('custom_call_target="AllocateBuffer"') >= 6
 
 
 @pytest.mark.parametrize("mode", ["xla", "manual"])
