@@ -97,7 +97,8 @@ GROUPED_NARROW = 477e12
 # the 30th's program beside it): 4 launches a step of 4096 x 102400 bf16 logits, 0.692 and
 # 0.709 ms each, 1.2 TB/s where plain reductions in the same steps ran 3.5-4.5. Two exps
 # and selects an element in the combiner, not the bytes, bound it, so the H200's figure
-# stands for the H100's.
+# stands for the H100's. The combiner takes one exp an element since 2026-12-01
+# (`loss._online_combine`); priced at this rate until `scripts/softmax_passes.py` times it.
 ONLINE_SOFTMAX = 4096 * 102400 / 0.70e-3
 # RMSNorm kernels, fraction of the copy bandwidth (results/h200_measured/bench_kernels.md, N
 # 16384, D 2048 / 4096 averaged; the backward's share derived from fwd+bwd minus fwd).

@@ -87,12 +87,17 @@ def _label_logit(logits, labels, comms: Seam) -> jax.Array:
 
 
 def _online_combine(a, b):
-  # (max, sum of exp(x - max)) of two parts -> of their union. A part of only -inf entries
-  # (max -inf, sum 0) must not make exp(-inf - -inf) = nan.
+  # (max, sum of exp(x - max)) of two parts -> of their union: the part with the larger max
+  # keeps its sum (its exp(0) is 1, exactly), the other's is rescaled by exp(-|m1 - m2|), one
+  # exp an element where the symmetric form takes two (XLA:GPU ran that one at 1.2 TB/s); the
+  # same values, bit for bit. A union whose max is -inf sums to 0: its entries are all -inf (an
+  # entry enters as (x, 1)), and exp(-inf - -inf) would be nan.
   (m1, s1), (m2, s2) = a, b
   m = jnp.maximum(m1, m2)
-  at = jnp.where(m == -jnp.inf, 0.0, m)
-  return m, s1 * jnp.exp(m1 - at) + s2 * jnp.exp(m2 - at)
+  first = m1 >= m2
+  gap = jnp.where(m1 == m2, 0.0, jnp.abs(m1 - m2))
+  big, small = jnp.where(first, s1, s2), jnp.where(first, s2, s1)
+  return m, jnp.where(m == -jnp.inf, 0.0, big + small * jnp.exp(-gap))
 
 
 def max_sum_exp(logits: jax.Array, comms: Seam = LOCAL) -> tuple[jax.Array, jax.Array]:

@@ -139,6 +139,28 @@ def test_max_sum_exp_in_one_pass():
   assert float(m[2, 4, 0]) == -np.inf and float(s[2, 4, 0]) == 0.0
 
 
+
+def test_the_online_combine_takes_one_exp_for_the_symmetric_forms_values():
+  """The online reduction's combiner rescales only the part with the smaller max (one exp an
+  element, where the symmetric s1·exp(m1 - m) + s2·exp(m2 - m) takes two): the same (max,
+  sum) bit for bit over rows with -inf entries and a row of only -inf."""
+  def symmetric(a, b):
+    (m1, s1), (m2, s2) = a, b
+    m = jnp.maximum(m1, m2)
+    at = jnp.where(m == -jnp.inf, 0.0, m)
+    return m, s1 * jnp.exp(m1 - at) + s2 * jnp.exp(m2 - at)
+
+  x = 8.0 * jax.random.normal(jax.random.key(4), (16, 7, 3000), jnp.float32)
+  x = x.at[1, :, ::3].set(-jnp.inf).at[2, 4].set(-jnp.inf)
+  start = (jnp.float32(-jnp.inf), jnp.float32(0.0))
+  reduce = lambda combine: jax.jit(lambda x: jax.lax.reduce(
+      (x, jnp.ones_like(x)), start, combine, (2,)))(x)
+  for got, want in zip(reduce(loss_lib._online_combine), reduce(symmetric)):
+    np.testing.assert_array_equal(got, want)
+  pair = (jnp.float32(0.0), jnp.float32(1.0))
+  eqns = jax.make_jaxpr(loss_lib._online_combine)(pair, pair).eqns
+  assert [e.primitive.name for e in eqns].count("exp") == 1
+
 def _vocab_reductions(jaxpr, vocab: int) -> list[str]:
   """Names of the reductions over a last axis of size `vocab`, in `jaxpr` and its inner ones."""
   found = []
