@@ -196,6 +196,14 @@ def test_the_layer_scans_stacks_are_allocated_not_zero_filled_on_h100():
   assert text.count('custom_call_target="AllocateBuffer"') >= 6
 
 
+def _kernel_calls(text: str) -> collections.Counter:
+  """The custom calls of a compiled program that launch kernels (an AllocateBuffer, a loop's
+  stacked output left unfilled by XLA's zero-init elimination, is an allocation)."""
+  calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))
+  del calls["AllocateBuffer"]
+  return calls
+
+
 @pytest.mark.parametrize("mode", ["xla", "manual"])
 def test_pallas_attention_runs_the_hopper_kernels_on_h100s(mode):
   """`attention_impl: pallas` picks its kernels for the mesh's devices (`Seam.kernel_device`),
@@ -203,7 +211,7 @@ def test_pallas_attention_runs_the_hopper_kernels_on_h100s(mode):
   forward once (`remat: selective` keeps its outputs), no Triton kernel."""
   text = _compiled_text("model.attention_impl=pallas", "model.n_heads=4", "model.n_kv_heads=2",
                         f"parallel.collectives={mode}")  # head_dim 64: the Hopper kernels tile it
-  calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))
+  calls = _kernel_calls(text)
   assert calls["mosaic_gpu_v2"] == 3 * UNROLL and len(calls) == 1, calls
 
 
