@@ -94,8 +94,8 @@ def local_param_split(model: ModelConfig, lay: Layout) -> tuple[float, float]:
 
 def layer_param_split(model: ModelConfig, lay: Layout) -> tuple[float, float]:
   """The layers' parameters on one device as (their matrices but the routers': what the step
-  keeps compute copies of, `jscale.step.compute_copies.copied`; the rest: norms' scales, MLA's
-  latent norms, routers)."""
+  keeps compute copies of, with the untied head, `copied_params`; the rest: norms' scales,
+  MLA's latent norms, routers)."""
   d, f, t = model.d_model, model.d_ff, lay.tensor
   attn, attn_matrices = attention_params(model)  # (MLA's down projections and norms: split
   matrices = attn_matrices / t + 3 * d * f / t     # over tensor too, ~5%)
@@ -196,13 +196,21 @@ def cast_weights(model: ModelConfig, lay: Layout) -> float:
   return jnp.dtype(model.dtype).itemsize * layer_psi / (model.stack_layers / lay.stage + extra)
 
 
+def copied_params(model: ModelConfig, lay: Layout) -> float:
+  """Parameters on one device that the step keeps compute copies of where it keeps them
+  (`jscale.step.compute_copies.copied`): the layers' matrices but the routers', and the untied
+  head (split over `tensor` by vocab)."""
+  head = 0.0 if model.tie_embeddings else model.vocab_size * model.d_model / lay.tensor
+  return layer_param_split(model, lay)[0] + head
+
+
 def kept_copies(model: ModelConfig, lay: Layout) -> float:
   """Bytes of the compute-dtype copies the train state keeps (`jscale.step.compute_copies.kept`:
-  the layers' matrices but the routers', split as their masters; none under ZeRO-2/3 over fsdp,
-  in pipelines, or in fp32)."""
+  `copied_params`, split as their masters; none under ZeRO-2/3 over fsdp, in pipelines, or in
+  fp32)."""
   if not copies_lib.kept(False, lay.zero_stage, lay.fsdp, lay.stage, model.dtype):
     return 0.0
-  return jnp.dtype(model.dtype).itemsize * layer_param_split(model, lay)[0]
+  return jnp.dtype(model.dtype).itemsize * copied_params(model, lay)
 
 
 def narrow_gradients(model: ModelConfig, lay: Layout) -> float:
@@ -214,7 +222,7 @@ def narrow_gradients(model: ModelConfig, lay: Layout) -> float:
   rest within 15%."""
   if not kept_copies(model, lay):
     return 0.0
-  return (4 - jnp.dtype(model.dtype).itemsize) * layer_param_split(model, lay)[0]
+  return (4 - jnp.dtype(model.dtype).itemsize) * copied_params(model, lay)
 
 
 def vocab_gradient_bytes(model: ModelConfig, lay: Layout) -> float:

@@ -57,8 +57,8 @@ def test_bf16_copies_give_the_fp32_masters_gradients(overrides, microbatches):
 
 
 def test_which_leaves_are_copied():
-  """Every stacked matrix but the router's; the router, norms, balancing bias, embedding and
-  head stay fp32."""
+  """Every stacked matrix but the router's, and the untied head; the router, norms, balancing
+  bias and embedding stay fp32."""
   cfg = small_config(None, *DEEPSEEK)
   params = state_lib.init_state(cfg)["params"]
   out = compute_copies(params, jnp.bfloat16)
@@ -66,11 +66,12 @@ def test_which_leaves_are_copied():
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(out)):
     name = jax.tree_util.keystr(path)
     (cast if y.dtype == jnp.bfloat16 else kept).append(name)
-    assert copied(path, x) == (y.dtype == jnp.bfloat16) == (x.ndim >= 3 and
-                                                           f"'{router.WEIGHT}'" not in name)
+    stacked = x.ndim >= 3 and f"'{router.WEIGHT}'" not in name
+    assert copied(path, x) == (y.dtype == jnp.bfloat16) == (stacked or name == "['lm_head']")
   assert any("w_gate" in n for n in cast) and any("wq" in n for n in cast)
+  assert "['lm_head']" in cast
   assert any(f"'{router.WEIGHT}'" in n for n in kept)  # the MoE module names it so
-  assert all(any(k in n for n in kept) for k in ("embed", "lm_head", "norm", router.BIAS))
+  assert all(any(k in n for n in kept) for k in ("embed", "norm", router.BIAS))
 
 
 def test_the_norm_reads_a_bf16_stack_whole_on_gpus():
