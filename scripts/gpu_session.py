@@ -235,13 +235,14 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
          [PY, "scripts/zero_init_parity.py"], {}, []),
         ("softmax_passes: the loss's passes over a 4096 x 102400 chunk",
          [PY, "scripts/softmax_passes.py"], {}, ["results/softmax_passes.md"]),
-        ("bench_train: the proxy with the new loss",
+        ("bench_train: the proxy, its loss in chunks and whole",
          [PY, "scripts/bench_train.py", "--exact", "--steps", "15", "--only",
-          "dsv3-16b-3L selective b2 bf16 moments bf16 logits", "--out",
+          "dsv3-16b-3L selective b2 bf16 moments bf16 logits,"
+          "dsv3-16b-3L selective b2 bf16 moments bf16 logits whole", "--out",
           "results/bench_train_deepseek.md", "--keep", "results/kept"], {},
          ["results/bench_train_deepseek.md", "results/bench_train_deepseek.csv",
-          *(f"results/kept/dsv3-16b-3L_selective_b2_bf16_moments_bf16_logits.{kind}.gz"
-            for kind in ("hlo.txt", "xplane.pb"))]),
+          *(f"results/kept/dsv3-16b-3L_selective_b2_bf16_moments_bf16_logits{whole}.{kind}.gz"
+            for whole in ("", "_whole") for kind in ("hlo.txt", "xplane.pb"))]),
     ],
     # What the 2026-11-30 lease left unrun under jax 0.11.2 once the suite ran there (conftest):
     # the compiled RMSNorm kernels, and the GPU-target test of xla mode's reduce-scatters with
