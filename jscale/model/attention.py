@@ -79,9 +79,9 @@ def cudnn_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGV: jax.Array,
                     segment_ids: jax.Array | None = None) -> jax.Array:
   """cuDNN fused attention (GPU only; GQA handled by the kernel; index-causal only; a V head
   size below Q's, MLA's, as it is where cuDNN takes it, `jax_compat.cudnn_mla_supported`,
-  else through `with_v_padded`). `segment_ids` [B, L] (documents) mask
-  across documents through a dense [B, 1, L, L] mask, which cuDNN reads as a bias: memory
-  quadratic in L, unlike the flash kernel's segment ids (`auto` prefers those)."""
+  else through `with_v_padded`). `segment_ids` [B, L] (documents) mask across documents
+  through a dense [B, 1, L, L] mask, which cuDNN reads as a bias: memory quadratic in L,
+  unlike the flash kernel's segment ids (`auto` prefers those)."""
   if positions is not None:
     raise ValueError("cudnn attention masks by index, not by token positions: with "
                      "mesh.sequence > 1 use model.attention_impl=ring or xla")
@@ -178,7 +178,8 @@ def cudnn_applies(dtype, head_dim: int, compute_capability: str | None = None,
                   v_head_dim: int | None = None) -> str | None:
   """None if cuDNN's fused flash attention runs this attention, else why not: it takes fp16 /
   bf16 operands, head dims that are multiples of 8 up to 128 (256 on Hopper and later, as
-  JAX's cuDNN checks say), a V head size at most Q's (MLA's is padded: `with_v_padded`), and
+  JAX's cuDNN checks say), a V head size at most Q's (MLA's runs as it is on cuDNN 9.10+ on
+  Hopper, `jax_compat.cudnn_mla_supported`, else padded: `with_v_padded`), and
   Ampere or newer GPUs."""
   if v_head_dim is not None and v_head_dim > head_dim:
     return f"v head_dim {v_head_dim} > q head_dim {head_dim} (V is padded to Q's, not cut)"
