@@ -139,8 +139,8 @@ class ModelConfig:
   # slow, for CPU tests and debugging; without it they need a GPU.
   kernel_interpret: bool = False
   # The layer stacks as a loop (lax.scan: one layer compiled) or, false, as straight-line code
-  # (MaxText's scan_layers): no stacked-residual buffers for the loop to zero-fill and copy
-  # into, and XLA schedules across layers; compiles take about n_layers times longer.
+  # (MaxText's scan_layers): no stacked-residual buffers for the loop to copy into, and XLA
+  # schedules across layers; compiles take about n_layers times longer.
   # Weights are stacked either way, so checkpoints are the same.
   scan_layers: bool = True
   moe: MoeConfig | None = None  # None: dense SwiGLU MLPs
