@@ -27,7 +27,7 @@ if not gpu_target.available():
 
 # pylint: disable=wrong-import-position
 from jscale import predict  # noqa: E402
-from jscale.analysis import dots, hlo  # noqa: E402
+from jscale.analysis import hlo  # noqa: E402
 from jscale.config_load import load_config  # noqa: E402
 from jscale.fp8 import dot as fp8_dot  # noqa: E402
 from jscale import hardware  # noqa: E402
@@ -157,95 +157,6 @@ def test_grouped_matmul_kernels_run_at_their_measured_rates(label, rate):
   t = timing.time_launch(x, CHIP)
   assert t.bound == "measured" and x.flops == 2.0 * m * n * k
   assert t.seconds == pytest.approx(x.flops / rate)
-
-
-def test_in_place_update_moves_the_slice_not_the_buffer():
-  buf = jax.ShapeDtypeStruct((64, 1024, 1024), jnp.float32)
-  row = jax.ShapeDtypeStruct((1, 1024, 1024), jnp.float32)
-  mesh = Mesh(np.array(gpu_target.devices("h100x1")), ("x",))
-  s = NamedSharding(mesh, P())
-  text = jax.jit(lambda b, r, i: jax.lax.dynamic_update_slice(b, r * 2, (i, 0, 0)),
-                 in_shardings=(s, s, s), out_shardings=s, donate_argnums=0).lower(
-      buf, row, jax.ShapeDtypeStruct((), jnp.int32)).compile().as_text()
-  moved = sum(x.bytes for x in launches.Program(text).items() if x.kind == "memory")
-  assert moved <= 2 * 1024 * 1024 * 4 + 64  # the row read and written, not 64 rows
-
-
-
-def test_an_in_place_scatter_moves_its_rows_not_the_buffer():
-  """A scatter-add into a buffer XLA updates in place (the embedding's gradient: 16,384 rows
-  into a 0.84 GB fp32 [vocab, embed], traced at 0.11 ms a step on an H200, 2026-11-30): the
-  rows it updates, read and written, not the whole buffer (0.64 ms priced so on an H100)."""
-  buf = jax.ShapeDtypeStruct((65536, 1024), jnp.float32)
-  rows = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
-  ids = jax.ShapeDtypeStruct((64,), jnp.int32)
-  mesh = Mesh(np.array(gpu_target.devices("h100x1")), ("x",))
-  s = NamedSharding(mesh, P())
-  text = jax.jit(lambda b, i, r: b.at[i].add(r * 2), in_shardings=(s, s, s), out_shardings=s,
-                 donate_argnums=0).lower(buf, ids, rows).compile().as_text()
-  assert "scatter" in text
-  moved = sum(x.bytes for x in launches.Program(text).items() if x.kind == "memory")
-  assert moved <= 4 * 64 * 1024 * 4 + 4096  # the rows in, and read and written in the buffer
-
-def test_a_gather_through_a_conversion_moves_what_it_takes():
-  """The chunked loss's label logit: XLA fuses the logits' fp32 convert before the gather, so
-  the fused parameter is read through a convert (and bitcasts); the kernel reads one element a
-  row, not the bf16 [rows, vocab] it is handed (4 x 0.28 ms a step on the DeepSeek-V3 16B proxy
-  priced as whole reads)."""
-  logits = jax.ShapeDtypeStruct((2, 2048, 51200), jnp.bfloat16)
-  labels = jax.ShapeDtypeStruct((2, 2048), jnp.int32)
-  mesh = Mesh(np.array(gpu_target.devices("h100x1")), ("x",))
-  s = NamedSharding(mesh, P())
-  pick = lambda x, i: jnp.take_along_axis(x.astype(jnp.float32), i[..., None], axis=-1) * 2.0
-  text = jax.jit(pick, in_shardings=(s, s), out_shardings=s).lower(logits, labels).compile(
-  ).as_text()
-  moved = sum(x.bytes for x in launches.Program(text).items() if x.kind == "memory")
-  assert 0 < moved <= 2 * 2048 * (2 + 4 + 4) + 64  # each row's bf16 label logit, its index,
-  assert "convert" in text and "gather" in text    # its fp32 product; not the 420 MB logits
-
-
-
-def test_an_allocated_scan_output_launches_no_kernel():
-  """A scan's stacked output, allocated by XLA:GPU's zero-init elimination (`xla_flags`) and
-  written row by row in the loop: the AllocateBuffer is no kernel, so nothing is priced for
-  the 64 MiB the zero fill wrote (on the DeepSeek-V3 16B proxy 1.45 ms a step)."""
-  mesh = Mesh(np.array(gpu_target.devices("h100x1")), ("x",))
-  xs = jax.ShapeDtypeStruct((16, 1024, 1024), jnp.float32, sharding=NamedSharding(mesh, P()))
-  scan = lambda xs: jax.lax.scan(lambda c, x: (c + x, c * x), xs[0], xs)[1]
-  flag = {"xla_gpu_enable_dus_accumulator_zero_init_elimination": True}
-  text = jax.jit(scan).lower(xs).compile(compiler_options=flag).as_text()
-  assert 'custom_call_target="AllocateBuffer"' in text
-  items = [i for i in launches.Program(text).items() if not isinstance(i, launches.Loop)]
-  assert not [i for i in items if i.kind == "memory" and i.bytes >= 64 * 2**20], items
-
-# XLA as shipped with jaxlib 0.11 names an element of a tuple-shaped value `%name#i` instead of
-# writing a get-tuple-element (this fragment is cut from the step an H200 compiled): each
-# operand is the element, not the whole tuple (a loop's carry of every layer's weights).
-TUPLE_ELEMENTS = """
-HloModule m, is_scheduled=true
-
-%fused_scale (p0: f32[1024]) -> f32[1024] {
-  %p0 = f32[1024]{0} parameter(0)
-  ROOT %m = f32[1024]{0} multiply(%p0, %p0)
-}
-
-ENTRY %main (t: (f32[1024], f32[67108864], bf16[256,512], bf16[512,128])) -> f32[1024] {
-  %t = (f32[1024]{0}, f32[67108864]{0}, bf16[256,512]{1,0}, bf16[512,128]{1,0}) parameter(0)
-  %g = (bf16[256,128]{1,0}, s8[1024]{0}) custom-call(%t#2, %t#3), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
-  ROOT %f = f32[1024]{0} fusion(%t#0), kind=kLoop, calls=%fused_scale
-}
-"""
-
-
-def test_tuple_element_operands_are_the_element_not_the_tuple():
-  items = launches.Program(TUPLE_ELEMENTS).items()
-  (fusion,) = [i for i in items if i.kind == "memory"]
-  assert fusion.bytes == 2 * 1024 * 4  # not the 256 MiB element beside it
-  (gemm,) = [i for i in items if i.kind == "gemm"]
-  assert gemm.flops == 2 * 256 * 512 * 128
-  (dot,) = dots.compiled_dots(TUPLE_ELEMENTS)
-  assert dot.operands == ("bf16", "bf16")
-  assert (dot.lhs_shape, dot.rhs_shape) == ("256x512", "512x128")
 
 
 def test_collective_over_the_link_its_group_spans():
