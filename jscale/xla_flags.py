@@ -22,8 +22,8 @@ does:
   gradients: JAX's scan makes them as zeros) is allocated, not zero-filled by a kernel first. On
   the DeepSeek-V3 16B proxy that is ~4 GB of zero fills a step, which an H200 ran at 1.7 TB/s
   (2026-11-30). The pass proves the writes cover the buffer (XLA:GPU,
-  `DusAccumulatorZeroInitElimination`; in jax 0.10.2's, 0.11.2's and 0.12.0's plugins, off by
-  default).
+  `DusAccumulatorZeroInitElimination`; in jax 0.10.2's, 0.11.2's and 0.12.0's plugins; off by
+  default in 0.10.2's, and the H200's jax 0.11.2 program still zero-filled).
 """
 
 from __future__ import annotations
