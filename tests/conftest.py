@@ -24,11 +24,16 @@ for _flag in ("--xla_backend_optimization_level=0",
 os.environ["XLA_FLAGS"] = (_FLAGS + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import pytest  # noqa: E402  (after the environment is set)
+import jax  # noqa: E402  (after the environment is set)
+import pytest  # noqa: E402
 
 from jscale.config_load import load_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Tests that compile and run Hopper-only kernels (Mosaic GPU, cuDNN at MLA's head sizes) run
+# where the first device is one: `gpu_session.py`'s parts run them on a lent GPU.
+ON_HOPPER = (jax.default_backend() == "gpu"
+             and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import launch_local  # noqa: E402  pylint: disable=wrong-import-position
 

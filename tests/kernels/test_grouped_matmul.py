@@ -13,13 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import ON_HOPPER
 from close import assert_close
 from pallas_kernels.grouped_matmul import (DEFAULT, GmmBlocks, check_shapes, grouped_matmul,
                                            loop_reference, reference)
 from pallas_kernels.grouped_matmul import hopper_config as C
 
-ON_HOPPER = (jax.default_backend() == "gpu"
-             and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
 SMALL = GmmBlocks(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, grid_tile_width=1)
 M, K, N = 256, 128, 128
 # Uneven groups straddling tiles, an empty group, and rows past the last group (zero out).

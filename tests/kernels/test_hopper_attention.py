@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import ON_HOPPER
 from close import assert_close
 from conftest import small_config
 from jscale import mesh as mesh_lib, runtime
@@ -22,8 +23,6 @@ from jscale.model.attention import pallas_backend
 from pallas_kernels.flash_attention import hopper, reference
 from pallas_kernels.flash_attention.hopper import HopperBlocks, blocks_for
 
-ON_HOPPER = (jax.default_backend() == "gpu"
-             and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
 
 
 def _fwd_bwd(causal, segments, with_dlse=False, interpret=False, blocks=None):

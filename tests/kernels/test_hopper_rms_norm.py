@@ -13,15 +13,13 @@ import jax.numpy as jnp
 import pytest
 
 import norm_check
-from conftest import small_config
+from conftest import ON_HOPPER, small_config
 from jscale import mesh as mesh_lib, runtime
 from jscale.model.layers import norm_backend
 from pallas_kernels.mosaic_gpu_env import H100_SMS
 from pallas_kernels.rms_norm import hopper, hopper_pipeline as hp, rms_norm
 from pallas_kernels.rms_norm.hopper import HopperNormBlocks
 
-ON_HOPPER = (jax.default_backend() == "gpu"
-             and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
 
 
 # (shape, dtype, weight dtype, residual, blocks). Interpret mode runs 2 CUDA blocks, so 6 slabs

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
+from conftest import ON_HOPPER
 from close import assert_close
 from jscale.model import attention as attn_lib
 from jscale.parallel.context import ring as ra
@@ -132,8 +133,6 @@ def test_cudnn_refuses_a_v_head_larger_than_q():
     attn_lib.cudnn_attention(q, k, v)
 
 
-ON_HOPPER = (jax.default_backend() == "gpu"
-             and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="cuDNN's fused attention needs a (Hopper) GPU")
