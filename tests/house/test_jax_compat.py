@@ -3,11 +3,13 @@ fails here, by name."""
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax._src.cudnn import fused_attention_stablehlo as cudnn
 from jax._src.interpreters import pxla
 from jax.experimental import pallas as pl
 
 from jscale import jax_compat
+from jscale.analysis import gpu_target
 
 
 def test_the_coordination_client_is_none_without_jax_distributed():
@@ -46,6 +48,7 @@ def test_cudnn_attention_checks_see_the_given_gpu_generation_then_this_ones():
   assert not cudnn.check_compute_capability("9.0")
 
 
+@pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)  # cuDNN's version
 def test_cudnn_mla_attention_takes_v_head_sizes_apart_from_q_on_hopper():
   q = jax.ShapeDtypeStruct((1, 128, 2, 192), jnp.bfloat16)
   v = jax.ShapeDtypeStruct((1, 128, 2, 128), jnp.bfloat16)
