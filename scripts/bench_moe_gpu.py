@@ -15,9 +15,9 @@
    tokamax's ragged_dot when it imports, and a dense matmul of the same FLOPs (the ceiling). Timing: `kernel_timing` (profiler kernel time where it works, else a
    back-to-back loop). `--shapes deepseek`: the DeepSeek-V3 16B proxy's expert products
    instead, 49152 rows (8192 tokens x top-6) in 64 groups: 2048 -> 1408 (gate or up alone,
-   and down's dx: the kernel pads them to 1536 columns of whole tiles, `hopper_config.covering`;
-   timed too on 64-column tiles, unpadded, the 286 TFLOP/s of `rates.GROUPED_NARROW`), 2048 ->
-   2816 ([gate | up], as the model runs them) and 1408 -> 2048 (down).
+   and down's dx: the kernel runs 1280 columns on whole tiles and 128 on 64-column ones,
+   `hopper_config.column_parts`; timed too all on 64-column tiles, `rates.GROUPED_NARROW`),
+   2048 -> 2816 ([gate | up], as the model runs them) and 1408 -> 2048 (down).
 2. train: a 1B-wide MoE (16 layers, d_model 2048, 8 experts of d_ff 2048, top-2, vocab 32k,
    seq 4096, batch 4, bf16, attention auto = cuDNN), one `python -m jscale.train` process per
    row (`bench_train.run_row`): dropless with the kernel, with the tiled XLA matmul and with
@@ -89,7 +89,7 @@ def kernel_rows(m: int, k: int, n: int, g: int, sweep: bool, quick: bool) -> lis
                                                 interpret=quick),
            "tiled (XLA)": lambda a, b, s: grouped_tiles.grouped_dot(a, b, s, a.dtype),
            "ragged_dot": jax.lax.ragged_dot}
-  if n % (2 * gm.DEFAULT.tile_n):  # padded to whole tiles by default; against narrow ones
+  if n % (2 * gm.DEFAULT.tile_n):  # whole tiles and a narrow rest by default; all narrow
     impls["pallas 64-col tiles"] = functools.partial(
         gm.grouped_matmul, blocks=dataclasses.replace(gm.DEFAULT, tile_n=64), interpret=quick)
   if g > 8:  # XLA:GPU runs it densely against every group: g times the FLOPs, not timed

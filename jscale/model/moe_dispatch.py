@@ -51,9 +51,9 @@ def ragged_ffn(x_AD: jax.Array, sizes_E: jax.Array, w: ExpertWeights, dtype,
   The gate and up products are one grouped matmul against each expert's [gate | up] columns
   (Megatron's fused fc1): the same values, half the launches, and twice the output width, which
   the Hopper kernel tiles better. DeepSeek-V3's experts are 1408 wide = 5.5 x 256, not whole
-  CUDA-block tiles, which the kernel pads its output columns to (`hopper_config.covering`: 9%
-  more products; on 64-column tiles it ran 477 TFLOP/s forward against 545 at 2816, H200);
-  together they are 2816 = 11 x 256, no padding. The parameter holds them so
+  CUDA-block tiles: the kernel runs the last 128 columns on 64-column tiles
+  (`hopper_config.column_parts`; those ran 477 TFLOP/s forward against 545 at 2816, H200);
+  together they are 2816 = 11 x 256, all whole tiles. The parameter holds them so
   (`ExpertWeights.gate_up_EDXF`): the [E, D, 2F] operand is a reshape, no copy."""
   dot = lambda x, m: gemm(x, m, sizes_E, dtype)
   x_AD = checkpoint_name(x_AD, "moe_in")

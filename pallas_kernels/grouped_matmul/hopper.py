@@ -26,24 +26,22 @@ class _Static:
   interpret: bool
 
 
-def _covered(lhs, rhs, sizes, blocks: C.GmmBlocks, interpret: bool, transpose_rhs=False,
-             out_dtype=None):
-  """`gmm` with rhs's output columns zero-padded to whole CUDA-block tiles (`C.covering`) and
-  the padding sliced off the result (XLA fuses the pad into the copy that makes rhs, the slice
-  into the result's reader)."""
+def _launched(lhs, rhs, sizes, blocks: C.GmmBlocks, interpret: bool, transpose_rhs=False,
+              out_dtype=None):
+  """`gmm` over all of rhs's output columns, in the launches of `C.column_parts` (XLA fuses
+  their concatenation into the result's reader)."""
   axis = 1 if transpose_rhs else 2
   n, k = rhs.shape[axis], rhs.shape[3 - axis]
-  wide = C.covering(n, blocks)
-  if wide > n:
-    rhs = jnp.pad(rhs, [(0, wide - n) if a == axis else (0, 0) for a in range(3)])
-  out = gmm(lhs, rhs, sizes, blocks=C.fit(blocks, k, wide, lhs.dtype),
-            transpose_rhs=transpose_rhs, out_dtype=out_dtype, interpret=interpret)
-  return out[:, :n] if wide > n else out
+  outs = [gmm(lhs, rhs, sizes, blocks=C.fit(blocks, k, width, lhs.dtype),
+              transpose_rhs=transpose_rhs, out_dtype=out_dtype, columns=(first, width),
+              interpret=interpret)
+          for first, width in C.column_parts(n, blocks)]
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _gmm(lhs, rhs, sizes, cfg: _Static):
-  return _covered(lhs, rhs, sizes, cfg.blocks, cfg.interpret)
+  return _launched(lhs, rhs, sizes, cfg.blocks, cfg.interpret)
 
 
 def _gmm_fwd(lhs, rhs, sizes, cfg):
@@ -53,7 +51,7 @@ def _gmm_fwd(lhs, rhs, sizes, cfg):
 def _gmm_bwd(cfg, res, dout):
   lhs, rhs, sizes = res
   dout = dout.astype(lhs.dtype)
-  dlhs = _covered(dout, rhs, sizes, cfg.blocks, cfg.interpret, transpose_rhs=True)
+  dlhs = _launched(dout, rhs, sizes, cfg.blocks, cfg.interpret, transpose_rhs=True)
   drhs = weight_gradient(lhs, dout, sizes, blocks=cfg.blocks, interpret=cfg.interpret)
   return dlhs, drhs, None
 
@@ -76,17 +74,26 @@ def why_not(lhs, rhs, group_sizes, blocks: C.GmmBlocks | None = None,
   dlhs = C.problem(dout, rhs, group_sizes, C.fit(blocks, n, k), transpose_rhs=True)
   if dlhs is not None:
     return dlhs
-  # As launched: the output columns padded to whole tiles (`_covered`), forward and dlhs.
+  # As launched (`_launched`), forward and dlhs.
   for rows, contract, out in ((lhs, k, n), (dout, n, k)):
-    wide = C.covering(out, blocks)
-    launched = C.problem(rows, jax.ShapeDtypeStruct((g, contract, wide), rhs.dtype),
-                         group_sizes, C.fit(blocks, contract, wide))
-    if launched is not None:
+    if (launched := _launch_problem(rows, contract, out, g, rhs.dtype, group_sizes,
+                                    blocks)) is not None:
       return launched
   if k % blocks.tile_m:
     return (f"K={k} is not a multiple of tile_m={blocks.tile_m} (the weight "
             f"gradient's output rows): use model.moe.gemm=tiled for this width")
   return _fp8_why_not(lhs, rhs, group_sizes) if fp8 else None
+
+
+def _launch_problem(rows, contract: int, out: int, g: int, dtype, group_sizes,
+                    blocks: C.GmmBlocks) -> str | None:
+  """What the kernel cannot run of the launches `_launched` makes for `out` columns."""
+  for _, width in C.column_parts(out, blocks):
+    why = C.problem(rows, jax.ShapeDtypeStruct((g, contract, width), dtype), group_sizes,
+                    C.fit(blocks, contract, width))
+    if why is not None:
+      return why
+  return None
 
 
 def _fp8_fitted(lhs_MK, rhs_GNK, group_sizes, blocks, out_dtype):
@@ -123,7 +130,7 @@ def fp8_matmul(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, 
   _, why = _fp8_fitted(lhs_MK, rhs_GNK, group_sizes_G, blocks, out_dtype)
   if why is not None:
     raise ValueError(why)
-  return _covered(lhs_MK, rhs_GNK, group_sizes_G, blocks or C.DEFAULT_FP8, interpret,
+  return _launched(lhs_MK, rhs_GNK, group_sizes_G, blocks or C.DEFAULT_FP8, interpret,
                   transpose_rhs=True, out_dtype=out_dtype)
 
 

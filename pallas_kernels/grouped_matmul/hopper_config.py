@@ -88,14 +88,19 @@ def fit(blocks: GmmBlocks, k: int, n: int, dtype=jnp.bfloat16) -> GmmBlocks:
   return dataclasses.replace(blocks, tile_n=tn, tile_k=tk)
 
 
-def covering(n: int, blocks: GmmBlocks) -> int:
-  """The output width the row-grouped kernel runs for n columns (`hopper.grouped_matmul`,
-  `fp8_matmul`): n rounded up to whole CUDA-block tiles (COMPUTE_WGS * tile_n), the added
-  columns zero and sliced off. Padding beats narrowing tile_n to fit: DeepSeek-V3's 1408-wide
-  products ran on 64-column tiles at 286 TFLOP/s in the 16B proxy's H200 profile against 732 on
-  whole ones (jscale.predict.rates), so 128 more columns (9%) pay for themselves."""
+def column_parts(n: int, blocks: GmmBlocks) -> tuple[tuple[int, int], ...]:
+  """How the row-grouped kernel launches n output columns: (first, width) parts, each whole
+  CUDA-block tiles of its own tile_n (`fit`). Whole tiles of `blocks` first; the rest (whole
+  64-column warpgroup tiles, or `problem` refuses n) is a second launch on narrower ones.
+
+  DeepSeek-V3 16B's 1408 = 5 x 256 + 128: 91% of the products at the 128-column tiles' 732
+  TFLOP/s, 9% at the 64-column ones' 477 (jscale.predict.rates, H200). Padding the width to
+  1536 instead copied the weight stack on every use: down's dx, 0.24 ms a layer in the H200's
+  2026-11-30 trace, more than its 9% of extra products; all of it on 64-column tiles would run
+  at 477."""
   cta = COMPUTE_WGS * blocks.tile_n
-  return -(-n // cta) * cta
+  whole = n - n % cta
+  return tuple((first, width) for first, width in ((0, whole), (whole, n - whole)) if width)
 
 
 def problem(lhs, rhs, group_sizes, blocks: GmmBlocks, transpose_rhs: bool = False,

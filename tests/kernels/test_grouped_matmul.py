@@ -79,35 +79,37 @@ def test_gradients_match_ragged_dot():
   assert not np.any(np.asarray(drhs[1], np.float32))  # the empty group's weights get zero
 
 
-def test_widths_between_whole_tiles_are_padded_values_and_gradients():
-  """An output width that is not whole CUDA-block tiles (here 384 = 1.5 x 256, as DeepSeek-V3's
-  1408 = 5.5 x 256) runs padded to them, forward (N) and dlhs (K): the same values and
-  gradients as ragged_dot, the padding never in the result."""
+def test_widths_between_whole_tiles_values_and_gradients():
+  """An output width that is not whole CUDA-block tiles runs as whole tiles plus a launch on
+  64-column ones (384 = 256 + 128, as DeepSeek-V3's 1408 = 5 x 256 + 128), forward (N) and
+  dlhs (K): ragged_dot's values and gradients."""
   blocks = dataclasses.replace(SMALL, tile_n=128)
-  keys = jax.random.split(jax.random.key(1), 3)
   w = 384
+  keys = jax.random.split(jax.random.key(1), 3)
   lhs = jax.random.normal(keys[0], (M, w), jnp.float32).astype(jnp.bfloat16)
   rhs = (jax.random.normal(keys[1], (4, w, w), jnp.float32) / np.sqrt(w)).astype(jnp.bfloat16)
   dout = jax.random.normal(keys[2], (M, w), jnp.float32).astype(jnp.bfloat16)
   sizes = jnp.array(SIZES["uneven_empty_tail"], jnp.int32)
-  assert C.covering(w, blocks) == 512 and C.fit(blocks, w, 512).tile_n == 128
+  assert C.column_parts(w, blocks) == ((0, 256), (256, 128))
   out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes, blocks=blocks, interpret=True),
                      lhs, rhs)
   f32 = lambda x: x.astype(jnp.float32)
   want, ref_vjp = jax.vjp(lambda a, b: reference(a, b, sizes), f32(lhs), f32(rhs))
   assert out.shape == (M, w)
-  assert_close("padded forward", out, want, 1e-2)
+  assert_close("forward", out, want, 1e-2)
   for name, got, ref in zip(("dlhs", "drhs"), vjp(dout), ref_vjp(f32(dout))):
     assert got.shape == ref.shape
-    assert_close(f"padded {name}", got, ref, 1e-2)
+    assert_close(name, got, ref, 1e-2)
 
 
-def test_deepseek_width_runs_whole_tiles_padded():
+def test_deepseek_width_runs_whole_tiles_and_a_narrow_launch():
   """DeepSeek-V3 16B's experts (2048 -> 1408): dlhs of the down product (1408 wide) launches on
-  1536 columns of whole 128-column warpgroup tiles, not 1408 on 64-column ones."""
+  1280 columns of whole 128-column warpgroup tiles and 128 of 64-column ones, reading the
+  weight stack where it lies: no padded copy of it (0.24 ms a layer on the H200)."""
   text = _lowered(1024, 1408, 2048, 8)
-  assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
-  assert "tensor<1024x1536xbf16>" in text and "stablehlo.pad" in text
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 4
+  assert "tensor<1024x1280xbf16>" in text and "tensor<1024x128xbf16>" in text
+  assert "stablehlo.pad" not in text and "1536" not in text
 
 
 def _lowered(m, k, n, g, blocks=DEFAULT):
