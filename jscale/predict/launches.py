@@ -360,7 +360,11 @@ class Program:
         rows = m if self.routed_rows is None else min(m, self.routed_rows)
         # The kernel reads no row past its groups' sizes (it writes them as zeros).
         launch.bytes -= sum(hlo.nbytes(d, (m - rows, s[1])) for d, s in rows_inputs if s[0] == m)
-        launch.mnk = (1, rows, hlo.leaves(shape)[0][1][-1], k)
+        n = hlo.leaves(shape)[0][1][-1]
+        # A launch on some of rhs's output columns (`hopper_config.column_parts`) reads those.
+        launch.bytes -= sum(hlo.nbytes(d, s) * max(0.0, 1 - s[0] * k * n / math.prod(s))
+                            for d, s in operands if len(s) == 3)
+        launch.mnk = (1, rows, n, k)
 
   def _cublas(self, launch: Launch, attrs: str, operands) -> None:
     gemm = _json_after(attrs, "gemm_backend_config") or {}

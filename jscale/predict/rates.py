@@ -84,12 +84,12 @@ ATTENTION: dict[tuple[str, bool, int], list[tuple[int, float, float]]] = {
 # groups are smaller and uneven.
 GROUPED = {"grouped_matmul": 732e12, "transposed_grouped_matmul": 501e12}
 # The row-grouped kernel on 64-column warpgroup tiles (`hopper_config.fit` halves them where
-# asked to tile a width of 128-column ones it does not divide; by default the kernel pads such
-# a width to whole tiles instead, `hopper_config.covering`): timed alone on the H200 at
-# DeepSeek-V3's 1408 (results/h200_measured/bench_moe_gpu_deepseek_kernels.md, 2026-11-29:
-# 49152 rows in 64 uneven groups, 2048 -> 1408), 477 TFLOP/s forward. The 286 derived before
-# from the 2026-11-28 step's kernel total was the kernel's old per-visit search over the 64
-# groups (it now reads a table), not the narrow tiles.
+# asked to tile a width of 128-column ones it does not divide; the kernel runs such a width's
+# whole tiles first and only the rest on them, `hopper_config.column_parts`): timed alone on
+# the H200 at DeepSeek-V3's 1408 (results/h200_measured/bench_moe_gpu_deepseek_kernels.md,
+# 2026-11-29: 49152 rows in 64 uneven groups, 2048 -> 1408), 477 TFLOP/s forward. The 286
+# derived before from the 2026-11-28 step's kernel total was the kernel's old per-visit search
+# over the 64 groups (it now reads a table), not the narrow tiles.
 GROUPED_NARROW = 477e12
 # XLA:GPU's variadic reduction with exps in its combiner, the chunked loss's one-pass (max,
 # sum-exp) (`launches._online_elements`): elements a second, from the DeepSeek-V3 16B proxy's

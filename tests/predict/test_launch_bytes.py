@@ -16,7 +16,8 @@ if not gpu_target.available():
 
 # pylint: disable=wrong-import-position
 from jscale.analysis import dots  # noqa: E402
-from jscale.predict import launches  # noqa: E402
+from jscale.predict import launches, rates, timing  # noqa: E402
+from pallas_kernels.grouped_matmul import grouped_matmul  # noqa: E402
 
 
 def test_in_place_update_moves_the_slice_not_the_buffer():
@@ -106,3 +107,23 @@ def test_tuple_element_operands_are_the_element_not_the_tuple():
   (dot,) = dots.compiled_dots(TUPLE_ELEMENTS)
   assert dot.operands == ("bf16", "bf16")
   assert (dot.lhs_shape, dot.rhs_shape) == ("256x512", "512x128")
+
+
+def test_a_grouped_matmul_launch_on_some_columns_reads_those_of_the_weights():
+  """DeepSeek-V3 16B's 1408-wide expert products run as two launches on one [E, K, 1408] weight
+  stack (`hopper_config.column_parts`: 1280 columns on whole tiles, 128 on 64-column ones); each
+  reads its columns of the stack, not all of it, and the narrow one is timed at the 64-column
+  tiles' rate."""
+  m, k, n, g = 2048, 512, 1408, 4
+  mesh = Mesh(np.array(gpu_target.devices("h100x1")), ("x",))
+  s = NamedSharding(mesh, P())
+  spec = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
+  text = jax.jit(grouped_matmul, in_shardings=(s, s, s), out_shardings=s).lower(
+      spec(m, k), spec(g, k, n), spec(g, dt=jnp.int32)).compile().as_text()
+  kernels = {x.mnk[2]: x for x in launches.Program(text).items()
+             if "grouped_matmul" in (x.label or "")}
+  assert sorted(kernels) == [128, 1280]
+  for cols, x in kernels.items():  # lhs, its columns of rhs, the output (+ the group table)
+    assert x.bytes == pytest.approx(2 * (m * k + g * k * cols + m * cols), abs=16384)
+  chip = rates.chip("h100")
+  assert timing.time_launch(kernels[128], chip).note.startswith("grouped_matmul: 64-column")
