@@ -17,7 +17,7 @@ There, one device-tool call per part, `carry: [".whl"]`:
   python3 scripts/gpu_session.py run pipeline_modes  # jax 0.11's spelling of the pipeliner modes
   python3 scripts/gpu_session.py run jax011_checks  # compiled kernel tests and GPU targets, jax 0.11
   python3 scripts/gpu_session.py run followup_50  # issue 50: FP8 gathers, the proxy (run 11-30)
-  python3 scripts/gpu_session.py run loss_passes  # issue 50: cuDNN MLA, zero fills, loss passes, proxy
+  python3 scripts/gpu_session.py run loss_passes  # issue 50: cuDNN MLA, 1408 columns, zero fills, loss passes, proxy
   python3 scripts/gpu_session.py plan        # every part's commands, runnable by hand
 A part installs the wheels into /tmp/site (no network there), runs its commands in order, each
 with what is left of --budget-s (default 540 s, under the tool's 600), logs to $OUT/<part>.log
@@ -230,6 +230,10 @@ PARTS: dict[str, list[tuple[str, list[str], dict, list[str]]]] = {
         ("cuDNN's attention at MLA's head sizes (V 128, Q 192): values and gradients",
          [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
           "tests/model/test_attention_v_head_dim.py", "-k", "on_hopper"],
+         {"JAX_PLATFORMS": "cuda"}, []),
+        ("the grouped matmul at DeepSeek's 1408 columns, whole tiles and a narrow launch",
+         [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+          "tests/kernels/test_grouped_matmul.py", "-k", "hopper"],
          {"JAX_PLATFORMS": "cuda"}, []),
         ("zero_init_parity: the loop outputs' zero fills elided change no loss",
          [PY, "scripts/zero_init_parity.py"], {}, []),

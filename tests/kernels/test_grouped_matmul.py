@@ -175,6 +175,24 @@ def test_compiled_on_hopper(case):
     assert_close(name, got, ref, 1e-2)
 
 
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an H100 (sm_90)")
+def test_deepseek_width_compiled_on_hopper():
+  """DeepSeek-V3 16B's 1408-wide products on the GPU (whole tiles and a 64-column launch,
+  forward and dlhs; `hopper_config.column_parts`): ragged_dot's values and gradients."""
+  keys = jax.random.split(jax.random.key(2), 3)
+  m, k, n = 4096, 2048, 1408
+  lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+  rhs = (jax.random.normal(keys[1], (8, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+  dout = jax.random.normal(keys[2], (m, n), jnp.float32).astype(jnp.bfloat16)
+  sizes = jnp.array([700, 0, 900, 300, 500, 600, 400, 600], jnp.int32)
+  out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes), lhs, rhs)
+  f32 = lambda x: x.astype(jnp.float32)
+  want, ref_vjp = jax.vjp(lambda a, b: reference(a, b, sizes), f32(lhs), f32(rhs))
+  for name, got, ref in zip(("out", "dlhs", "drhs"), (out, *vjp(dout)),
+                            (want, *ref_vjp(f32(dout)))):
+    assert_close(name, got, ref, 1e-2)
+
+
 def test_benchmark_script_runs_its_kernel_table_on_cpu(tmp_path):
   # The GPU benchmark's plumbing (interpreted kernels, bf16 and FP8, tiled, ragged_dot, dense;
   # timings meaningless).
