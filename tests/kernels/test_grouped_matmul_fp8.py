@@ -120,3 +120,20 @@ def test_fp8_operands_must_be_k_major_and_tile_a_swizzled_row():
   with pytest.raises(ValueError, match="out_dtype"):
     fp8_matmul(jnp.zeros((256, 256), E4M3), jnp.zeros((4, 256, 256), E4M3),
                jnp.zeros((4,), jnp.int32), out_dtype=jnp.float32)
+
+
+def test_a_width_between_whole_tiles_runs_whole_tiles_and_a_narrow_launch():
+  """e4m3 operands at 384 output columns = 256 on whole 128-column warpgroup tiles + 128 on
+  64-column ones (`hopper_config.column_parts`, DeepSeek-V3's 1408 = 5 x 256 + 128): the
+  unscaled product of the e4m3 values, rounded to bf16."""
+  keys = jax.random.split(jax.random.key(3), 2)
+  m, k, n = 256, 128, 384
+  x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(E4M3)
+  w = jax.random.normal(keys[1], (4, n, k), jnp.float32).astype(E4M3)  # [G, N, K]
+  sizes = jnp.array(SIZES, jnp.int32)
+  y = fp8_matmul(x, w, sizes, out_dtype=jnp.bfloat16, interpret=True,
+                 blocks=GmmBlocks(tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=2))
+  f32 = lambda t: t.astype(jnp.float32)
+  want = reference(f32(x), jnp.swapaxes(f32(w), 1, 2), sizes)
+  assert y.shape == (m, n)
+  _within_rounding("y", y, want)
