@@ -2,6 +2,7 @@
 with its routed experts in FP8, and the predicted speed of one MoE layer of the 16B proxy.
 
     python scripts/fp8_experts.py [--seeds 8] [--only loss|speed] [--runs bf16,control,fp8,...]
+                                  [--lr 1e-3]
     # -> results/fp8_experts_loss.md (+ .csv, one row per run), results/fp8_experts_speed.md
 
 loss: `configs/deepseek_v3_tiny.yaml` in bf16, 200 steps, each seed four times: bf16 experts;
@@ -9,9 +10,11 @@ a control, bf16 with each batch in two micro-batches (`train.microbatches=2`: th
 gradient summed in another order, a perturbation at bf16's rounding, which shows how far two
 runs that differ only by rounding drift apart); FP8 experts scaled per expert; and scaled per
 row (`fp8.experts_scaling=row`, all e4m3). Measured on this CPU (XLA:CPU computes the FP8
-products exactly as dequantised fp32). Runs already in the .csv for this commit are not run
-again, so a larger --seeds adds seeds; the table takes each run's seeds from the newest commit
-that ran them all.
+products exactly as dequantised fp32). `--lr` sets the peak learning rate (default: the
+config's 3e-3): at 3e-3 two runs that differ only in rounding end ~3% apart, at 1e-3 far less,
+so the same seeds tell FP8's own effect apart in fewer runs. Runs already in the .csv for this
+commit and learning rate are not run again, so a larger --seeds adds seeds; each learning
+rate's table takes each run's seeds from the newest commit that ran them all.
 speed: the DeepSeek-V3 16B proxy (3 layers + MTP, seq 4096, 2 sequences, selective remat, bf16
 moments; the Hopper kernel's rows again at 6 sequences) on one H100, compiled by XLA:GPU on this machine with its Triton gemms (what keeps the
 batched FP8 products FP8: XLA's cuBLAS path upcasts them to f16) and timed by `jscale.predict`:
@@ -64,10 +67,13 @@ NAMES = {"control": "bf16, 2 micro-batches (control)", "fp8": "FP8, a scale per 
 CSV = os.path.join(ROOT, "results", "fp8_experts_loss.csv")
 
 
-def final_losses(tmp: str, seed: int, overrides: tuple[str, ...]) -> tuple[float, float]:
-  cfg = load_config(os.path.join(ROOT, "configs", "deepseek_v3_tiny.yaml"),
-                    [*TINY, f"train.seed={seed}", f"train.output_dir={tmp}/{seed}",
-                     *overrides])
+CONFIG = os.path.join(ROOT, "configs", "deepseek_v3_tiny.yaml")
+
+
+def final_losses(tmp: str, seed: int, lr: float,
+                 overrides: tuple[str, ...]) -> tuple[float, float]:
+  cfg = load_config(CONFIG, [*TINY, f"train.seed={seed}", f"train.output_dir={tmp}/{seed}",
+                             f"train.lr={lr}", *overrides])
   out = train_lib.run(cfg)
   last = sorted(out["losses"])[-5:]  # the last 50 steps' logged losses (logging.every=10)
   return float(np.mean([out["losses"][s] for s in last])), out["val_loss"]
@@ -80,28 +86,37 @@ def _rows() -> list[dict]:
     return list(csv.DictReader(f))
 
 
-def run_missing(seeds: int, head: str, runs: list[str]) -> None:
-  """Runs each of `runs` for every seed this commit has no row of, appending to the .csv."""
-  done = {(r["run"], int(r["seed"])) for r in _rows() if r["commit"] == head}
+def run_missing(seeds: int, head: str, runs: list[str], lr: float) -> None:
+  """Runs each of `runs` at peak learning rate `lr` for every seed this commit has no row of,
+  appending to the .csv."""
+  done = {(r["run"], int(r["seed"])) for r in _rows()
+          if r["commit"] == head and float(r["lr"]) == lr}
   for seed in range(seeds):
     for run in runs:
       if (run, seed) in done:
         continue
       with tempfile.TemporaryDirectory() as tmp:
-        train, val = final_losses(tmp, seed, LOSS_RUNS[run])
+        train, val = final_losses(tmp, seed, lr, LOSS_RUNS[run])
       new = not os.path.exists(CSV)
       with open(CSV, "a", encoding="utf-8", newline="") as f:
         w = csv.writer(f)
         if new:
-          w.writerow(["commit", "run", "seed", "train", "val"])
-        w.writerow([head, run, seed, train, val])
+          w.writerow(["commit", "run", "seed", "lr", "train", "val"])
+        w.writerow([head, run, seed, lr, train, val])
 
 
-def loss_table(seeds: int) -> dict[str, tuple[str, np.ndarray]]:
-  """{run: (commit, [seeds, 2] train and validation losses)} from the newest commit with all
-  `seeds` of that run."""
+def learning_rates() -> list[float]:
+  """The peak learning rates the .csv has runs at, largest first."""
+  return sorted({float(r["lr"]) for r in _rows()}, reverse=True)
+
+
+def loss_table(seeds: int, lr: float) -> dict[str, tuple[str, np.ndarray]]:
+  """{run: (commit, [seeds, 2] train and validation losses)} at peak learning rate `lr`, from
+  the newest commit with all `seeds` of that run."""
   by = {}
   for r in _rows():
+    if float(r["lr"]) != lr:
+      continue
     val = float(r["val"]) if r["val"] else float("nan")  # a run stopped early: no eval
     by.setdefault((r["run"], r["commit"]), {})[int(r["seed"])] = (float(r["train"]), val)
   out = {}
@@ -111,8 +126,11 @@ def loss_table(seeds: int) -> dict[str, tuple[str, np.ndarray]]:
   return out
 
 
-def loss_rows(seeds: int) -> list[str]:
-  runs = loss_table(seeds)
+def loss_rows(seeds: int, lr: float) -> list[str]:
+  """The table at peak learning rate `lr`, and each seed's difference from its bf16 run."""
+  runs = loss_table(seeds, lr)
+  if "bf16" not in runs:
+    return [f"(no bf16 run of all {seeds} seeds at lr {lr:g} yet)"]
   commit, base = runs["bf16"]
   bf16 = base.mean(0)
   out = ["| experts | commit | train loss, last 50 steps | validation loss at step 200 | each "
@@ -161,15 +179,21 @@ def main() -> None:
   ap.add_argument("--seeds", type=int, default=8)
   ap.add_argument("--only", choices=("loss", "speed"), default=None)
   ap.add_argument("--runs", default=",".join(LOSS_RUNS), help="loss runs to make where missing")
+  ap.add_argument("--lr", type=float, default=load_config(CONFIG, []).train.lr,
+                  help="the runs' peak learning rate (default: the config's)")
   args = ap.parse_args()
   head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                         text=True, check=False).stdout.strip()
   title = f"# FP8 experts (`fp8.targets: [experts]`), at {head}"
   if args.only in (None, "loss"):
-    run_missing(args.seeds, head, [r for r in args.runs.split(",") if r])
+    run_missing(args.seeds, head, [r for r in args.runs.split(",") if r], args.lr)
+    tables = [line for lr in learning_rates()
+              for line in (f"## Peak learning rate {lr:g}", "", *loss_rows(args.seeds, lr), "")]
     _write("loss", [title, "", f"The tiny DeepSeek-V3 (`configs/deepseek_v3_tiny.yaml`, bf16), "
-                    f"200 steps, mean over {args.seeds} seeds; measured on a CPU:", "",
-                    *loss_rows(args.seeds)])
+                    f"200 steps, mean over {args.seeds} seeds; measured on a CPU. The control "
+                    "(each batch in two micro-batches: the same gradient, rounded otherwise) "
+                    "shows how far two runs that differ only in rounding end apart at each "
+                    "peak learning rate:", "", *tables])
   if args.only in (None, "speed"):
     kernels = {k: v for k, v in VARIANTS.items() if k.startswith("Pallas")}
     _write("speed", [title, "", "The DeepSeek-V3 16B proxy on one H100, **predicted** "
