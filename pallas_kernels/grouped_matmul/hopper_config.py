@@ -103,6 +103,14 @@ def column_parts(n: int, blocks: GmmBlocks) -> tuple[tuple[int, int], ...]:
   return tuple((first, width) for first, width in ((0, whole), (whole, n - whole)) if width)
 
 
+def column_blocks(first: int, width: int, cta_n: int) -> tuple[int, int]:
+  """A launch's output columns [first, first + width) as CUDA blocks of cta_n columns: (blocks
+  before it, blocks in it). ValueError unless both are whole blocks."""
+  if first % cta_n or width % cta_n:
+    raise ValueError(f"columns {first}..{first + width} are not whole CUDA blocks of {cta_n}")
+  return first // cta_n, width // cta_n
+
+
 def problem(lhs, rhs, group_sizes, blocks: GmmBlocks, transpose_rhs: bool = False,
             out_dtype=None) -> str | None:
   """What the grouped matmul kernels cannot run, naming the fix (None: they can); arrays or

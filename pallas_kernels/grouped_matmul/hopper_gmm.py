@@ -28,25 +28,19 @@ _ACC = plgpu.ACC  # pyright: ignore[reportPrivateImportUsage]
 def gmm(lhs_MK: jax.Array, rhs: jax.Array, sizes_G: jax.Array, *, blocks: C.GmmBlocks,
         transpose_rhs: bool = False, out_dtype=None, columns: tuple[int, int] | None = None,
         interpret: bool = False) -> jax.Array:
-  """[M, N] grouped product of lhs_MK (rows sorted by group) with rhs [G, K, N] (or [G, N, K]
-  read transposed when `transpose_rhs`), in `out_dtype` (default lhs's; fp32 accumulation).
-  `columns` = (first, n): only rhs's output columns [first, first + n), both multiples of the
-  CUDA block's 2 * tile_n (default: all of them). Shapes must pass `hopper_config.problem`."""
+  """[M, N] grouped product of lhs_MK (rows sorted by group) with rhs [G, K, N] ([G, N, K] read
+  transposed if `transpose_rhs`), its output columns `columns` = (first, N) in whole CUDA blocks
+  (default: all), in `out_dtype` (default lhs's; fp32 accumulation). Shapes pass `C.problem`."""
   if transpose_rhs and interpret:  # the interpreter has no transposed wgmma operand
     rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), False
   (m, k), g = lhs_MK.shape, rhs.shape[0]
-  first, n = columns or (0, rhs.shape[1] if transpose_rhs else rhs.shape[2])
   tm, tn, tk = blocks.tile_m, blocks.tile_n, blocks.tile_k
   cta_n = C.COMPUTE_WGS * tn
-  if first % cta_n or n % cta_n:
-    raise ValueError(f"columns {columns} are not whole CUDA blocks of {cta_n} columns")
-  before = first // cta_n  # rhs's column blocks before this launch's
+  first, n = columns or (0, rhs.shape[1] if transpose_rhs else rhs.shape[2])
+  before, grid_n = C.column_blocks(first, n, cta_n)  # rhs's blocks before this launch's, its own
   # One more group for the rows past sum(sizes): its visits skip the products and store zeros.
-  sizes = sizes_G.astype(jnp.int32)
-  sizes = jnp.concatenate([sizes, (m - jnp.sum(sizes))[None]])
-  visits, grid_n = pl.cdiv(m, tm) + g, n // cta_n
-  max_rows = min(tm, m)
-  layout = C.transforms(lhs_MK.dtype)
+  sizes = jnp.concatenate([sizes_G, (m - jnp.sum(sizes_G))[None]]).astype(jnp.int32)
+  visits, max_rows, layout = pl.cdiv(m, tm) + g, min(tm, m), C.transforms(lhs_MK.dtype)
 
   def pipeline(tile, ni, step, context):
     b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)

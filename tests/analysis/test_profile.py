@@ -56,6 +56,9 @@ def test_bench_train_quick(tmp_path):
                  env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
   (row,) = csv.DictReader(open(tmp_path / "bench_train.csv"))
   assert row["status"] == "ok" and float(row["tokens_per_sec"]) > 0
-  assert abs(sum(float(row[f"share_{k}"]) for k in ("gemm", "attention", "collectives",
-                                                    "elementwise", "copies", "idle")) - 1) < 0.5
+  # The kernels' union and idle make the span; XLA:CPU runs independent thunks at once, so the
+  # categories (overlaps counted twice) sum to that union or more, by up to the host's threads.
+  total = sum(float(row[f"share_{k}"]) for k in ("gemm", "attention", "collectives",
+                                                 "elementwise", "copies", "idle"))
+  assert 0.99 <= total <= 1 + (os.cpu_count() or 1) and 0 <= float(row["share_idle"]) <= 1
   assert "### tiny b8" in out.read_text()
