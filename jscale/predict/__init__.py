@@ -17,18 +17,21 @@ import numpy as np
 from jscale import mesh, metrics
 from jscale.analysis import compiler_log, gpu_target, introspect
 from jscale.config import Config
+from jscale.parallel import expert_exchange
 from jscale.predict import launches, rates, schedule_costs, summary, timing
 from jscale.step import pipelined
 
 
 def predict(hlo_text: str, gpu: str, fit: rates.Fit = rates.FIT,
             routed_rows: int | None = None, ticks: np.ndarray | None = None,
-            devices: Sequence[int] | None = None) -> timing.Schedule:
+            devices: Sequence[int] | None = None,
+            node_rows: tuple[int, int] | None = None) -> timing.Schedule:
   """The predicted schedule of one step of `hlo_text` (`compiled.as_text()`) on `gpu`;
   `routed_rows`: the rows each grouped matmul computes (`launches.Program`); `ticks`: a
   pipelined step's executed ticks (`pipeline_ticks`); `devices`: the device each partition
-  runs on (`partition_devices`; None: partition i on device i)."""
-  program = launches.Program(hlo_text, routed_rows, devices)
+  runs on (`partition_devices`; None: partition i on device i); `node_rows`: the
+  node-limited exchange's first hop (`node_rows`)."""
+  program = launches.Program(hlo_text, routed_rows, devices, node_rows)
   return timing.schedule(program.items(), rates.chip(gpu, fit), ticks)
 
 
@@ -57,6 +60,20 @@ def routed_rows(cfg: Config, n_devices: int) -> int | None:
   return metrics.routed_tokens(cfg, sizes) // cfg.parallel.expert_chunks * moe.top_k
 
 
+def node_rows(cfg: Config, n_devices: int) -> tuple[int, int] | None:
+  """(the rows of the node-limited exchange's first-hop blocks, the rows that hop carries per
+  call with balanced routing: a copy per routed token and chosen group), as `launches.Program`
+  tells that hop's all-to-alls apart; None without it (`model.moe.exchange`)."""
+  moe = cfg.model.moe
+  if moe is None or moe.exchange != "node_limited":
+    return None
+  sizes = {a: ici * dcn for a, (ici, dcn) in mesh.axis_sizes(cfg.mesh, n_devices).items()}
+  t = metrics.routed_tokens(cfg, sizes) // cfg.parallel.expert_chunks
+  blocks = moe.n_group * expert_exchange.node_rows(t, moe.topk_group, moe.n_group,
+                                                   moe.receive_factor)
+  return blocks, t * moe.topk_group
+
+
 def model_flops_per_device(cfg: Config, n_devices: int) -> float:
   """The trainer's model FLOPs of one step (`metrics.flops_per_token`), per device."""
   t = cfg.train
@@ -83,7 +100,8 @@ def compile_train_step(cfg: Config, devices: Sequence[jax.Device]
     return compile_with({})
   return schedule_costs.compile_guided(
       compile_with, lambda c: c[0].as_text(), schedule_costs.gpu_of(devices[0]),
-      routed_rows(cfg, len(devices)), partition_devices(cfg, devices))
+      routed_rows(cfg, len(devices)), partition_devices(cfg, devices),
+      node_rows(cfg, len(devices)))
 
 
 def compile_for(cfg: Config, target: str
@@ -114,7 +132,8 @@ def predict_config(cfg: Config, target: str, hlo_text: str | None = None, top: i
   if hlo_text is None:
     hlo_text, memory_bytes, remat = compile_for(cfg, target)
   r = summary.summarize(predict(hlo_text, gpu, fit, routed_rows(cfg, n), pipeline_ticks(cfg, n),
-                                partition_devices(cfg, gpu_target.devices(target))),
+                                partition_devices(cfg, gpu_target.devices(target)),
+                                node_rows(cfg, n)),
                         rates.chip(gpu, fit),
                         model_flops_per_device(cfg, n),
                         cfg.train.batch_size * cfg.train.seq_len, top)

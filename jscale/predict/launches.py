@@ -113,15 +113,18 @@ class Program:
   """A parsed optimised module: `items()` is its entry computation as `Item`s."""
 
   def __init__(self, text: str, routed_rows: int | None = None,
-               devices: Sequence[int] | None = None):
+               devices: Sequence[int] | None = None, node_rows: tuple[int, int] | None = None):
     """`routed_rows`: the expert rows a grouped matmul computes per call with balanced routing
     (None: all its rows). Its lhs may hold more: an expert-parallel exchange's receive buffer
     keeps room for the most a device can be sent, and the kernel skips the rows past its
     groups' sizes (pallas_kernels/grouped_matmul), so only the routed rows cost FLOPs.
     `devices`: the device each partition runs on, the program's device assignment (a hybrid
     mesh's is a permutation: `mesh.make_mesh`); the collectives' groups, which name
-    partitions, are read as those devices (None: partition i runs on device i)."""
+    partitions, are read as those devices (None: partition i runs on device i).
+    `node_rows`: (the rows of the node-limited exchange's first-hop blocks, the rows that hop
+    carries per call with balanced routing: a copy per token and chosen group), or None."""
     self.routed_rows = routed_rows
+    self.node_rows = node_rows
     self.comps, self.entry, self.n_devices = hlo.parse(text)
     # Instructions with a host-memory (memory space S(5)) buffer in their shape.
     self._on_host = set(re.findall(r"%([\w.\-]+) = [^\n]*:S\(5\)", text))
@@ -131,14 +134,17 @@ class Program:
 
   def _routed(self, c: hlo.Collective) -> hlo.Collective:
     """A ragged all-to-all moves the routed rows, not its buffer (room for the most a device
-    can be sent or send): its bytes for `routed_rows` rows where that is fewer, and never more
-    rows than its input holds (a transpose's output is the sender's whole row array: the
-    node-limited exchange's first hop sends back at most its bounded blocks)."""
+    can be sent or send): its bytes for the rows its exchange carries with balanced routing
+    where that is fewer (`routed_rows`; the node-limited exchange's first hop, told by its
+    blocks' rows, `node_rows`), and never more rows than its input holds (a transpose's output
+    is the sender's whole row array: the first hop sends back at most its bounded blocks)."""
     if c.kind != "ragged-all-to-all" or self.routed_rows is None:
       return c
-    rows = hlo.split_shape(c.shapes[0])[0][1][0]
-    moved = min(rows, self.routed_rows, self._input_rows(c))
-    return dataclasses.replace(c, bytes=c.bytes * moved // rows)
+    rows, sent = hlo.split_shape(c.shapes[0])[0][1][0], self._input_rows(c)
+    # One side of every exchange's all-to-all is its [N·cap] blocks, the larger one.
+    carried = (self.node_rows[1] if self.node_rows and self.node_rows[0] == max(rows, sent)
+               else self.routed_rows)
+    return dataclasses.replace(c, bytes=c.bytes * min(rows, carried, sent) // rows)
 
   def _input_rows(self, c: hlo.Collective) -> int:
     """Rows of a ragged all-to-all's input operand (what it can send at most)."""

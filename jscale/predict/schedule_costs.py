@@ -51,13 +51,13 @@ def _costs(items, chip: rates.Chip, out: dict[str, float]) -> None:
 
 
 def costs_us(hlo_text: str, gpu: str, fit: rates.Fit = rates.FIT,
-             routed_rows: int | None = None, devices: Sequence[int] | None = None
-             ) -> dict[str, float]:
+             routed_rows: int | None = None, devices: Sequence[int] | None = None,
+             node_rows: tuple[int, int] | None = None) -> dict[str, float]:
   """Every launch of `hlo_text` (`compiled.as_text()`) by name -> its predicted microseconds
-  on `gpu` (one run; an async collective under its -start's name); `devices`: the device each
-  partition runs on (`launches.Program`)."""
+  on `gpu` (one run; an async collective under its -start's name); `routed_rows`, `devices`
+  and `node_rows` as `launches.Program` takes them."""
   out: dict[str, float] = {}
-  program = launches.Program(hlo_text, routed_rows, devices)
+  program = launches.Program(hlo_text, routed_rows, devices, node_rows)
   _costs(program.items(), rates.chip(gpu, fit), out)
   # Loops' conditions (a compare of the counter) are no launches the predictor times; named,
   # they keep XLA from warning that the profile lacks them.
@@ -84,13 +84,15 @@ def gpu_of(device) -> str:
 
 
 def compile_guided(compile_with: Callable[[dict], T], text_of: Callable[[T], str], gpu: str,
-                   routed_rows: int | None = None, devices: Sequence[int] | None = None) -> T:
+                   routed_rows: int | None = None, devices: Sequence[int] | None = None,
+                   node_rows: tuple[int, int] | None = None) -> T:
   """The program `compile_with(options)` makes when XLA's scheduler is given the predicted
-  costs (on `gpu`; `devices` as `costs_us`) of the program `compile_with({})` makes;
-  `text_of` reads a program's optimised HLO. The profile lives in a temporary file for the
-  second compile."""
+  costs (on `gpu`; `routed_rows`, `devices` and `node_rows` as `costs_us`) of the program
+  `compile_with({})` makes; `text_of` reads a program's optimised HLO. The profile lives in a
+  temporary file for the second compile."""
   first = compile_with({})
-  text = profile_text(costs_us(text_of(first), gpu, routed_rows=routed_rows, devices=devices))
+  text = profile_text(costs_us(text_of(first), gpu, routed_rows=routed_rows, devices=devices,
+                               node_rows=node_rows))
   fd, path = tempfile.mkstemp(prefix="jscale_schedule_costs_", suffix=".pbtxt")
   try:
     with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -23,4 +23,5 @@ def train_step(cfg: Config, rt: runtime.Runtime, gpu: str | None = None) -> Call
   return schedule_costs.compile_guided(lambda options: lowered.compile(compiler_options=options),
                                        lambda compiled: compiled.as_text(), gpu,
                                        predict.routed_rows(cfg, rt.mesh.size),
-                                       mesh.partition_devices(rt.mesh))
+                                       mesh.partition_devices(rt.mesh),
+                                       predict.node_rows(cfg, rt.mesh.size))

@@ -208,25 +208,32 @@ def test_crossing_rows_counts_experts_and_groups_on_other_nodes():
 
 
 @pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
-def test_ragged_exchanges_send_and_land_in_their_blocks():
-  """Bounded (`receive_factor`), every ragged all-to-all of the two hops, forward and
-  transposed, sends from and lands in [N·cap] blocks (`exchange_slots`): hop 1's rows are no
-  [T·n_group] array of every (token, group) pair, and its transposes no longer write one; and
-  `jscale.predict` prices each at no more rows than its input holds (here fewer than the
-  routed T·K)."""
-  n_group, topk_group, factor = 2, 1, 1.0
+@pytest.mark.parametrize("factor", [1.0, 0.0], ids=["bounded", "unbounded"])
+def test_ragged_exchanges_send_and_land_in_their_blocks(factor):
+  """Every ragged all-to-all of hop 1, forward and transposed, sends from and lands in [N·cap]
+  blocks (`exchange_slots`): its rows are no [T·n_group] array of every (token, group) pair,
+  and its transposes no longer write one. `jscale.predict` prices each at the rows the hop
+  carries with balanced routing, a copy per token and chosen group (`node_rows`), where its
+  blocks hold more: unbounded (`receive_factor` 0) they hold T rows per source, n_group /
+  topk_group times those; and at no more rows than its input holds (fewer than the routed
+  T·K). Told nothing of hop 1, it prices the blocks."""
+  n_group, topk_group = 2, 1
   sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
   args = jax.tree.map(sds, _inputs(n_group, topk_group, jnp.bfloat16))
   step = _step(_node_limited(n_group, True, jnp.bfloat16, topk_group, factor),
                gpu_target.devices("h100x8"))
   text = step.lower(*args).compile().as_text()
-  cap = ex.node_rows(T, topk_group, n_group, factor)
-  priced = {c.name: c for c in
-            (x.collective for x in launches.Program(text, routed_rows=T * K).items()
-             if isinstance(x, launches.Launch) and x.collective is not None)}
+  blocks = n_group * ex.node_rows(T, topk_group, n_group, factor)
+  carried = T * topk_group
+  priced = lambda node_rows: {
+      c.name: c for c in (x.collective for x in launches.Program(
+          text, routed_rows=T * K, node_rows=node_rows).items()
+          if isinstance(x, launches.Launch) and x.collective is not None)}
+  hop1, unaware = priced((blocks, carried)), priced(None)
   across = [c for c in hlo.collectives(text) if c.kind == "ragged-all-to-all"
             and c.shapes[0].startswith("bf16") and len(c.groups[0]) == n_group]
-  assert across and n_group * cap < n_group * T <= T * K
-  for c in across:  # out and back, forward and transposed: n_group·cap rows
-    assert c.shapes[0] == f"bf16[{n_group * cap},{D}]", c.shapes
-    assert priced[c.name].bytes == n_group * cap * D * 2, (c.name, priced[c.name].bytes)
+  assert across and blocks == (n_group * T if factor == 0 else carried) < T * K
+  for c in across:  # out and back, forward and transposed
+    assert c.shapes[0] == f"bf16[{blocks},{D}]", c.shapes
+    assert hop1[c.name].bytes == carried * D * 2, (c.name, hop1[c.name].bytes)
+    assert unaware[c.name].bytes == blocks * D * 2, (c.name, unaware[c.name].bytes)

@@ -193,6 +193,28 @@ def test_collectives_are_priced_on_the_devices_their_partitions_run_on():
     assert timing.time_launch(blind, CHIP).seconds != pytest.approx(want), axis
 
 
+DSV3_1024 = ("model.preset=deepseek_v3_671b", "model.moe.exchange=node_limited",
+             "model.moe.receive_factor=1.25", "mesh.data=1", "mesh.fsdp=16", "mesh.expert=64",
+             "train.seq_len=4096", "train.batch_size=8192", "train.microbatches=4",
+             "train.accumulate=layer", "parallel.overlap_microbatches=2")
+
+
+@pytest.mark.parametrize("overrides, want", [
+    # 8 sequences a device in 4 micro-batches: 8,192 tokens a call, each to 4 of 8 nodes;
+    # hop 1's blocks hold 1.25 times that (8 sources x 5,120 rows), the experts' rows 8 x.
+    (DSV3_1024, ((40960, 32768), 65536)),
+    (DSV3_1024 + ("parallel.expert_chunks=2",), ((20480, 16384), 32768)),
+    (DSV3_1024 + ("model.moe.receive_factor=0",), ((65536, 32768), 65536)),
+    (DSV3_1024 + ("model.moe.exchange=flat",), (None, 65536)),
+], ids=["bounded", "chunks", "unbounded", "flat"])
+def test_the_exchange_rows_a_layout_routes(overrides, want):
+  """The rows `jscale.predict` prices the expert exchange's all-to-alls at, from the config:
+  the node-limited exchange's first hop (its blocks' rows, a copy per token and chosen group:
+  `launches.Program`, tests/parallel/test_node_limited.py) and the experts' routed rows."""
+  cfg = load_config(None, list(overrides))
+  assert (predict.node_rows(cfg, 1024), predict.routed_rows(cfg, 1024)) == want
+
+
 def test_loop_runs_its_body_trip_count_times():
   a = jax.ShapeDtypeStruct((SQUARE, SQUARE), jnp.bfloat16)
   text = _compile(lambda p, q: jax.lax.fori_loop(0, 10, lambda i, v: jnp.tanh(v @ q), p), a, a)
