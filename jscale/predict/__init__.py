@@ -56,8 +56,13 @@ def routed_rows(cfg: Config, n_devices: int) -> int | None:
   moe = cfg.model.moe
   if moe is None:
     return None
+  return _tokens_per_exchange(cfg, n_devices) * moe.top_k
+
+
+def _tokens_per_exchange(cfg: Config, n_devices: int) -> int:
+  """The tokens one device routes per exchange call: its routed tokens per exchange slice."""
   sizes = {a: ici * dcn for a, (ici, dcn) in mesh.axis_sizes(cfg.mesh, n_devices).items()}
-  return metrics.routed_tokens(cfg, sizes) // cfg.parallel.expert_chunks * moe.top_k
+  return metrics.routed_tokens(cfg, sizes) // cfg.parallel.expert_chunks
 
 
 def node_rows(cfg: Config, n_devices: int) -> tuple[int, int] | None:
@@ -67,8 +72,7 @@ def node_rows(cfg: Config, n_devices: int) -> tuple[int, int] | None:
   moe = cfg.model.moe
   if moe is None or moe.exchange != "node_limited":
     return None
-  sizes = {a: ici * dcn for a, (ici, dcn) in mesh.axis_sizes(cfg.mesh, n_devices).items()}
-  t = metrics.routed_tokens(cfg, sizes) // cfg.parallel.expert_chunks
+  t = _tokens_per_exchange(cfg, n_devices)
   blocks = moe.n_group * expert_exchange.node_rows(t, moe.topk_group, moe.n_group,
                                                    moe.receive_factor)
   return blocks, t * moe.topk_group
