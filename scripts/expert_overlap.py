@@ -61,7 +61,8 @@ def row(gpus: int, chunks: int, schedule: str | None = None) -> dict:
   sched = predict.predict(text, "h100", routed_rows=predict.routed_rows(cfg, gpus),
                           ticks=predict.pipeline_ticks(cfg, gpus),
                           devices=predict.partition_devices(
-                              cfg, gpu_target.devices(target)))
+                              cfg, gpu_target.devices(target)),
+                          node_rows=predict.node_rows(cfg, gpus))
   a2a = sum(t.seconds * t.runs for t in sched.timed
             if t.launch.collective is not None and t.launch.collective.kind == "ragged-all-to-all")
   held = sum(w.count("mosaic_gpu") for w in overlap.windows(text, "ragged-all-to-all"))
