@@ -53,6 +53,17 @@ class Summary:
   # (what, seconds per step): the collectives the compute stream waits for, most first,
   # grouped by kind, size and span (`exposed_by`)
   exposed_by: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+  # The compute stream's kernels and launch gaps, and the collectives' own time (XLA:GPU runs
+  # them one after another on its collective stream): the step with every collective hidden
+  # is the longer of the two (`overlap_ceiling_s`), whatever the schedule.
+  busy_s: float = 0.0
+  collectives_s: float = 0.0
+
+  @property
+  def overlap_ceiling_s(self) -> float:
+    """The shortest step this program allows by overlap alone: its compute stream's time, or
+    its one collective stream's, whichever is longer (host transfers have their own engines)."""
+    return max(self.busy_s, self.collectives_s)
 
   @property
   def fits(self) -> bool | None:
@@ -88,7 +99,7 @@ def summarize(s: Schedule, chip: Chip, model_flops: float, tokens: int, top: int
            + sorted({x.note for x in s.timed if x.runs and x.bound == "roofline" and x.note}))
   return Summary(s.seconds, tokens / s.seconds, model_flops / (s.seconds * peak), model_flops,
                  peak, by, exposed, top_rows, _gap(s, chip, model_flops, exposed, gaps), notes,
-                 exposed_by=exposed_by(s))
+                 exposed_by=exposed_by(s), busy_s=busy, collectives_s=by["collectives"])
 
 
 def exposed_by(s: Schedule, top: int = 8) -> list[tuple[str, float]]:
@@ -167,6 +178,13 @@ def format_summary(r: Summary, header: str) -> str:
   if shown:
     lines += ["", "the collectives the compute waits for (the exposed time, by kind):"]
     lines += [f"  {ms(t):>8.1f} ms  {w}" for w, t in shown]
+  if r.exposed_collectives_s > 0:
+    ceiling = r.overlap_ceiling_s
+    lines += ["", f"with every collective hidden the step would take {ms(ceiling):.1f} ms, MFU "
+              f"{r.model_flops / (ceiling * r.peak_flops):.1%}: the "
+              + ("compute stream's" if r.busy_s >= r.collectives_s else
+                 "collective stream's (XLA:GPU runs one collective at a time)")
+              + f" time (compute {ms(r.busy_s):.1f} ms, collectives {ms(r.collectives_s):.1f} ms)"]
   lines += [f"note: {n}" for n in r.notes]
   return "\n".join(lines)
 

@@ -70,3 +70,21 @@ def test_the_exposed_time_is_told_by_the_collectives_waited_for():
   assert t1 == pytest.approx(2e-3 - FIT.launch_s) and t2 == pytest.approx(1e-3)
   assert t1 + t2 == pytest.approx(r.exposed_collectives_s)
   assert "the collectives the compute waits for" in summary.format_summary(r, "")
+
+
+def test_the_overlap_ceiling_is_the_longer_stream():
+  """`Summary.overlap_ceiling_s`: with every collective hidden a step still takes its compute
+  stream's time or its one collective stream's, whichever is longer; the report says which."""
+  done = lambda n: launches.Launch(n + "d", "all-gather-done", "done", "all-gather", "",
+                                   done_of=n)
+  small = dataclasses.replace(_collective(1.0), name="ag2")
+  comm_bound = [_collective(3.0), _work("w", 1.0), done("ag"), small, done("ag2")]
+  r = summary.summarize(timing.schedule(comm_bound, CHIP), CHIP, 1e9, 1000)
+  assert r.collectives_s == pytest.approx(4e-3) and r.busy_s == pytest.approx(1e-3 + FIT.launch_s)
+  assert r.overlap_ceiling_s == pytest.approx(4e-3) == pytest.approx(r.step_s)
+  assert "collective stream's" in summary.format_summary(r, "")
+  compute_bound = [_collective(1.0), _work("w", 0.5), done("ag"), _work("v", 2.0)]
+  r = summary.summarize(timing.schedule(compute_bound, CHIP), CHIP, 1e9, 1000)
+  assert r.exposed_collectives_s > 0 and r.overlap_ceiling_s == pytest.approx(r.busy_s)
+  assert r.overlap_ceiling_s < r.step_s
+  assert "compute stream's" in summary.format_summary(r, "")
