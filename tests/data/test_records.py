@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, models
 
-from conftest import ROOT
+from conftest import ROOT, TINY_RUN
 from jscale.config import ConfigError, DataConfig
 from jscale.data import corpus as corpus_lib
 from jscale.data import load_splits, make_train_iterator, records
@@ -132,12 +132,15 @@ def test_an_interrupted_tokenization_leaves_nothing(tmp_path):
 
 
 def test_the_docs_example_runs(tmp_path, child_env, data_cache):
-  """docs/data.md's example, as written but under a temporary directory: a JSON Lines corpus
-  and 20 steps on it with documents masked."""
+  """docs/data.md's example, as written but under a temporary directory and on a smaller model
+  (the example's data flags are what it shows; the model's size only costs time here): a JSON
+  Lines corpus and 20 steps on it with documents masked."""
   with open(os.path.join(ROOT, "docs", "data.md"), encoding="utf-8") as f:
     doc = f.read()
   block = re.search(r"## Example.*?```bash\n(.*?)```", doc, re.S).group(1)
-  script = block.replace("/tmp/", f"{tmp_path}/").rstrip() + f" data.cache_dir={data_cache}\n"
+  smaller = " ".join(o for o in TINY_RUN if o.split("=")[0].startswith("model."))
+  script = (block.replace("/tmp/", f"{tmp_path}/").rstrip()
+            + f" data.cache_dir={data_cache} train.seq_len=64 {smaller}\n")
   done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, env=child_env,
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                         timeout=600, check=False)
