@@ -38,6 +38,11 @@ from jscale.plan.rank import rank  # noqa: E402
 # exchange.
 DSV3 = ("model.preset=deepseek_v3_671b", "model.moe.receive_factor=1.25",
         "model.moe.exchange=node_limited")
+# Megatron-Bridge's FP8 run beside jscale's FP8: the routed experts' products in e4m3 with a
+# scale per row (`fp8.experts_scaling=row`, the Hopper kernel's FP8 operands); the attention
+# and dense layers' products stay bf16.
+FP8_EXPERTS = ("fp8.enabled=true", "fp8.recipe=current", "fp8.targets=[experts]",
+               "fp8.experts_scaling=row")
 LLAMA2_7B = ["model.preset=llama3_8b", "model.vocab_size=32000", "model.n_kv_heads=32",
              "model.d_ff=11008", "model.rope_theta=10000", "model.rope_scaling=null"]
 
@@ -58,6 +63,7 @@ class Peer:
   tflop_s: float | None = None
   family: str = "dense"              # which table: dense | moe
   moments: str = "float32"           # train.moments_dtype the planner plans for
+  numerics: tuple[str, ...] = ()     # overrides for the peer's precision (its FP8)
 
 
 PEERS = (
@@ -77,7 +83,7 @@ PEERS = (
     Peer("dsv3_1024", "Megatron-Bridge DeepSeek-V3 671B × 1,024, seq 4096, GBS 8192, FP8 "
          "(blockwise), TP2 PP8 VP4 EP64", DSV3, 1024, 4096, 8192 * 4096,
          "Megatron-Bridge performance archive (25.09)", tok_s=1297, family="moe",
-         moments="bfloat16"),
+         moments="bfloat16", numerics=FP8_EXPERTS),
     Peer("dsv3_nemo1024", "NeMo AutoModel DeepSeek-V3 671B × 1,024, seq 4096, GBS 8192, BF16 "
          "(TE + DeepEP), PP4 VP8 EP64 FSDP 256", DSV3, 1024, 4096, 8192 * 4096,
          "NeMo AutoModel performance-summary.mdx", tok_s=865, family="moe",
@@ -120,10 +126,10 @@ def _predicted(model: tuple[str, ...], gpus: int, overrides: tuple[str, ...]):
 
 
 def predicted(p: Peer, pick, mode: str, variant: tuple[str, ...] = ()):
-  """`pick`'s program on `p`'s H100s, predicted (one compile per distinct program: two peers
-  of one configuration share it)."""
+  """`pick`'s program on `p`'s H100s at the peer's precision, predicted (one compile per
+  distinct program: two peers of one configuration share it)."""
   return _predicted(p.model, p.gpus, (*pick.layout.overrides(p.seq, H100.gpus_per_node),
-                                      f"parallel.collectives={mode}", *variant))
+                                      f"parallel.collectives={mode}", *variant, *p.numerics))
 
 
 def _order(t):  # a program that does not fit ranks after every one that does
@@ -132,12 +138,15 @@ def _order(t):  # a program that does not fit ranks after every one that does
 
 def given_row(p: Peer, overrides: tuple[str, ...]) -> dict:
   """The peer's figures and jscale's predicted ones for a layout given by hand (`overrides`:
-  the mesh, parallelism and numerics), which the planner did not pick."""
+  the mesh, parallelism and numerics), which the planner did not pick, at the peer's precision
+  (`Peer.numerics`)."""
   model = load_config(None, [*p.model, "model.dtype=bfloat16"]).model
   fpt = metrics.flops_per_token(model, p.seq)
   r = _predicted(p.model, p.gpus, (f"train.seq_len={p.seq}",
-                                   f"train.batch_size={p.step_tokens // p.seq}", *overrides))
-  return _figures(p, fpt, r, "given: " + " ".join(o.split(".", 1)[1] for o in overrides), None)
+                                   f"train.batch_size={p.step_tokens // p.seq}", *overrides,
+                                   *p.numerics))
+  given = [o.split(".", 1)[1] for o in overrides] + list(p.numerics)
+  return _figures(p, fpt, r, "given: " + " ".join(given), None)
 
 
 def _figures(p: Peer, fpt: float, r, pick: str, planner_mfu: float | None) -> dict:
