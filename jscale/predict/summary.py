@@ -11,6 +11,9 @@ from jscale.predict.timing import Schedule, Timed
 from jscale.profile import CATEGORIES, categorize
 
 TARGET_MFU = 0.55
+# The report lists at most this many kinds of exposed collectives (each over 1% of the exposed
+# time), then the rest's sum.
+EXPOSED_KINDS = 8
 
 
 def category(x: Timed) -> str:
@@ -102,11 +105,12 @@ def summarize(s: Schedule, chip: Chip, model_flops: float, tokens: int, top: int
                  exposed_by=exposed_by(s), busy_s=busy, collectives_s=by["collectives"])
 
 
-def exposed_by(s: Schedule, top: int = 8) -> list[tuple[str, float]]:
+def exposed_by(s: Schedule) -> list[tuple[str, float]]:
   """Where the exposed collective time goes: the compute stream's waits for each collective
   (its -done, or a synchronous one's queue and run), summed over the collectives of one kind,
-  size and span, most first. A loop's waits are weighted as its time is extrapolated (first
-  trip once, steady state for the rest), so the rows add up to about the exposed total."""
+  size and span, every kind, most first. A loop's waits are weighted as its time is
+  extrapolated (first trip once, steady state for the rest), so the rows add up to about the
+  exposed total."""
   named = {x.launch.name: x for x in s.timed}
   by: dict[str, list] = {}
   for name, t in s.waits.items():
@@ -115,7 +119,7 @@ def exposed_by(s: Schedule, top: int = 8) -> list[tuple[str, float]]:
     row = by.setdefault(what, [0.0, 0])
     row[0] += t
     row[1] += 1
-  rows = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+  rows = sorted(by.items(), key=lambda kv: -kv[1][0])
   return [(f"{what}, {n} launch{'es' if n > 1 else ''}", t) for what, (t, n) in rows]
 
 
@@ -174,10 +178,15 @@ def format_summary(r: Summary, header: str) -> str:
             f"({_to_target(r.step_s - target_s)}); where the time goes beyond the "
             "gemms and attention:"]
   lines += [f"  {ms(t):>8.1f} ms  {w}" for w, t in r.gap_to_target]
-  shown = [(w, t) for w, t in r.exposed_by if t >= 0.01 * r.exposed_collectives_s > 0]
+  shown = [(w, t) for w, t in r.exposed_by[:EXPOSED_KINDS]
+           if t >= 0.01 * r.exposed_collectives_s > 0]
   if shown:
     lines += ["", "the collectives the compute waits for (the exposed time, by kind):"]
     lines += [f"  {ms(t):>8.1f} ms  {w}" for w, t in shown]
+    rest = r.exposed_by[len(shown):]
+    if rest:  # what the list leaves out, so its rows add up to the exposed total
+      lines.append(f"  {ms(sum(t for _, t in rest)):>8.1f} ms  {len(rest)} more kind"
+                   f"{'s' if len(rest) > 1 else ''}, the largest {ms(rest[0][1]):.1f} ms")
   if r.exposed_collectives_s > 0:
     ceiling = r.overlap_ceiling_s
     lines += ["", f"with every collective hidden the step would take {ms(ceiling):.1f} ms, MFU "
