@@ -18,7 +18,7 @@ from jscale import mesh, metrics
 from jscale.analysis import compiler_log, gpu_target, introspect
 from jscale.config import Config
 from jscale.parallel import expert_exchange
-from jscale.predict import launches, rates, schedule_costs, summary, timing
+from jscale.predict import launches, loops, rates, schedule_costs, summary, timing
 from jscale.step import pipelined
 
 
@@ -31,8 +31,11 @@ def predict(hlo_text: str, gpu: str, fit: rates.Fit = rates.FIT,
   pipelined step's executed ticks (`pipeline_ticks`); `devices`: the device each partition
   runs on (`partition_devices`; None: partition i on device i); `node_rows`: the
   node-limited exchange's first hop (`node_rows`)."""
-  program = launches.Program(hlo_text, routed_rows, devices, node_rows)
-  return timing.schedule(program.items(), rates.chip(gpu, fit), ticks)
+  items = launches.Program(hlo_text, routed_rows, devices, node_rows).items()
+  chip = rates.chip(gpu, fit)
+  s = timing.schedule(items, chip, ticks)
+  s.loops, s.loop_ceiling_s = loops.loop_times(s, items, chip), loops.ceiling_s(items, s, chip)
+  return s
 
 
 def pipeline_ticks(cfg: Config, n_devices: int) -> np.ndarray | None:

@@ -61,6 +61,11 @@ class Summary:
   # is the longer of the two (`overlap_ceiling_s`), whatever the schedule.
   busy_s: float = 0.0
   collectives_s: float = 0.0
+  # The loops that wait for collectives, in program order (`loops.LoopTime` as dicts: per trip
+  # compute_s and collectives_s, per step exposed_s), and the step with every collective
+  # hidden within its own loop (`loops.ceiling_s`; None: not known)
+  loops: list[dict] = dataclasses.field(default_factory=list)
+  loop_ceiling_s: float | None = None
 
   @property
   def overlap_ceiling_s(self) -> float:
@@ -102,7 +107,9 @@ def summarize(s: Schedule, chip: Chip, model_flops: float, tokens: int, top: int
            + sorted({x.note for x in s.timed if x.runs and x.bound == "roofline" and x.note}))
   return Summary(s.seconds, tokens / s.seconds, model_flops / (s.seconds * peak), model_flops,
                  peak, by, exposed, top_rows, _gap(s, chip, model_flops, exposed, gaps), notes,
-                 exposed_by=exposed_by(s), busy_s=busy, collectives_s=by["collectives"])
+                 exposed_by=exposed_by(s), busy_s=busy, collectives_s=by["collectives"],
+                 loops=[dataclasses.asdict(x) for x in s.loops if x.exposed_s > 0],
+                 loop_ceiling_s=s.loop_ceiling_s)
 
 
 def exposed_by(s: Schedule) -> list[tuple[str, float]]:
@@ -194,8 +201,35 @@ def format_summary(r: Summary, header: str) -> str:
               + ("compute stream's" if r.busy_s >= r.collectives_s else
                  "collective stream's (XLA:GPU runs one collective at a time)")
               + f" time (compute {ms(r.busy_s):.1f} ms, collectives {ms(r.collectives_s):.1f} ms)"]
+    lines += loop_lines(r)
   lines += [f"note: {n}" for n in r.notes]
   return "\n".join(lines)
+
+
+def loop_lines(r: Summary) -> list[str]:
+  """The loops holding the exposed time, each trip's two streams, and the step with every
+  collective hidden within its own loop (`jscale.predict.loops`)."""
+  ms = lambda sec: sec * 1e3
+  shown = [x for x in r.loops if x["exposed_s"] >= 0.01 * r.exposed_collectives_s]
+  out = []
+  if shown:
+    out += ["", "the loops that wait, nested ones indented (exposed per step, inner loops' "
+            "waits included; per trip: compute / collectives):"]
+    out += [f"  {ms(x['exposed_s']):>8.1f} ms  {'  ' * x['depth']}{x['name']} x{x['runs']}: "
+            f"{ms(x['compute_s']):.1f} / {ms(x['collectives_s']):.1f} ms"
+            + (" collective-bound" if x["collectives_s"] > x["compute_s"] else "")
+            + f"  {_short(x['source'])}" for x in shown]
+  if r.loop_ceiling_s is not None and r.loop_ceiling_s > r.overlap_ceiling_s * 1.001:
+    out += [f"with every collective hidden within its own loop: {ms(r.loop_ceiling_s):.1f} ms, "
+            f"MFU {r.model_flops / (r.loop_ceiling_s * r.peak_flops):.1%} (a collective-bound "
+            "loop's transfers outlast its compute, and no other loop's compute runs beside "
+            "them)"]
+  return out
+
+
+def _short(source: str) -> str:
+  """A loop's JAX source without the step's own prefix."""
+  return source.split("shard_map/")[-1].split("jit(step)/")[-1][-90:]
 
 
 def memory_lines(r: Summary) -> list[str]:

@@ -193,6 +193,10 @@ class Schedule:
   # collective name -> seconds per step the compute stream waits for it (a loop's first trip
   # once and its steady state for the others, as the step's time is extrapolated)
   waits: dict[str, float] = dataclasses.field(default_factory=dict)
+  # Each loop's two streams per trip and its waits (`loops.LoopTime`), and the step with each
+  # loop's collectives hidden within it (`loops.ceiling_s`); set by `jscale.predict.predict`.
+  loops: list = dataclasses.field(default_factory=list)
+  loop_ceiling_s: float | None = None
 
 
 _TICK = re.compile(rf"/{TICK_SCOPE}/[^/]+$")
