@@ -242,6 +242,12 @@ class ParallelConfig:
   # approximate model) | predicted (jscale.predict's times for this step on this GPU; the step
   # compiles twice: jscale.predict.schedule_costs)
   schedule_costs: Literal["default", "predicted"] = "default"
+  # The memory XLA:GPU's scheduler and rematerialisation pass plan the step against, in percent
+  # of what XLA may use less the parameters (XLA's own default, 95). Their estimate can run far
+  # over the buffers XLA then assigns (DeepSeek-V3 671B on 1,024 H100s: 88.7 GiB estimated, 60.5
+  # assigned), and under it they recompute weight gathers and start transfers late; more lets
+  # them overlap. What must fit is the compiled step (`python -m jscale.predict` says)
+  scheduler_memory_percent: int = 95
   # Overrides of the logical-axis -> mesh-axes table (jscale.sharding.RULES), e.g.
   # {mlp: tensor, embed: null}; a value is a mesh axis, a list of axes, or null (replicated).
   rules: dict | None = None

@@ -17,6 +17,8 @@ does:
 * *_combine_threshold_bytes: merges independent small collectives into ones of up to 128 MiB
   (bandwidth). It may also merge manual mode's gradient buckets (`parallel.bucket_mb`).
 * *_combine_by_dim=false: lets all-gathers / reduce-scatters along different dims combine.
+* memory_limit_slop_factor (`parallel.scheduler_memory_percent`): the memory the scheduler and
+  XLA's rematerialisation pass plan against (below).
 * dus_accumulator_zero_init_elimination: a loop's stacked output that every iteration writes a
   row of before anything reads it (the layer scan's saved activations, its weights' stacked
   gradients: JAX's scan makes them as zeros) is allocated, not zero-filled by a kernel first. On
@@ -75,9 +77,17 @@ _SPLIT_REDUCE_SCATTERS = "--xla_gpu_reduce_scatter_combine_threshold_bytes=83886
 _UNCOMBINED_REDUCE_SCATTERS = "--xla_gpu_reduce_scatter_combine_threshold_bytes=0"
 
 
+# `parallel.scheduler_memory_percent`: the memory XLA:GPU's latency-hiding scheduler and its
+# rematerialisation pass budget against, in percent of the device memory XLA plans for less the
+# parameters and outputs (`GetSchedulerMemoryLimit`; the config's default is XLA's, 95).
+_SCHEDULER_MEMORY = "--xla_gpu_memory_limit_slop_factor"
+
+
 def overlap_flags(cfg=None) -> tuple[str, ...]:
   """The overlap flags for a run of `cfg` (a Config; None: all of them, as for manual mode)."""
   flags = GPU_OVERLAP_FLAGS
+  if cfg is not None:
+    flags += (f"{_SCHEDULER_MEMORY}={cfg.parallel.scheduler_memory_percent}",)
   if cfg is not None and cfg.train.step_microbatches > 1:
     flags = tuple(f for f in flags if f != _PEELS_ACCUMULATION)
   if cfg is not None and not cfg.model.scan_layers:

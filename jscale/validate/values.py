@@ -39,7 +39,8 @@ def _check_signs(cfg: Config) -> None:
               "train.batch_size", "train.seq_len", "train.microbatches", "train.eval_batches",
               "checkpoint.keep", "logging.every", "pipeline.microbatches",
               "pipeline.virtual_stages", "model.rope_theta", "model.norm_eps", "model.init_std",
-              "train.lr", "parallel.expert_chunks", "parallel.overlap_microbatches"]
+              "train.lr", "parallel.expert_chunks", "parallel.overlap_microbatches",
+              "parallel.scheduler_memory_percent"]
   for key in positive:
     if _get(cfg, key) <= 0:
       raise ConfigError(f"{key}={_get(cfg, key)} must be positive")

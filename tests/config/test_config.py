@@ -51,6 +51,7 @@ def test_overrides_and_presets():
     (["fp8.enabled=true", "fp8.targets=[w_qkv]"], "fp8.targets"),  # unknown linear
     (["fp8.enabled=true", "fp8.amax_history=0"], "fp8.amax_history"),
     (["fp8.recipe=late"], "fp8.recipe"),
+    (["parallel.scheduler_memory_percent=0"], "parallel.scheduler_memory_percent"),
 ])
 def test_bad_values_name_the_key(overrides, key):
   with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

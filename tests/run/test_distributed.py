@@ -320,8 +320,14 @@ def test_launcher_xla_flags_exist_in_this_jaxlib():
   """XLA aborts on an unknown flag: every flag jscale.train (or the sbatch script) sets must
   parse, and flags the user gave win."""
   from jscale import xla_flags
+  # the scheduler's memory (`parallel.scheduler_memory_percent`) as a flag and a compile option
+  roomy = load_config(None, ["parallel.scheduler_memory_percent=200"])
+  assert "--xla_gpu_memory_limit_slop_factor=200" in xla_flags.overlap_flags(roomy)
+  assert xla_flags.compiler_options(roomy)["xla_gpu_memory_limit_slop_factor"] == 200
+  assert xla_flags.compiler_options(load_config(None, []))["xla_gpu_memory_limit_slop_factor"] == 95
+  assert "xla_gpu_memory_limit_slop_factor" not in xla_flags.compiler_options()
   flags = sorted(set(re.findall(r"--xla_[a-z0-9_]+=[^\s\"']*", open(SBATCH).read())) |
-                 set(xla_flags.GPU_OVERLAP_FLAGS))
+                 set(xla_flags.overlap_flags(roomy)))
   assert any("latency_hiding_scheduler" in f for f in flags)
   mine = xla_flags.with_overlap_flags("--xla_gpu_enable_pipelined_all_gather=false")
   assert "--xla_gpu_enable_pipelined_all_gather=true" not in mine.split()
