@@ -8,7 +8,8 @@ collectives outlast its compute is collective-bound: no schedule hides them ther
 the rest of the step overlaps. The step's ceiling with every collective hidden is then not
 the longer of the whole step's two streams (`Summary.overlap_ceiling_s`) but each loop at its
 own longer stream, summed (`ceiling_s`): DeepSeek-V3 671B's forward layer loop on 1,024 H100s
-sends more through its exchanges than it computes, its backward computes three times as long.
+sends 206.7 ms a trip against 155.0 ms of compute, so its step's ceiling is 23.5 s, not the
+22.1 s of its whole compute stream (docs/deepseek.md).
 
 A sequence of launches with loops in it takes at least
 
