@@ -62,8 +62,8 @@ class Summary:
   busy_s: float = 0.0
   collectives_s: float = 0.0
   # The loops that wait for collectives, in program order (`loops.LoopTime` as dicts: per trip
-  # compute_s and collectives_s, per step exposed_s), and the step with every collective
-  # hidden within its own loop (`loops.ceiling_s`; None: not known)
+  # compute_s and collectives_s, per step exposed_s, and collective_bound), and the step with
+  # every collective hidden within its own loop (`loops.ceiling_s`; None: not known)
   loops: list[dict] = dataclasses.field(default_factory=list)
   loop_ceiling_s: float | None = None
 
@@ -108,7 +108,8 @@ def summarize(s: Schedule, chip: Chip, model_flops: float, tokens: int, top: int
   return Summary(s.seconds, tokens / s.seconds, model_flops / (s.seconds * peak), model_flops,
                  peak, by, exposed, top_rows, _gap(s, chip, model_flops, exposed, gaps), notes,
                  exposed_by=exposed_by(s), busy_s=busy, collectives_s=by["collectives"],
-                 loops=[dataclasses.asdict(x) for x in s.loops if x.exposed_s > 0],
+                 loops=[{**dataclasses.asdict(x), "collective_bound": x.collective_bound}
+                        for x in s.loops if x.exposed_s > 0],
                  loop_ceiling_s=s.loop_ceiling_s)
 
 
@@ -217,7 +218,7 @@ def loop_lines(r: Summary) -> list[str]:
             "waits included; per trip: compute / collectives):"]
     out += [f"  {ms(x['exposed_s']):>8.1f} ms  {'  ' * x['depth']}{x['name']} x{x['runs']}: "
             f"{ms(x['compute_s']):.1f} / {ms(x['collectives_s']):.1f} ms"
-            + (" collective-bound" if x["collectives_s"] > x["compute_s"] else "")
+            + (" collective-bound" if x["collective_bound"] else "")
             + f"  {_short(x['source'])}" for x in shown]
   if r.loop_ceiling_s is not None and r.loop_ceiling_s > r.overlap_ceiling_s * 1.001:
     out += [f"with every collective hidden within its own loop: {ms(r.loop_ceiling_s):.1f} ms, "
