@@ -238,6 +238,12 @@ class ParallelConfig:
   # (2: DeepSeek-V3's dual micro-batch overlap); divides train.microbatches; their activations
   # are in flight together (jscale.model.layer_microbatches)
   overlap_microbatches: int = 1
+  # with parallel.overlap_microbatches > 1: each side-by-side micro-batch one phase of the
+  # layer (attention | dispatch | experts | combine | rest) behind the one before, optimization
+  # barriers between phases, so that one's all-to-alls run beside another's compute (DeepSeek-
+  # V3's pairing); false: XLA's scheduler orders them, and runs them in lockstep
+  # (jscale.model.phases)
+  overlap_skew: bool = False
   # What XLA:GPU's latency-hiding scheduler takes each kernel to cost: default (its own
   # approximate model) | predicted (jscale.predict's times for this step on this GPU; the step
   # compiles twice: jscale.predict.schedule_costs)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jscale.config import Config, ModelConfig
+from jscale.model import phases
 from jscale.model import remat as remat_lib
 from jscale.model.seam import GATHERED
 
@@ -45,13 +46,17 @@ class Turns(NamedTuple):
   """How a layer takes the batch: in `n` micro-batches (1: whole), `side_by_side` of them in
   each step of its loop (`parallel.overlap_microbatches`): independent work XLA can overlap,
   one micro-batch's collectives (the expert exchange) under another's compute, as DeepSeek-V3's
-  dual micro-batch overlap does, for their activations in flight at once."""
+  dual micro-batch overlap does, for their activations in flight at once. `skewed`: each one
+  phase behind the one before, barriers between phases (`jscale.model.phases`,
+  `parallel.overlap_skew`), not left to XLA's scheduler."""
   n: int = 1
   side_by_side: int = 1
+  skewed: bool = False
 
   @classmethod
   def of(cls, cfg: Config) -> "Turns":
-    return cls(cfg.train.layer_microbatches, cfg.parallel.overlap_microbatches)
+    return cls(cfg.train.layer_microbatches, cfg.parallel.overlap_microbatches,
+               cfg.parallel.overlap_skew)
 
 
 WHOLE = Turns()
@@ -84,19 +89,33 @@ def _accumulating(weights: Any) -> tuple[Any, Callable[[Any], Any]]:
 
 def over_microbatches(fn: Callable, weights: Any, batch: Any, turns: Turns, remat: str,
                       cfg: ModelConfig) -> tuple[jax.Array, dict]:
-  """`fn(weights, batch_part) -> (y_bLD, stats)` over the `turns.n` micro-batches of `batch` (a
-  pytree of [B, ...] arrays), `turns.side_by_side` at a time: (y [B, ...], the stats averaged
-  over micro-batches, which hold equally many rows). Each call is checkpointed by `remat`'s
-  policy. With one micro-batch: `fn` on the whole batch (`outer` checkpoints it)."""
+  """`fn(weights, batch_part) -> phases of (y_bLD, stats)` (`jscale.model.phases`) over the
+  `turns.n` micro-batches of `batch` (a pytree of [B, ...] arrays), `turns.side_by_side` at a
+  time: (y [B, ...], the stats averaged over micro-batches, which hold equally many rows).
+  Each step of the loop is checkpointed by `remat`'s policy. With one micro-batch: `fn` on
+  the whole batch (`outer` checkpoints it)."""
   if turns.n == 1:
-    return fn(weights, batch)
+    return phases.run(fn(weights, batch))
   w32, down = _accumulating(weights)
   # (Under full_offload the layer's input is what went to the host: each call keeps its part.)
   each = "full" if remat == "full_offload" else remat
-  one = remat_lib.checkpointed(lambda w, part: fn(down(w), part), each, cfg)
-  _, (ys, stats) = jax.lax.scan(lambda _, part: (None, one(w32, part)), None,
-                                split(batch, turns.n), unroll=turns.side_by_side)
+  k = turns.side_by_side if turns.skewed else 1
+  one = remat_lib.checkpointed(lambda w, parts: _side_by_side(fn, down(w), parts), each, cfg)
+  groups = jax.tree.map(lambda a: a.reshape(turns.n // k, k, *a.shape[1:]),
+                        split(batch, turns.n))
+  _, (ys, stats) = jax.lax.scan(lambda _, parts: (None, one(w32, parts)), None, groups,
+                                unroll=1 if turns.skewed else turns.side_by_side)
+  ys, stats = jax.tree.map(lambda a: a.reshape(turns.n, *a.shape[2:]), (ys, stats))
   return merge(ys), jax.tree.map(lambda s: jnp.mean(s, axis=0), stats)
+
+
+def _side_by_side(fn: Callable, weights: Any, parts: Any) -> Any:
+  """`fn`'s results on the k micro-batches of `parts` ([k, ...] leaves), stacked: one alone
+  runs its phases through; more run skewed (`phases.skewed`)."""
+  k = jax.tree.leaves(parts)[0].shape[0]
+  each = [fn(weights, jax.tree.map(lambda a: a[i], parts)) for i in range(k)]
+  outs = [phases.run(each[0])] if k == 1 else phases.skewed(each)
+  return jax.tree.map(lambda *o: jnp.stack(o), *outs)
 
 
 def outer(layer: Callable, remat: str, m: int, cfg: ModelConfig) -> Callable:

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jscale.config import ModelConfig
-from jscale.model import kv_cache, layer_microbatches, matmul, rope
+from jscale.model import kv_cache, layer_microbatches, matmul, phases, rope
 from jscale.model import positions as positions_lib
 from jscale.model import remat as remat_lib
 from jscale.model.gqa import GQA
@@ -106,13 +106,22 @@ class Block(nnx.Module):
     self.mlp = mlp(cfg, rngs, dot_general=dot_general)
 
   def __call__(self, x_BLD, positions: Positions, inv_freq, comms: Seam):
+    return phases.run(self.in_phases(x_BLD, positions, inv_freq, comms))
+
+  def in_phases(self, x_BLD, positions: Positions, inv_freq, comms: Seam
+                ) -> phases.Phases[tuple[jax.Array, dict]]:
+    """The block as phases (`jscale.model.phases`): its input first, then the MLP's (an
+    `MoE`'s exchange boundaries)."""
+    x_BLD = yield x_BLD
     h_BLD = _enter(self.attn, comms, self.attn_norm(x_BLD, comms))
     out_BLD = _leave(self.attn, comms, self.attn(h_BLD, positions, inv_freq, comms))
     # Outputs are named once out of the tensor-parallel region: `selective` keeps the reduced
     # sums (1/t of them under SP), so recomputing the MLP's norm input redoes no all-reduce.
     out_BLD = checkpoint_name(out_BLD, "attn_out")
     h_BLD, x_BLD = self.mlp_norm(out_BLD, comms, residual_BLD=x_BLD)  # add + norm in one pass
-    out_BLD, stats = self.mlp(_enter(self.mlp, comms, h_BLD), comms)
+    h_BLD = _enter(self.mlp, comms, h_BLD)
+    out_BLD, stats = yield from (self.mlp.in_phases(h_BLD, comms) if isinstance(self.mlp, MoE)
+                                 else phases.finished(self.mlp(h_BLD, comms)))
     return x_BLD + checkpoint_name(_leave(self.mlp, comms, out_BLD), "mlp_out"), stats
 
   def cached(self, x_BLD, positions_BL, inv_freq, cache: kv_cache.Cache, layer: jax.Array,
@@ -149,13 +158,19 @@ class MoeGroup(nnx.Module):
     self.moe_block = Block(cfg, rngs, **modules)
 
   def __call__(self, x_BLD, positions: Positions, inv_freq, comms: Seam):
+    return phases.run(self.in_phases(x_BLD, positions, inv_freq, comms))
+
+  def in_phases(self, x_BLD, positions: Positions, inv_freq, comms: Seam
+                ) -> phases.Phases[tuple[jax.Array, dict]]:
+    """The group as phases: its input, its dense blocks in one, then the MoE block's."""
+    x_BLD = yield x_BLD
     graphdef, stacked = nnx.split(self.dense)
 
     def dense(x_BLD, state):
       return nnx.merge(graphdef, state)(x_BLD, positions, inv_freq, comms)[0], None
 
     x_BLD, _ = jax.lax.scan(dense, x_BLD, stacked, unroll=not self.scan_layers)
-    return self.moe_block(x_BLD, positions, inv_freq, comms)
+    return (yield from self.moe_block.in_phases(x_BLD, positions, inv_freq, comms))
 
   def cached(self, x_BLD, positions_BL, inv_freq, cache: kv_cache.Cache, group: jax.Array,
              prefill: bool) -> tuple[jax.Array, kv_cache.Cache]:
@@ -296,7 +311,7 @@ class Llama(nnx.Module):
     inv_freq = rope.for_model(self.cfg)
 
     def block(inputs, part):
-      return nnx.merge(graphdef, *inputs)(part[0], part[1], inv_freq, comms)
+      return nnx.merge(graphdef, *inputs).in_phases(part[0], part[1], inv_freq, comms)
 
     def layer(x_BLD, inputs):
       x_BLD = remat_lib.layer_input(x_BLD, remat)
@@ -332,7 +347,8 @@ class Llama(nnx.Module):
 
     def module(state, part):
       h_BLD, e_BLD, positions = part
-      return nnx.merge(graphdef, *state)(h_BLD, e_BLD, positions, inv_freq, comms), {}
+      return phases.finished((nnx.merge(graphdef, *state)(h_BLD, e_BLD, positions, inv_freq,
+                                                          comms), {}))
 
     def depth(h_BLD, inputs):
       w, r, tokens_BL = inputs
@@ -410,7 +426,8 @@ def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, position
   depth = jax.tree.leaves(stacked)[0].shape[0]
 
   def block(weights, dots, part):
-    return nnx.merge(block_graphdef, weights, *dots)(part[0], part[1], inv_freq, comms)
+    return nnx.merge(block_graphdef, weights, *dots).in_phases(part[0], part[1], inv_freq,
+                                                                comms)
 
   def layer(x_BLD, inputs):
     weights, dots = inputs

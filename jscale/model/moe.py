@@ -24,7 +24,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jscale.config import ModelConfig
-from jscale.model import matmul, moe_gemm, router
+from jscale.model import matmul, moe_gemm, phases, router
 from jscale.model.layers import einsum, param
 from jscale.model.moe_dispatch import ExpertWeights
 from jscale.model.seam import GATHERED, Seam
@@ -110,6 +110,11 @@ class MoE(nnx.Module):
   def __call__(self, h_BLD: jax.Array, comms: Seam) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`h_BLD`: the normed input (inside the tensor-parallel region). Returns the experts'
     partial output (to leave the region like a row-parallel linear's) and router statistics."""
+    return phases.run(self.in_phases(h_BLD, comms))
+
+  def in_phases(self, h_BLD: jax.Array, comms: Seam
+                ) -> phases.Phases[tuple[jax.Array, dict[str, jax.Array]]]:
+    """The call as phases (`jscale.model.phases`): the seam's exchange boundaries."""
     b, l, d = h_BLD.shape
     g = comms.expert_groups(b)
     h_GTD = comms.activation(h_BLD.reshape(g, b // g * l, d), ("batch", None, "embed"))
@@ -134,8 +139,8 @@ class MoE(nnx.Module):
     e, d, _, f = self.w_gate_up.shape  # this device's (manual tensor parallelism: its slice)
     grouped = moe_gemm.for_model(self.cfg.gemm, self.dtype, d, f, e, self.kernel_interpret,
                                  self.expert_products, self.expert_kernel)
-    y_GTD, dropped = comms.experts(h_GTD, ids_GTK, comms.expert_gates(gates_GTK), w, self.cfg,
-                                   self.dtype, grouped)
+    y_GTD, dropped = yield from comms.expert_phases(h_GTD, ids_GTK, comms.expert_gates(gates_GTK),
+                                                    w, self.cfg, self.dtype, grouped)
     n = comms.token_sum(jnp.asarray(b * l * self.cfg.top_k, jnp.float32))
     stats["dropped_fraction"] = comms.token_sum(dropped.astype(jnp.float32)) / n
     y_BLD = y_GTD.reshape(b, l, d)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jscale.model import attention as attn_lib
-from jscale.model import moe_dispatch
+from jscale.model import moe_dispatch, phases
 from jscale.model.positions import Positions
 
 Names = Sequence[str | None]
@@ -210,6 +210,15 @@ class Seam:
         outs.append(y)
         dropped = dropped + d
     return jnp.stack(outs), jnp.asarray(dropped, jnp.int32)
+
+  def expert_phases(self, x_GTD: jax.Array, ids_GTK: jax.Array, gates_GTK: jax.Array,
+                    w: moe_dispatch.ExpertWeights, moe: Any, dtype: Any,
+                    gemm: moe_dispatch.GroupedDot = moe_dispatch.GroupedDot()
+                    ) -> phases.Phases[tuple[jax.Array, jax.Array]]:
+    """`experts` as phases (`jscale.model.phases`): here one, nothing to overlap; a seam
+    that exchanges tokens yields at the exchange's boundaries."""
+    return (yield from phases.finished(self.experts(x_GTD, ids_GTK, gates_GTK, w, moe, dtype,
+                                                    gemm)))
 
 
 LOCAL = Seam()

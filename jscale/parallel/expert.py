@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jscale.fp8 import wire as wire_lib
 from jscale.model import moe_dispatch as md
+from jscale.model import phases
 from jscale.model.moe_gemm import GroupedDot
 from jscale.model.seam import Seam
 from jscale.parallel import expert_exchange as ex
@@ -114,20 +115,37 @@ class ManualExpert:
       return Seam.experts(self, x_GTD, ids_GTK, gates_GTK, w, moe, dtype, gemm)
     x_TD, ids_TK, gates_TK = x_GTD[0], ids_GTK[0], gates_GTK[0]
     if moe.dispatch == "dropless":
-      gpu = self.mesh.devices.flat[0].platform == "gpu"  # native ragged_all_to_all there
-      wire = wire_lib.e4m3_rows(dtype) if moe.dispatch_dtype == "e4m3" else None
-      grad_wire = wire_lib.e4m3_rows(dtype) if moe.dispatch_grad_dtype == "e4m3" else None
-      if moe.exchange == "node_limited":
-        exchange = lambda x, i, g: ex.node_limited_exchange(
-            x, i, g, w, dtype, "expert", n_ep, moe.n_group, moe.topk_group, gpu, gemm,
-            moe.receive_factor, wire, grad_wire)
-      else:
-        exchange = lambda x, i, g: ex.dropless_exchange(x, i, g, w, dtype,
-                                                        ex.Peers.whole("expert", n_ep), gpu,
-                                                        gemm, moe.receive_factor, wire=wire,
-                                                        grad_wire=grad_wire)
-      y_TD, dropped = ex.in_chunks(exchange, self.expert_chunks, x_TD, ids_TK, gates_TK)
+      exchange = self._dropless(w, moe, dtype, gemm)
+      y_TD, dropped = ex.in_chunks(lambda *a: phases.run(exchange(*a)), self.expert_chunks,
+                                   x_TD, ids_TK, gates_TK)
       return y_TD[None], dropped
     y_TD, dropped = ex.capacity_exchange(x_TD, ids_TK, gates_TK, w, dtype,
                                          moe.capacity_factor, "expert", n_ep)
     return y_TD[None], dropped
+
+  def expert_phases(self, x_GTD, ids_GTK, gates_GTK, w, moe, dtype, gemm=GroupedDot()):
+    """The dropless exchange in one slice as phases: boundaries before its dispatch, where
+    the rows have arrived, where the experts' output leaves, and after its combine
+    (`jscale.model.phases`); otherwise `experts` in one."""
+    if self.mesh.shape["expert"] == 1 or moe.dispatch != "dropless" or self.expert_chunks > 1:
+      return (yield from Seam.expert_phases(self, x_GTD, ids_GTK, gates_GTK, w, moe, dtype,
+                                            gemm))
+    x_TD, ids_TK, gates_TK = yield (x_GTD[0], ids_GTK[0], gates_GTK[0])
+    y_TD, dropped = yield from self._dropless(w, moe, dtype, gemm)(x_TD, ids_TK, gates_TK)
+    y_TD = yield y_TD
+    return y_TD[None], dropped
+
+  def _dropless(self, w, moe, dtype, gemm) -> Callable[..., phases.Phases]:
+    """(x_TD, ids_TK, gates_TK) -> the dropless exchange's phases over `expert`: flat, or
+    node-limited (`moe.exchange`)."""
+    n_ep = self.mesh.shape["expert"]
+    gpu = self.mesh.devices.flat[0].platform == "gpu"  # native ragged_all_to_all there
+    wire = wire_lib.e4m3_rows(dtype) if moe.dispatch_dtype == "e4m3" else None
+    grad_wire = wire_lib.e4m3_rows(dtype) if moe.dispatch_grad_dtype == "e4m3" else None
+    if moe.exchange == "node_limited":
+      return lambda x, i, g: ex.node_limited_phases(
+          x, i, g, w, dtype, "expert", n_ep, moe.n_group, moe.topk_group, gpu, gemm,
+          moe.receive_factor, wire, grad_wire)
+    return lambda x, i, g: ex.dropless_phases(x, i, g, w, dtype, ex.Peers.whole("expert", n_ep),
+                                              gpu, gemm, moe.receive_factor, wire=wire,
+                                              grad_wire=grad_wire)

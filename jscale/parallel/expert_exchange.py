@@ -30,6 +30,12 @@ Device j of the n_ep devices on the expert axis holds experts [j·E_l, (j+1)·E_
     A token choosing `topk_group` groups crosses nodes topk_group times, not K times as in the
     flat exchange, and no row goes to a node outside its chosen groups.
 
+The dropless exchanges are written as phases (`dropless_phases`, `node_limited_phases`;
+`jscale.model.phases`): they yield where the rows have arrived at the experts and where the
+experts' output leaves, so that micro-batches side by side can be skewed by a phase, one's
+transfers beside another's grouped matmuls (`parallel.overlap_skew`). `dropless_exchange` and
+`node_limited_exchange` run them through.
+
 Shape suffixes: T local tokens, K experts per token, A assignments (rows), E experts, D model,
 C slots, N peers, R received rows, G groups.
 """
@@ -46,7 +52,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jscale.fp8.wire import Wire
 from jscale.model import moe_dispatch as md
+from jscale.model import phases
 from jscale.model.moe_gemm import GroupedDot
+from jscale.model.phases import Phases
 from jscale.parallel import exchange_slots as slots_lib
 
 
@@ -208,12 +216,13 @@ def node_rows(t: int, topk_group: int, n_group: int, factor: float) -> int:
 
 def round_trip(send: Callable, s: md.Sorted, per_device: int, peers: Peers, cap: int,
                native: bool, compute: Callable, wire: Wire | None = None,
-               grad_wire: Wire | None = None) -> tuple[jax.Array, slots_lib.Slots, jax.Array]:
+               grad_wire: Wire | None = None
+               ) -> Phases[tuple[jax.Array, slots_lib.Slots, jax.Array]]:
   """Sends `s`'s sorted assignment rows (row r to peer s.expert_A[r] // per_device; ids past
-  the peers' experts nowhere) out, runs `compute((rows, extras), sizes_NE)` -> ([N·cap, D]
-  result, a count) on each peer and brings the result back: (the returned [N·cap] rows, in
-  per-peer blocks, zero where nothing was sent; their slots (`exchange_slots`); the peer's
-  count). `send(slots)`: (the [S, D] rows to send, a pytree of more per-row values), in the
+  the peers' experts nowhere) out, runs `compute((rows, extras), sizes_NE)` -> phases of
+  ([N·cap, D] result, a count) on each peer and brings the result back: (the returned [N·cap]
+  rows, in per-peer blocks, zero where nothing was sent; their slots (`exchange_slots`); the
+  peer's count). `send(slots)`: (the [S, D] rows to send, a pytree of more per-row values), in the
   smaller of the two layouts. `wire`: how the rows travel out (None: as they are; the result
   comes back in its own dtype); `grad_wire`: how the result's gradient travels out in the
   backward (None: as it is).
@@ -237,7 +246,7 @@ def round_trip(send: Callable, s: md.Sorted, per_device: int, peers: Peers, cap:
       peers, cap, native, as_, grad_as)
   out = lambda x, as_=None: exchange(x, sent.offsets_N, sent.sent_N, recv_N, as_)
   rows_SD, extras = send(sent)
-  result, count = compute((out(rows_SD, wire), jax.tree.map(out, extras)), sizes_NE)
+  result, count = yield from compute((out(rows_SD, wire), jax.tree.map(out, extras)), sizes_NE)
   return exchange(result, back.offsets_N, recv_N, sent.sent_N, None, grad_wire), back, count
 
 
@@ -273,15 +282,32 @@ def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, peers:
   else its padded emulation. `gemm`: the grouped matmul of the received rows. `wire`: how
   the rows travel out (`jscale.fp8.wire`; None: in `dtype`); `grad_wire`: how the outputs'
   gradients travel out to the experts in the backward."""
+  return phases.run(dropless_phases(x_TD, ids_TK, gates_TK, w, dtype, peers, native_ragged,
+                                    gemm, receive_factor, share_tokens, wire, grad_wire))
+
+
+def dropless_phases(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, peers: Peers,
+                    native_ragged: bool = False, gemm: GroupedDot = GroupedDot(),
+                    receive_factor: float = 0.0, share_tokens: int | None = None,
+                    wire: Wire | None = None, grad_wire: Wire | None = None
+                    ) -> Phases[tuple[jax.Array, jax.Array]]:
+  """`dropless_exchange` as phases (`jscale.model.phases`): boundaries where the rows have
+  arrived (dispatch | grouped matmul) and where the experts' output leaves (matmul |
+  combine)."""
   e_l = w.n_experts
   t, k = ids_TK.shape
   s = md.sort_by_expert(ids_TK, e_l * peers.size)
   cap = receive_rows(t, k, e_l, peers.size, receive_factor, share_tokens)
-  ffn = lambda got, sizes_NE: (_received_by_expert(got[0], sizes_NE, cap, w, dtype, gemm),
-                               jnp.zeros((), jnp.int32))
+
+  def ffn(got, sizes_NE):
+    x_RD = yield got[0]
+    y_RD = yield _received_by_expert(x_RD, sizes_NE, cap, w, dtype, gemm)
+    return y_RD, jnp.zeros((), jnp.int32)
+
   x_TD = x_TD.astype(dtype)
-  back_SD, slots, _ = round_trip(lambda sl: (slots_lib.dispatch(x_TD, s, sl), ()), s, e_l,
-                                 peers, cap, native_ragged, ffn, wire, grad_wire)
+  back_SD, slots, _ = yield from round_trip(lambda sl: (slots_lib.dispatch(x_TD, s, sl), ()), s,
+                                            e_l, peers, cap, native_ragged, ffn, wire,
+                                            grad_wire)
   return slots_lib.combine(back_SD, s, slots, gates_TK), jnp.sum(slots.unsent_A)
 
 
@@ -310,6 +336,17 @@ def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, ax
                           gemm: GroupedDot = GroupedDot(), receive_factor: float = 0.0,
                           wire: Wire | None = None, grad_wire: Wire | None = None
                           ) -> tuple[jax.Array, jax.Array]:
+  """`node_limited_phases` to their end."""
+  return phases.run(node_limited_phases(x_TD, ids_TK, gates_TK, w, dtype, axis, n_ep, n_group,
+                                        topk_group, native_ragged, gemm, receive_factor, wire,
+                                        grad_wire))
+
+
+def node_limited_phases(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis: str,
+                        n_ep: int, n_group: int, topk_group: int, native_ragged: bool = False,
+                        gemm: GroupedDot = GroupedDot(), receive_factor: float = 0.0,
+                        wire: Wire | None = None, grad_wire: Wire | None = None
+                        ) -> Phases[tuple[jax.Array, jax.Array]]:
   """Dropless experts over `axis` in DeepSeek-V3's two hops (module docstring): (output [T, D],
   equal to `dropless_exchange` over the whole axis; dropped assignments). The n_group groups of
   experts tile the n_ep devices (n_group divides n_ep). Unbounded, hop 1's blocks hold T rows
@@ -346,12 +383,12 @@ def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, ax
   def in_node(got, sizes_N1):
     x_RD, (local_RK, gates_RK) = got
     real_R = (jnp.arange(cap) < sizes_N1).reshape(-1)  # padding rows: no experts
-    return dropless_exchange(x_RD, jnp.where(real_R[:, None], local_RK, e_g), gates_RK, w,
-                             dtype, Peers.within_nodes(axis, n_ep, per_node), native_ragged,
-                             gemm, receive_factor, share_tokens=t, wire=wire,
-                             grad_wire=grad_wire)
+    return (yield from dropless_phases(
+        x_RD, jnp.where(real_R[:, None], local_RK, e_g), gates_RK, w, dtype,
+        Peers.within_nodes(axis, n_ep, per_node), native_ragged, gemm, receive_factor,
+        share_tokens=t, wire=wire, grad_wire=grad_wire))
 
-  back_SD, slots, dropped_in_node = round_trip(
+  back_SD, slots, dropped_in_node = yield from round_trip(
       rows, pairs, 1, Peers.across_nodes(axis, n_ep, per_node), cap, native_ragged, in_node,
       wire, grad_wire)
   dropped = jnp.sum(slots.unsent_A[:, None] & (local_AK < e_g)) + dropped_in_node

@@ -143,13 +143,18 @@ def test_full_offload_keeps_the_layer_inputs_in_host_memory_on_h100():
   assert offload_bytes < full_bytes - 12 * 2**20
 
 
-def test_overlapped_microbatches_train_as_one_device():
+@pytest.mark.parametrize("skew", [(), ("parallel.overlap_skew=true",),
+                                  ("parallel.overlap_skew=true", "model.moe.exchange=node_limited",
+                                   "mesh.data=1", "mesh.fsdp=2", "mesh.expert=4")],
+                         ids=["xla_order", "skewed", "skewed_node_limited"])
+def test_overlapped_microbatches_train_as_one_device(skew):
   """`parallel.overlap_microbatches=2`: the two micro-batches side by side in each layer's loop
-  step give the numbers of one device accumulating them over the step."""
+  step give the numbers of one device accumulating them over the step: as XLA orders them,
+  and skewed by a phase (`jscale.model.phases`; the flat and the node-limited exchange)."""
   numerics = (*deepseek_case.DS, "train.microbatches=2", "train.remat=full")
   want = parity.reference(*numerics)[:2]
   got = parity.losses((*LAYOUTS[2], *numerics, "train.accumulate=layer",
-                       "parallel.overlap_microbatches=2"), jax.devices(), steps=2)
+                       "parallel.overlap_microbatches=2", *skew), jax.devices(), steps=2)
   np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
