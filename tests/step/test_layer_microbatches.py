@@ -199,14 +199,28 @@ MOE_H100X8 = ("model.dtype=bfloat16", "checkpoint.every=0", "train.batch_size=16
               "train.accumulate=layer")
 
 
+@functools.lru_cache(maxsize=None)
+def _h100x8_windows(*overrides: str) -> list[overlap.Window]:
+  """The ragged all-to-all windows of the small MoE's XLA:GPU program for 8 H100s."""
+  cfg = load_config("configs/tiny.yaml", [*MOE_H100X8, *overrides])
+  return overlap.windows(predict.compile_for(cfg, "h100x8")[0], "ragged-all-to-all")
+
+
 @pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
 def test_overlapped_microbatches_share_the_exchange_windows_on_h100s():
   """In the XLA:GPU program for 8 H100s, two micro-batches side by side put one's Hopper
   grouped-matmul kernels between the start and done of the other's ragged all-to-alls, which
   one micro-batch at a time leaves empty of them."""
-  held = {}
-  for side in (1, 2):
-    cfg = load_config("configs/tiny.yaml", [*MOE_H100X8, f"parallel.overlap_microbatches={side}"])
-    text = predict.compile_for(cfg, "h100x8")[0]
-    held[side] = sum(w.count("mosaic_gpu") for w in overlap.windows(text, "ragged-all-to-all"))
+  held = {side: sum(w.count("mosaic_gpu") for w in _h100x8_windows(
+      f"parallel.overlap_microbatches={side}")) for side in (1, 2)}
   assert held[2] >= held[1] + 4, held
+
+
+@pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
+def test_skewed_microbatches_put_attention_beside_the_dispatch_on_h100s():
+  """Side by side as XLA:GPU orders them, the two micro-batches run their attention in
+  lockstep, before either's exchange; skewed by a phase (`parallel.overlap_skew`), one's
+  cuDNN attention runs inside the other's dispatch window."""
+  held = {skew: sum(w.count("cudnn") for w in _h100x8_windows(
+      "parallel.overlap_microbatches=2", *skew)) for skew in ((), ("parallel.overlap_skew=true",))}
+  assert list(held.values()) == [0, 1], held
