@@ -118,9 +118,14 @@ RULES: tuple[Rule, ...] = (
          "come from sharding constraints, which jscale does not slice)",
          "set parallel.collectives=manual, mesh.expert > 1 and model.moe.dispatch=dropless",
          True),
-    Rule("parallel.overlap_skew", lambda c, s: c.parallel.overlap_microbatches > 1,
-         "it skews micro-batches run side by side, and parallel.overlap_microbatches is 1",
-         "set parallel.overlap_microbatches > 1 (and train.accumulate=layer)", False),
+    Rule("parallel.overlap_skew", lambda c, s: c.parallel.overlap_microbatches > 1
+         and c.parallel.collectives == "manual" and s["expert"] > 1 and c.model.moe is not None
+         and c.model.moe.dispatch == "dropless" and c.parallel.expert_chunks == 1,
+         "it skews side-by-side micro-batches by the phases of the hand-written dropless expert "
+         "exchange in one slice; other layers have no phase to skew",
+         "set parallel.overlap_microbatches > 1 (train.accumulate=layer), "
+         "parallel.collectives=manual, mesh.expert > 1, model.moe.dispatch=dropless and "
+         "parallel.expert_chunks=1", False),
     Rule("parallel.bucket_mb", lambda c, s: c.parallel.collectives == "manual",
          "XLA chooses how gradients are reduced", "set parallel.collectives=manual", False),
     Rule("model.kernel_interpret", lambda c, s: _pallas(c), "no Pallas kernel is chosen",
