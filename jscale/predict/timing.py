@@ -175,11 +175,13 @@ class _Clock:
   waits: dict = dataclasses.field(default_factory=dict)
   wait_runs: int = 1
 
-  def shift(self, dt: float) -> None:
+  def shift(self, dt: float, keep: frozenset = frozenset()) -> None:
+    """Moves the streams `dt` later; so do the transfers in flight, except those named in
+    `keep` (started before a loop whose trips are extrapolated: they finish when they do)."""
     self.t += dt
     self.comm_free += dt
     self.host_free += dt
-    self.pending = {k: v + dt for k, v in self.pending.items()}
+    self.pending = {k: v if k in keep else v + dt for k, v in self.pending.items()}
 
 
 @dataclasses.dataclass
@@ -256,13 +258,14 @@ def _loop(it: Loop, clock: _Clock, runs: int, timed, notes: _Notes, chip, count:
     for _ in range(trips):
       _run(it.body, clock, runs, timed, notes, chip, count)
     return
+  before = frozenset(clock.pending)  # in flight across the loop (`parallel.collective_overlap`)
   _run(it.body, clock, runs * trips, timed, notes, chip, count)
   if trips > 1:
     t1, weight = clock.t, clock.wait_runs
     clock.wait_runs = weight * (trips - 1)  # the steady state's waits stand for trips 2..n
     _run(it.body, clock, 0, timed, notes, chip, False)  # steady state
     clock.wait_runs = weight
-    clock.shift((trips - 2) * (clock.t - t1))
+    clock.shift((trips - 2) * (clock.t - t1), keep=before)
 
 
 def _branches(it: Branches, clock: _Clock, runs: int, timed, notes: _Notes, chip,

@@ -56,6 +56,16 @@ def test_loop_carried_collective_overlaps_the_next_iteration():
   assert not timing.schedule([launches.Loop("l", 5, hidden)], CHIP).waits
 
 
+def test_a_collective_in_flight_across_a_loop_finishes_when_it_does():
+  """A transfer started before a loop and waited for after it (more than one collective in
+  flight, `parallel.collective_overlap`) ends at its own time, not moved with the trips that
+  the steady state extrapolates: 5 ms under five trips of 2 ms is hidden."""
+  done = launches.Launch("agd", "all-gather-done", "done", "all-gather", "", done_of="ag")
+  s = timing.schedule([_collective(5.0), launches.Loop("l", 5, [_work("w", 2.0)]), done], CHIP)
+  assert s.seconds == pytest.approx(5 * (2e-3 + FIT.launch_s))
+  assert not s.waits
+
+
 def test_the_exposed_time_is_told_by_the_collectives_waited_for():
   """`summary.exposed_by`: the waits grouped by kind, size and span, the longest first, and
   the report prints them."""
