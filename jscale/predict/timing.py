@@ -258,7 +258,8 @@ def _loop(it: Loop, clock: _Clock, runs: int, timed, notes: _Notes, chip, count:
     for _ in range(trips):
       _run(it.body, clock, runs, timed, notes, chip, count)
     return
-  before = frozenset(clock.pending)  # in flight across the loop (`parallel.collective_overlap`)
+  before = frozenset(clock.pending)  # in flight across the loop: host copies, or collectives
+  # XLA keeps in flight past it (xla_gpu_experimental_parallel_collective_overlap_limit > 1)
   _run(it.body, clock, runs * trips, timed, notes, chip, count)
   if trips > 1:
     t1, weight = clock.t, clock.wait_runs

@@ -57,9 +57,9 @@ def test_loop_carried_collective_overlaps_the_next_iteration():
 
 
 def test_a_collective_in_flight_across_a_loop_finishes_when_it_does():
-  """A transfer started before a loop and waited for after it (more than one collective in
-  flight, `parallel.collective_overlap`) ends at its own time, not moved with the trips that
-  the steady state extrapolates: 5 ms under five trips of 2 ms is hidden."""
+  """A transfer started before a loop and waited for after it (a host copy, or a collective
+  where XLA keeps more than one in flight) ends at its own time, not moved with the trips
+  that the steady state extrapolates: 5 ms under five trips of 2 ms is hidden."""
   done = launches.Launch("agd", "all-gather-done", "done", "all-gather", "", done_of="ag")
   s = timing.schedule([_collective(5.0), launches.Loop("l", 5, [_work("w", 2.0)]), done], CHIP)
   assert s.seconds == pytest.approx(5 * (2e-3 + FIT.launch_s))
