@@ -244,6 +244,12 @@ class ParallelConfig:
   # V3's pairing); false: XLA's scheduler orders them, and runs them in lockstep
   # (jscale.model.phases)
   overlap_skew: bool = False
+  # with train.accumulate=layer, manual ZeRO-3: each step of a layer's micro-batch loop
+  # reduce-scatters its own part of the layer's gradient as its backward makes it, instead of
+  # one reduce-scatter of the sum after the loop, which XLA:GPU cannot overlap with the loop:
+  # the loop's trips times the bytes, summed on the shards in fp32; the launcher's reduce-scatter
+  # combine threshold 8 MiB (jscale.model.layer_microbatches)
+  scatter_each_trip: bool = False
   # What XLA:GPU's latency-hiding scheduler takes each kernel to cost: default (its own
   # approximate model) | predicted (jscale.predict's times for this step on this GPU; the step
   # compiles twice: jscale.predict.schedule_costs)

@@ -126,6 +126,12 @@ RULES: tuple[Rule, ...] = (
          "set parallel.overlap_microbatches > 1 (train.accumulate=layer), "
          "parallel.collectives=manual, mesh.expert > 1, model.moe.dispatch=dropless and "
          "parallel.expert_chunks=1", False),
+    Rule("parallel.scatter_each_trip", lambda c, s: c.train.layer_microbatches > 1
+         and c.parallel.collectives == "manual" and c.parallel.zero_stage == 3
+         and s["fsdp"] > 1,
+         "only a layer's micro-batch loop under manual ZeRO-3 reduce-scatters its gradient "
+         "after the loop", "set train.accumulate=layer with train.microbatches > 1, "
+         "parallel.collectives=manual, parallel.zero_stage=3 and mesh.fsdp > 1", False),
     Rule("parallel.bucket_mb", lambda c, s: c.parallel.collectives == "manual",
          "XLA chooses how gradients are reduced", "set parallel.collectives=manual", False),
     Rule("model.kernel_interpret", lambda c, s: _pallas(c), "no Pallas kernel is chosen",

@@ -432,9 +432,9 @@ def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, position
   def layer(x_BLD, inputs):
     weights, dots = inputs
     x_BLD = remat_lib.layer_input(x_BLD, remat)
-    weights = comms.gather_layer(weights, dt, depth)
     return layer_microbatches.over_microbatches(
-        lambda w, part: block(w, dots, part), weights, (x_BLD, positions), turns, remat, cfg)
+        lambda w, part: block(w, dots, part), weights, (x_BLD, positions), turns, remat, cfg,
+        gather=lambda w: comms.gather_layer(w, dt, depth))
 
   layer = layer_microbatches.outer(layer, remat, turns.n, cfg)
   dots = () if dot_state is None else (dot_state,)

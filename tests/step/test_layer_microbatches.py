@@ -13,7 +13,7 @@ import pytest
 import deepseek_case
 import parity
 from conftest import small_config
-from jscale import predict, runtime
+from jscale import predict, runtime, xla_flags
 from jscale.analysis import gpu_target, hlo, introspect, overlap
 from jscale.config import ConfigError
 from jscale.config_load import load_config
@@ -64,9 +64,11 @@ LAYOUTS = [
     ("mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "parallel.zero_stage=3",
      "parallel.collectives=manual"),
 ]
+EACH_TRIP = "parallel.scatter_each_trip=true"
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=["z3_manual", "z3_xla", "z3_ep_manual"])
+@pytest.mark.parametrize("layout", LAYOUTS + [(*LAYOUTS[0], EACH_TRIP)],
+                         ids=["z3_manual", "z3_xla", "z3_ep_manual", "z3_manual_each_trip"])
 def test_sharded_layouts_train_as_one_device(layout):
   """Two steps' loss and gradient norm (the second on updated weights and bias) against one
   device accumulating over the step."""
@@ -101,6 +103,31 @@ def test_zero3_gathers_each_layer_once_per_pass():
   assert layer == one, (layer, one)
   assert step["all-gather"] > 3 * one["all-gather"], (step, one)
   assert step["reduce-scatter"] > 3 * one["reduce-scatter"], (step, one)
+
+
+def test_scattered_each_trip_reduces_each_layer_once_per_trip():
+  """`parallel.scatter_each_trip`: the gathers stay once per layer and pass; each layer's
+  gradient is reduce-scattered in every trip of its micro-batch loop (4 here), the weights
+  outside the layer stack (embedding, head) still once."""
+  one = _fsdp_collectives("train.microbatches=1")
+  layer = _fsdp_collectives("train.microbatches=4", "train.accumulate=layer")
+  each = _fsdp_collectives("train.microbatches=4", "train.accumulate=layer", EACH_TRIP)
+  assert each["all-gather"] == layer["all-gather"] == one["all-gather"], (each, one)
+  per_layer = _fsdp_collectives("train.microbatches=1", "model.n_layers=5")["reduce-scatter"] \
+      - one["reduce-scatter"]
+  assert per_layer > 0
+  assert each["reduce-scatter"] == one["reduce-scatter"] + 3 * 4 * per_layer, (each, one)
+
+
+def test_scattered_each_trip_keeps_each_weights_reduce_scatter_apart():
+  """The launcher's reduce-scatter combine threshold under `parallel.scatter_each_trip`: 8 MiB,
+  so each weight's reduce-scatter starts as its gradient is ready inside the trip (at 128 MiB
+  XLA:GPU merges a layer's into one that waits for the trip's last gradient)."""
+  rs = "xla_gpu_reduce_scatter_combine_threshold_bytes"
+  layout = ("mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3", "parallel.collectives=manual",
+            "train.microbatches=2", "train.accumulate=layer")
+  assert xla_flags.compiler_options(load_config(None, [*layout, EACH_TRIP]))[rs] == 2**23
+  assert xla_flags.compiler_options(load_config(None, list(layout)))[rs] == 2**27
 
 
 def test_refused_with_delayed_fp8_scaling():
@@ -144,13 +171,15 @@ def test_full_offload_keeps_the_layer_inputs_in_host_memory_on_h100():
 
 
 @pytest.mark.parametrize("skew", [(), ("parallel.overlap_skew=true", "mesh.data=1", "mesh.fsdp=2",
-                                       "mesh.expert=4", "model.moe.exchange=node_limited")],
+                                       "mesh.expert=4", "model.moe.exchange=node_limited",
+                                       EACH_TRIP)],
                          ids=["xla_order", "skewed_node_limited"])
 def test_overlapped_microbatches_train_as_one_device(skew):
   """`parallel.overlap_microbatches=2`: the two micro-batches side by side in each layer's loop
   step give the numbers of one device accumulating them over the step: as XLA orders them,
   and skewed by a phase (`jscale.model.phases`; the node-limited exchange, whose second hop
-  is the flat exchange's phases)."""
+  is the flat exchange's phases; each trip reduce-scattering its gradient, as the 671B's
+  layout runs)."""
   numerics = (*deepseek_case.DS, "train.microbatches=2", "train.remat=full")
   want = parity.reference(*numerics)[:2]
   got = parity.losses((*LAYOUTS[2], *numerics, "train.accumulate=layer",
