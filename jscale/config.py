@@ -264,6 +264,12 @@ class ParallelConfig:
   # {mlp: tensor, embed: null}; a value is a mesh axis, a list of axes, or null (replicated).
   rules: dict | None = None
 
+  @property
+  def manual_zero3(self) -> bool:
+    """ZeRO-3 by hand: its gathers are plain collectives, whose transpose a trip of a layer's
+    micro-batch loop can take (`scatter_each_trip`; xla mode's and ZeRO-2's are custom VJPs)."""
+    return self.collectives == "manual" and self.zero_stage == 3
+
 
 @dataclasses.dataclass
 class PipelineConfig:

@@ -127,8 +127,7 @@ RULES: tuple[Rule, ...] = (
          "parallel.collectives=manual, mesh.expert > 1, model.moe.dispatch=dropless and "
          "parallel.expert_chunks=1", False),
     Rule("parallel.scatter_each_trip", lambda c, s: c.train.layer_microbatches > 1
-         and c.parallel.collectives == "manual" and c.parallel.zero_stage == 3
-         and s["fsdp"] > 1,
+         and c.parallel.manual_zero3 and s["fsdp"] > 1,
          "only a layer's micro-batch loop under manual ZeRO-3 reduce-scatters its gradient "
          "after the loop", "set train.accumulate=layer with train.microbatches > 1, "
          "parallel.collectives=manual, parallel.zero_stage=3 and mesh.fsdp > 1", False),

@@ -69,7 +69,8 @@ class Turns(NamedTuple):
   @classmethod
   def of(cls, cfg: Config) -> "Turns":
     return cls(cfg.train.layer_microbatches, cfg.parallel.overlap_microbatches,
-               cfg.parallel.overlap_skew, cfg.parallel.scatter_each_trip)
+               cfg.parallel.overlap_skew,
+               cfg.parallel.scatter_each_trip and cfg.parallel.manual_zero3)
 
 
 WHOLE = Turns()

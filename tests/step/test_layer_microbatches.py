@@ -17,6 +17,7 @@ from jscale import predict, runtime, xla_flags
 from jscale.analysis import gpu_target, hlo, introspect, overlap
 from jscale.config import ConfigError
 from jscale.config_load import load_config
+from jscale.model import layer_microbatches
 from jscale.step import accumulate
 from jscale.step.train_step import make_loss_fn
 
@@ -128,6 +129,16 @@ def test_scattered_each_trip_keeps_each_weights_reduce_scatter_apart():
             "train.microbatches=2", "train.accumulate=layer")
   assert xla_flags.compiler_options(load_config(None, [*layout, EACH_TRIP]))[rs] == 2**23
   assert xla_flags.compiler_options(load_config(None, list(layout)))[rs] == 2**27
+
+
+@pytest.mark.parametrize("layout", [("parallel.collectives=xla", "parallel.zero_stage=3"),
+                                    ("parallel.collectives=manual", "parallel.zero_stage=2")])
+def test_scattered_each_trip_is_a_no_op_off_manual_zero3(layout):
+  """Where ZeRO's gather is a custom VJP (xla mode, ZeRO-2's stored layers) the layers reduce
+  after the loop as without the option (warned about, `jscale.config_conditional`)."""
+  cfg = load_config(None, ["mesh.fsdp=2", "train.microbatches=2", "train.accumulate=layer",
+                           EACH_TRIP, *layout])
+  assert not layer_microbatches.Turns.of(cfg).scatter_each_trip
 
 
 def test_refused_with_delayed_fp8_scaling():
