@@ -270,6 +270,11 @@ class ParallelConfig:
     micro-batch loop can take (`scatter_each_trip`; xla mode's and ZeRO-2's are custom VJPs)."""
     return self.collectives == "manual" and self.zero_stage == 3
 
+  @property
+  def scatters_each_trip(self) -> bool:
+    """`scatter_each_trip` where it takes effect (`manual_zero3`)."""
+    return self.scatter_each_trip and self.manual_zero3
+
 
 @dataclasses.dataclass
 class PipelineConfig:

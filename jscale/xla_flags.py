@@ -95,8 +95,8 @@ def overlap_flags(cfg=None) -> tuple[str, ...]:
     flags = tuple(f for f in flags if f != _PEELS_ACCUMULATION)
   if cfg is not None and not cfg.model.scan_layers:
     flags = _replaced(flags, _UNCOMBINED_REDUCE_SCATTERS)
-  elif cfg is not None and cfg.parallel.zero_stage == 3 and (
-      cfg.parallel.collectives == "xla" or cfg.parallel.scatter_each_trip):
+  elif cfg is not None and (cfg.parallel.zero_stage == 3 and cfg.parallel.collectives == "xla"
+                            or cfg.parallel.scatters_each_trip):
     flags = _replaced(flags, _SPLIT_REDUCE_SCATTERS)
   return flags
 

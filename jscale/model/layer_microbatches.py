@@ -69,8 +69,7 @@ class Turns(NamedTuple):
   @classmethod
   def of(cls, cfg: Config) -> "Turns":
     return cls(cfg.train.layer_microbatches, cfg.parallel.overlap_microbatches,
-               cfg.parallel.overlap_skew,
-               cfg.parallel.scatter_each_trip and cfg.parallel.manual_zero3)
+               cfg.parallel.overlap_skew, cfg.parallel.scatters_each_trip)
 
 
 WHOLE = Turns()
