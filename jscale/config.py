@@ -109,6 +109,10 @@ class MoeConfig:
   # transpose): e4m3 as DeepSeek-V3 sends them, D + 4 bytes a row, rounding the gradient the
   # experts' down projection and everything before it receive; compute: exact
   dispatch_grad_dtype: Literal["compute", "e4m3"] = "compute"
+  # the same for the experts' outputs on their way back (the combine, both hops): e4m3 halves
+  # its bytes but rounds the layer's output to 3 mantissa bits, which DeepSeek-V3 does not
+  # (its combine is bf16); the gradient goes back straight through; compute: exact
+  combine_dtype: Literal["compute", "e4m3"] = "compute"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import os
 import subprocess
 import sys
@@ -60,11 +61,30 @@ VARIANTS = {"tiled, bf16": ("model.moe.gemm=tiled",),
                 "model.moe.gemm=pallas", *FP8, "fp8.experts_scaling=row")}
 
 
-LOSS_RUNS = {"bf16": (), "control": ("train.microbatches=2",), "fp8": FP8,
-             "fp8_rows": (*FP8, "fp8.experts_scaling=row")}
-NAMES = {"control": "bf16, 2 micro-batches (control)", "fp8": "FP8, a scale per expert",
-         "fp8_rows": "FP8, a scale per row (all e4m3)"}
-CSV = os.path.join(ROOT, "results", "fp8_experts_loss.csv")
+@dataclasses.dataclass(frozen=True)
+class Study:
+  """Loss runs of the tiny DeepSeek, each seed's validation loss set against `base`'s:
+  `runs` {run: overrides}, `names` {run: its row's name} for the runs compared, in order."""
+  csv: str
+  runs: dict[str, tuple[str, ...]]
+  names: dict[str, str]
+  base: str = "bf16"
+  base_name: str = "bf16"
+  column: str = "experts"
+
+  def rows(self) -> list[dict]:
+    if not os.path.exists(self.csv):
+      return []
+    with open(self.csv, encoding="utf-8") as f:
+      return list(csv.DictReader(f))
+
+
+EXPERTS = Study(
+    os.path.join(ROOT, "results", "fp8_experts_loss.csv"),
+    {"bf16": (), "control": ("train.microbatches=2",), "fp8": FP8,
+     "fp8_rows": (*FP8, "fp8.experts_scaling=row")},
+    {"control": "bf16, 2 micro-batches (control)", "fp8": "FP8, a scale per expert",
+     "fp8_rows": "FP8, a scale per row (all e4m3)"})
 
 
 CONFIG = os.path.join(ROOT, "configs", "deepseek_v3_tiny.yaml")
@@ -79,42 +99,35 @@ def final_losses(tmp: str, seed: int, lr: float,
   return float(np.mean([out["losses"][s] for s in last])), out["val_loss"]
 
 
-def _rows() -> list[dict]:
-  if not os.path.exists(CSV):
-    return []
-  with open(CSV, encoding="utf-8") as f:
-    return list(csv.DictReader(f))
-
-
-def run_missing(seeds: int, head: str, runs: list[str], lr: float) -> None:
+def run_missing(study: Study, seeds: int, head: str, runs: list[str], lr: float) -> None:
   """Runs each of `runs` at peak learning rate `lr` for every seed this commit has no row of,
-  appending to the .csv."""
-  done = {(r["run"], int(r["seed"])) for r in _rows()
+  appending to the study's .csv."""
+  done = {(r["run"], int(r["seed"])) for r in study.rows()
           if r["commit"] == head and float(r["lr"]) == lr}
   for seed in range(seeds):
     for run in runs:
       if (run, seed) in done:
         continue
       with tempfile.TemporaryDirectory() as tmp:
-        train, val = final_losses(tmp, seed, lr, LOSS_RUNS[run])
-      new = not os.path.exists(CSV)
-      with open(CSV, "a", encoding="utf-8", newline="") as f:
+        train, val = final_losses(tmp, seed, lr, study.runs[run])
+      new = not os.path.exists(study.csv)
+      with open(study.csv, "a", encoding="utf-8", newline="") as f:
         w = csv.writer(f)
         if new:
           w.writerow(["commit", "run", "seed", "lr", "train", "val"])
         w.writerow([head, run, seed, lr, train, val])
 
 
-def learning_rates() -> list[float]:
+def learning_rates(study: Study) -> list[float]:
   """The peak learning rates the .csv has runs at, largest first."""
-  return sorted({float(r["lr"]) for r in _rows()}, reverse=True)
+  return sorted({float(r["lr"]) for r in study.rows()}, reverse=True)
 
 
-def loss_table(seeds: int, lr: float) -> dict[str, tuple[str, np.ndarray]]:
+def loss_table(study: Study, seeds: int, lr: float) -> dict[str, tuple[str, np.ndarray]]:
   """{run: (commit, [seeds, 2] train and validation losses)} at peak learning rate `lr`, from
   the newest commit with all `seeds` of that run."""
   by = {}
-  for r in _rows():
+  for r in study.rows():
     if float(r["lr"]) != lr:
       continue
     val = float(r["val"]) if r["val"] else float("nan")  # a run stopped early: no eval
@@ -126,27 +139,35 @@ def loss_table(seeds: int, lr: float) -> dict[str, tuple[str, np.ndarray]]:
   return out
 
 
-def loss_rows(seeds: int, lr: float) -> list[str]:
-  """The table at peak learning rate `lr`, and each seed's difference from its bf16 run."""
-  runs = loss_table(seeds, lr)
-  if "bf16" not in runs:
-    return [f"(no bf16 run of all {seeds} seeds at lr {lr:g} yet)"]
-  commit, base = runs["bf16"]
-  bf16 = base.mean(0)
-  out = ["| experts | commit | train loss, last 50 steps | validation loss at step 200 | each "
-         "seed's validation loss against its bf16 run: mean ± standard error (std) |",
-         "|---|---|---|---|---|", f"| bf16 | {commit} | {bf16[0]:.4f} | {bf16[1]:.4f} | |"]
+def loss_rows(study: Study, seeds: int, lr: float) -> list[str]:
+  """The table at peak learning rate `lr`, and each seed's difference from its base run."""
+  runs = loss_table(study, seeds, lr)
+  if study.base not in runs:
+    return [f"(no {study.base} run of all {seeds} seeds at lr {lr:g} yet)"]
+  commit, base = runs[study.base]
+  mean0 = base.mean(0)
+  out = [f"| {study.column} | commit | train loss, last 50 steps | validation loss at step 200 "
+         f"| each seed's validation loss against its {study.base_name} run: mean ± standard "
+         "error (std) |", "|---|---|---|---|---|",
+         f"| {study.base_name} | {commit} | {mean0[0]:.4f} | {mean0[1]:.4f} | |"]
   per_seed = []
-  for run, name in NAMES.items():
+  for run, name in study.names.items():
     if run not in runs:
       continue
     commit, losses = runs[run]
     mean, pairs = losses.mean(0), losses[:, 1] / base[:, 1] - 1
-    out.append(f"| {name} | {commit} | {mean[0]:.4f} ({mean[0] / bf16[0] - 1:+.2%}) | "
-               f"{mean[1]:.4f} ({mean[1] / bf16[1] - 1:+.2%}) | {pairs.mean():+.2%} ± "
+    out.append(f"| {name} | {commit} | {mean[0]:.4f} ({mean[0] / mean0[0] - 1:+.2%}) | "
+               f"{mean[1]:.4f} ({mean[1] / mean0[1] - 1:+.2%}) | {pairs.mean():+.2%} ± "
                f"{pairs.std(ddof=1) / np.sqrt(seeds):.2%} ({pairs.std(ddof=1):.2%}) |")
     per_seed.append(f"- {name}: " + ", ".join(f"{p:+.2%}" for p in pairs))
-  return out + ["", "Each seed's validation loss against its bf16 run:", *per_seed]
+  return out + ["", f"Each seed's validation loss against its {study.base_name} run:",
+                *per_seed]
+
+
+def loss_tables(study: Study, seeds: int) -> list[str]:
+  """`loss_rows` at each learning rate the .csv has, under a heading each."""
+  return [line for lr in learning_rates(study)
+          for line in (f"## Peak learning rate {lr:g}", "", *loss_rows(study, seeds, lr), "")]
 
 
 def experts_ms(sched) -> float:
@@ -178,7 +199,8 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--seeds", type=int, default=8)
   ap.add_argument("--only", choices=("loss", "speed"), default=None)
-  ap.add_argument("--runs", default=",".join(LOSS_RUNS), help="loss runs to make where missing")
+  ap.add_argument("--runs", default=",".join(EXPERTS.runs),
+                  help="loss runs to make where missing")
   ap.add_argument("--lr", type=float, default=load_config(CONFIG, []).train.lr,
                   help="the runs' peak learning rate (default: the config's)")
   args = ap.parse_args()
@@ -186,9 +208,8 @@ def main() -> None:
                         text=True, check=False).stdout.strip()
   title = f"# FP8 experts (`fp8.targets: [experts]`), at {head}"
   if args.only in (None, "loss"):
-    run_missing(args.seeds, head, [r for r in args.runs.split(",") if r], args.lr)
-    tables = [line for lr in learning_rates()
-              for line in (f"## Peak learning rate {lr:g}", "", *loss_rows(args.seeds, lr), "")]
+    run_missing(EXPERTS, args.seeds, head, [r for r in args.runs.split(",") if r], args.lr)
+    tables = loss_tables(EXPERTS, args.seeds)
     _write("loss", [title, "", f"The tiny DeepSeek-V3 (`configs/deepseek_v3_tiny.yaml`, bf16), "
                     f"200 steps, mean over {args.seeds} seeds; measured on a CPU. The control "
                     "(each batch in two micro-batches: the same gradient, rounded otherwise) "

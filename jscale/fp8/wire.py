@@ -19,7 +19,11 @@ The dispatch's transpose sends the inputs' gradients back in the compute dtype (
 combine and its backward are bf16 too), so the gradient passes straight through the forward's
 rounding, as an FP8 product's does. The backward's rows to the experts (the outputs'
 gradients, the combine's transpose) travel through a wire of their own where asked
-(`model.moe.dispatch_grad_dtype: e4m3`, as DeepSeek-V3 sends them): those are rounded.
+(`model.moe.dispatch_grad_dtype: e4m3`, as DeepSeek-V3 sends them): those are rounded. So do
+the experts' outputs on their way back where asked (`model.moe.combine_dtype: e4m3`; not
+DeepSeek-V3's, which keeps the combine in bf16, and not exact: the outputs were never e4m3,
+so each hop rounds them to 3 mantissa bits), their gradient straight through. `Wires` holds
+the three.
 """
 
 from __future__ import annotations
@@ -52,6 +56,16 @@ class Wire:
     q_SD = jax.lax.bitcast_convert_type(b_SW[:, :-_SCALE_BYTES], E4M3)
     s_S = jax.lax.bitcast_convert_type(b_SW[:, -_SCALE_BYTES:], jnp.float32)
     return scaling.dequantize(q_SD, s_S[:, None], self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Wires:
+  """How an expert exchange's rows travel (None: as they are, in the compute dtype): `out` the
+  rows to the experts, `out_grad` the outputs' gradients to the experts in the backward,
+  `back` the experts' outputs returning (the combine)."""
+  out: Wire | None = None
+  out_grad: Wire | None = None
+  back: Wire | None = None
 
 
 def e4m3_rows(dtype) -> Wire:

@@ -140,12 +140,12 @@ class ManualExpert:
     node-limited (`moe.exchange`)."""
     n_ep = self.mesh.shape["expert"]
     gpu = self.mesh.devices.flat[0].platform == "gpu"  # native ragged_all_to_all there
-    wire = wire_lib.e4m3_rows(dtype) if moe.dispatch_dtype == "e4m3" else None
-    grad_wire = wire_lib.e4m3_rows(dtype) if moe.dispatch_grad_dtype == "e4m3" else None
+    e4m3 = lambda key: wire_lib.e4m3_rows(dtype) if key == "e4m3" else None
+    wires = wire_lib.Wires(e4m3(moe.dispatch_dtype), e4m3(moe.dispatch_grad_dtype),
+                           e4m3(moe.combine_dtype))
     if moe.exchange == "node_limited":
       return lambda x, i, g: ex.node_limited_phases(
           x, i, g, w, dtype, "expert", n_ep, moe.n_group, moe.topk_group, gpu, gemm,
-          moe.receive_factor, wire, grad_wire)
+          moe.receive_factor, wires)
     return lambda x, i, g: ex.dropless_phases(x, i, g, w, dtype, ex.Peers.whole("expert", n_ep),
-                                              gpu, gemm, moe.receive_factor, wire=wire,
-                                              grad_wire=grad_wire)
+                                              gpu, gemm, moe.receive_factor, wires=wires)

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jscale.fp8.wire import Wire
+from jscale.fp8.wire import Wire, Wires
 from jscale.model import moe_dispatch as md
 from jscale.model import phases
 from jscale.model.moe_gemm import GroupedDot
@@ -215,17 +215,15 @@ def node_rows(t: int, topk_group: int, n_group: int, factor: float) -> int:
 
 
 def round_trip(send: Callable, s: md.Sorted, per_device: int, peers: Peers, cap: int,
-               native: bool, compute: Callable, wire: Wire | None = None,
-               grad_wire: Wire | None = None
+               native: bool, compute: Callable, wires: Wires = Wires()
                ) -> Phases[tuple[jax.Array, slots_lib.Slots, jax.Array]]:
   """Sends `s`'s sorted assignment rows (row r to peer s.expert_A[r] // per_device; ids past
   the peers' experts nowhere) out, runs `compute((rows, extras), sizes_NE)` -> phases of
   ([N·cap, D] result, a count) on each peer and brings the result back: (the returned [N·cap]
   rows, in per-peer blocks, zero where nothing was sent; their slots (`exchange_slots`); the
   peer's count). `send(slots)`: (the [S, D] rows to send, a pytree of more per-row values), in the
-  smaller of the two layouts. `wire`: how the rows travel out (None: as they are; the result
-  comes back in its own dtype); `grad_wire`: how the result's gradient travels out in the
-  backward (None: as it is).
+  smaller of the two layouts. `wires`: how the rows travel out, the result's gradient out in
+  the backward and the result back (`Wires`; None: as they are).
 
   Both directions land in blocks: source (or destination) j's rows at j·cap, sorted by local
   expert (`sizes_NE`: how many per source and local expert), so no side needs the other's
@@ -246,8 +244,10 @@ def round_trip(send: Callable, s: md.Sorted, per_device: int, peers: Peers, cap:
       peers, cap, native, as_, grad_as)
   out = lambda x, as_=None: exchange(x, sent.offsets_N, sent.sent_N, recv_N, as_)
   rows_SD, extras = send(sent)
-  result, count = yield from compute((out(rows_SD, wire), jax.tree.map(out, extras)), sizes_NE)
-  return exchange(result, back.offsets_N, recv_N, sent.sent_N, None, grad_wire), back, count
+  result, count = yield from compute((out(rows_SD, wires.out), jax.tree.map(out, extras)),
+                                     sizes_NE)
+  return (exchange(result, back.offsets_N, recv_N, sent.sent_N, wires.back, wires.out_grad),
+          back, count)
 
 
 def _clipped(sizes_NE: jax.Array, cap: int) -> jax.Array:
@@ -273,24 +273,22 @@ def _received_by_expert(x_RD, sizes_NE, cap: int, w: md.ExpertWeights, dtype,
 def dropless_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, peers: Peers,
                       native_ragged: bool = False, gemm: GroupedDot = GroupedDot(),
                       receive_factor: float = 0.0, share_tokens: int | None = None,
-                      wire: Wire | None = None, grad_wire: Wire | None = None
-                      ) -> tuple[jax.Array, jax.Array]:
+                      wires: Wires = Wires()) -> tuple[jax.Array, jax.Array]:
   """Experts among `peers`, sorted rows through a ragged all-to-all: (output [T, D], dropped
   assignments: none unless `receive_factor` > 0 bounds the receive buffer, `receive_rows`).
   Expert ids index the peers' experts (peer j holds [j·E_l, (j+1)·E_l)); ids >= size·E_l
   mean "none here" and need gate 0. `native_ragged`: the backend's ragged_all_to_all (GPU),
-  else its padded emulation. `gemm`: the grouped matmul of the received rows. `wire`: how
-  the rows travel out (`jscale.fp8.wire`; None: in `dtype`); `grad_wire`: how the outputs'
-  gradients travel out to the experts in the backward."""
+  else its padded emulation. `gemm`: the grouped matmul of the received rows. `wires`: how
+  the rows travel out, the outputs' gradients out in the backward and the outputs back
+  (`jscale.fp8.wire.Wires`; by default in `dtype`)."""
   return phases.run(dropless_phases(x_TD, ids_TK, gates_TK, w, dtype, peers, native_ragged,
-                                    gemm, receive_factor, share_tokens, wire, grad_wire))
+                                    gemm, receive_factor, share_tokens, wires))
 
 
 def dropless_phases(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, peers: Peers,
                     native_ragged: bool = False, gemm: GroupedDot = GroupedDot(),
                     receive_factor: float = 0.0, share_tokens: int | None = None,
-                    wire: Wire | None = None, grad_wire: Wire | None = None
-                    ) -> Phases[tuple[jax.Array, jax.Array]]:
+                    wires: Wires = Wires()) -> Phases[tuple[jax.Array, jax.Array]]:
   """`dropless_exchange` as phases (`jscale.model.phases`): boundaries where the rows have
   arrived (dispatch | grouped matmul) and where the experts' output leaves (matmul |
   combine)."""
@@ -306,8 +304,7 @@ def dropless_phases(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, peers: P
 
   x_TD = x_TD.astype(dtype)
   back_SD, slots, _ = yield from round_trip(lambda sl: (slots_lib.dispatch(x_TD, s, sl), ()), s,
-                                            e_l, peers, cap, native_ragged, ffn, wire,
-                                            grad_wire)
+                                            e_l, peers, cap, native_ragged, ffn, wires)
   return slots_lib.combine(back_SD, s, slots, gates_TK), jnp.sum(slots.unsent_A)
 
 
@@ -334,19 +331,17 @@ def in_chunks(exchange: Callable, chunks: int, x_TD, ids_TK, gates_TK
 def node_limited_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis: str,
                           n_ep: int, n_group: int, topk_group: int, native_ragged: bool = False,
                           gemm: GroupedDot = GroupedDot(), receive_factor: float = 0.0,
-                          wire: Wire | None = None, grad_wire: Wire | None = None
-                          ) -> tuple[jax.Array, jax.Array]:
+                          wires: Wires = Wires()) -> tuple[jax.Array, jax.Array]:
   """`node_limited_phases` to their end."""
   return phases.run(node_limited_phases(x_TD, ids_TK, gates_TK, w, dtype, axis, n_ep, n_group,
-                                        topk_group, native_ragged, gemm, receive_factor, wire,
-                                        grad_wire))
+                                        topk_group, native_ragged, gemm, receive_factor,
+                                        wires))
 
 
 def node_limited_phases(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis: str,
                         n_ep: int, n_group: int, topk_group: int, native_ragged: bool = False,
                         gemm: GroupedDot = GroupedDot(), receive_factor: float = 0.0,
-                        wire: Wire | None = None, grad_wire: Wire | None = None
-                        ) -> Phases[tuple[jax.Array, jax.Array]]:
+                        wires: Wires = Wires()) -> Phases[tuple[jax.Array, jax.Array]]:
   """Dropless experts over `axis` in DeepSeek-V3's two hops (module docstring): (output [T, D],
   equal to `dropless_exchange` over the whole axis; dropped assignments). The n_group groups of
   experts tile the n_ep devices (n_group divides n_ep). Unbounded, hop 1's blocks hold T rows
@@ -355,8 +350,8 @@ def node_limited_phases(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis
   sizes both by their even shares: hop 1 ⌈f·T·topk_group / n_group⌉ rows per source
   (`node_rows`), hop 2 ⌈f·T·K / m⌉ (each device's T tokens bring about T·K assignments into
   the node, spread over its m devices); what does not fit is dropped and counted, per
-  assignment, as the flat exchange's is. `wire`, `grad_wire`: how the rows and the outputs'
-  gradients travel out, both hops."""
+  assignment, as the flat exchange's is. `wires`: how the rows, the outputs' gradients and the
+  outputs travel, both hops."""
   per_node = n_ep // n_group
   e_g = w.n_experts * per_node  # experts per group: a node's
   t, k = ids_TK.shape
@@ -386,11 +381,11 @@ def node_limited_phases(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, axis
     return (yield from dropless_phases(
         x_RD, jnp.where(real_R[:, None], local_RK, e_g), gates_RK, w, dtype,
         Peers.within_nodes(axis, n_ep, per_node), native_ragged, gemm, receive_factor,
-        share_tokens=t, wire=wire, grad_wire=grad_wire))
+        share_tokens=t, wires=wires))
 
   back_SD, slots, dropped_in_node = yield from round_trip(
       rows, pairs, 1, Peers.across_nodes(axis, n_ep, per_node), cap, native_ragged, in_node,
-      wire, grad_wire)
+      wires)
   dropped = jnp.sum(slots.unsent_A[:, None] & (local_AK < e_g)) + dropped_in_node
   return (slots_lib.combine(back_SD, pairs, slots, chosen_TG.astype(jnp.float32)),
           dropped)

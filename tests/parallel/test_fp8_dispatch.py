@@ -83,19 +83,23 @@ def _step(exchange, devices):
                                out_specs=(rows, (rows, rows, W_SPEC)), check_vma=False))
 
 
-def _flat(native=False, dtype=jnp.float32, grads=False):
-  grad_wire = wire.e4m3_rows(dtype) if grads else None
+def _wires(dtype, grads: bool, back: bool) -> wire.Wires:
+  """The rows out in e4m3; the output gradients out and the outputs back too where asked."""
+  e4m3 = wire.e4m3_rows(dtype)
+  return wire.Wires(e4m3, e4m3 if grads else None, e4m3 if back else None)
+
+
+def _flat(native=False, dtype=jnp.float32, grads=False, back=False):
   return lambda x, i, g, w: ex.dropless_exchange(
       x, i, g, w, dtype, ex.Peers.whole("expert", N), native,
-      wire=wire.e4m3_rows(dtype), grad_wire=grad_wire)[0]
+      wires=_wires(dtype, grads, back))[0]
 
 
 def _node_limited(n_group, topk_group, native=False, dtype=jnp.float32, factor=0.0,
-                  grads=False):
-  grad_wire = wire.e4m3_rows(dtype) if grads else None
+                  grads=False, back=False):
   return lambda x, i, g, w: ex.node_limited_exchange(
       x, i, g, w, dtype, "expert", N, n_group, topk_group, native, receive_factor=factor,
-      wire=wire.e4m3_rows(dtype), grad_wire=grad_wire)[0]
+      wires=_wires(dtype, grads, back))[0]
 
 
 def _rounded(x):
@@ -161,6 +165,43 @@ def test_fp8_output_gradients_equal_one_device_rounding_them_before_the_experts(
   assert not np.allclose(g[0], exact[0], rtol=1e-3)
 
 
+def _experts_with_rounded_outputs(x, ids, gates, w, n_group: int | None):
+  """One device's experts whose rows out are rounded (straight through) and whose outputs
+  are rounded on their way back (straight through): per assignment row, and with two hops
+  (`n_group` groups) again per token and group (hop 1's row back: the group's gated sum)."""
+  s = md.sort_by_expert(ids, E)
+  out_AD = _rounded(md.ragged_ffn(md.dispatch_sorted(_rounded(x), s), s.sizes_E, w,
+                                  jnp.float32))
+  if n_group is None:
+    return md.combine_sorted(out_AD, s, gates)
+  group_TK = ids // (E // n_group)
+  return sum(_rounded(md.combine_sorted(out_AD, s, jnp.where(group_TK == g, gates, 0)))
+             for g in range(n_group))
+
+
+@pytest.mark.parametrize("name, n_group, topk_group", [
+    ("flat", 2, 1), ("node_limited", 2, 1), ("node_limited", 4, 2)])
+def test_fp8_combine_equals_one_device_rounding_the_outputs_on_each_hop(
+    name, n_group, topk_group):
+  """`model.moe.combine_dtype: e4m3`: the experts' outputs come back rounded per row, once
+  per hop (hop 1 carries each group's gated sum), their gradients straight through."""
+  x, ids, gates, w = _inputs(n_group, topk_group)
+  groups = None if name == "flat" else n_group
+  ref = lambda x, gates, w: (jnp.sum(jnp.sin(
+      y := _experts_with_rounded_outputs(x, ids, gates, w, groups)) * 3), y)
+  (_, want_y), want_g = jax.value_and_grad(ref, (0, 1, 2), has_aux=True)(x, gates, w)
+  exchange = (_flat(back=True) if name == "flat"
+              else _node_limited(n_group, topk_group, back=True))
+  y, g = _step(exchange, jax.devices()[:N])(x, ids, gates, w)
+  np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+  for got, want in zip(jax.tree.leaves(g), jax.tree.leaves(want_g)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+  # ... and the outputs are rounded: the compute-dtype combine gives other values.
+  exact = _step(_flat() if name == "flat" else _node_limited(n_group, topk_group),
+                jax.devices()[:N])(x, ids, gates, w)[0]
+  assert not np.allclose(y, exact, rtol=1e-3)
+
+
 ROW_FP8 = ("fp8.enabled=true", "fp8.targets=[experts]", "fp8.experts_scaling=row",
            "train.batch_size=8", "train.seq_len=16")
 
@@ -182,12 +223,18 @@ def test_with_row_scaled_fp8_experts_the_dispatch_trains_as_one_device():
 
 
 @functools.cache
-def _h100_program(n_group=2, topk_group=1, factor=1.0):
+def _h100_program(n_group=2, topk_group=1, factor=1.0, back=False):
   sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
   args = jax.tree.map(sds, _inputs(n_group, topk_group, jnp.bfloat16))
-  step = _step(_node_limited(n_group, topk_group, True, jnp.bfloat16, factor, grads=True),
-               gpu_target.devices("h100x8"))
+  step = _step(_node_limited(n_group, topk_group, True, jnp.bfloat16, factor, grads=True,
+                             back=back), gpu_target.devices("h100x8"))
   return step.lower(*args).compile().as_text()
+
+
+def _exchanged_rows(text: str) -> list:
+  """The program's ragged all-to-alls of rows (D wide, or D + 4 bytes encoded)."""
+  return [c for c in hlo.collectives(text) if c.kind == "ragged-all-to-all"
+          and c.shapes[0].endswith((f",{D}]", f",{D + 4}]"))]
 
 
 @pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
@@ -197,8 +244,7 @@ def test_h100_program_sends_u8_rows_to_the_experts_and_compute_dtype_rows_back()
   n_group, topk_group, factor = 2, 1, 1.0
   text = _h100_program(n_group, topk_group, factor)
   cap1 = ex.node_rows(T, topk_group, n_group, factor)
-  rows = [c for c in hlo.collectives(text) if c.kind == "ragged-all-to-all"
-          and c.shapes[0].endswith((f",{D}]", f",{D + 4}]"))]
+  rows = _exchanged_rows(text)
   shapes = {(len(c.groups[0]), c.shapes[0]) for c in rows}
   # Hop 1 (across the 2 nodes) and hop 2 (inside one): out in u8, back in bf16, both ways.
   assert (n_group, f"u8[{n_group * cap1},{D + 4}]") in shapes, shapes
@@ -210,3 +256,12 @@ def test_h100_program_sends_u8_rows_to_the_experts_and_compute_dtype_rows_back()
   for c in rows:
     r = int(c.shapes[0].split("[")[1].split(",")[0])
     assert priced[c.name].bytes == r * (D + 4 if c.shapes[0].startswith("u8") else 2 * D)
+
+
+@pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
+def test_h100_program_with_the_fp8_combine_sends_only_the_inputs_gradients_in_bf16():
+  """`model.moe.combine_dtype: e4m3`: the results come back in u8 on both hops; only the
+  dispatch's transpose (the inputs' gradients) stays in bf16."""
+  rows = _exchanged_rows(_h100_program(back=True))
+  dtypes = [c.shapes[0].split("[")[0] for c in rows]
+  assert sorted(dtypes) == ["bf16"] * 2 + ["u8"] * 6, dtypes

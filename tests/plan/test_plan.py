@@ -423,7 +423,8 @@ def test_layer_accumulation_gathers_once_a_step_and_offload_keeps_no_inputs():
 def test_fp8_dispatch_sends_a_byte_and_a_scale_per_row_to_the_experts():
   """`model.moe.dispatch_dtype: e4m3`: of the exchange's four passes (dispatch and combine,
   forward and backward), the forward dispatch carries D + 4 bytes a row instead of 2·D;
-  `model.moe.dispatch_grad_dtype: e4m3`, the backward's output gradients to the experts too."""
+  `model.moe.dispatch_grad_dtype: e4m3`, the backward's output gradients to the experts too;
+  `model.moe.combine_dtype: e4m3`, the forward's outputs back too."""
   overrides = ["model.preset=deepseek_v3_16b", "model.n_layers=4"]
   lay = Layout(expert=8, mbs=1, accum=1, remat="full")
   moved = lambda m: sum(t.bytes for t in cost.transfers(m, lay, 4096, 8) if t.kind == "all-to-all")
@@ -434,4 +435,8 @@ def test_fp8_dispatch_sends_a_byte_and_a_scale_per_row_to_the_experts():
   d = bf16.d_model
   assert moved(fp8) == pytest.approx(moved(bf16) * (d + 4 + 3 * 2 * d) / (4 * 2 * d))
   assert moved(both) == pytest.approx(moved(bf16) * (2 * (d + 4) + 2 * 2 * d) / (4 * 2 * d))
+  three = load_config(None, [*overrides, "model.moe.dispatch_dtype=e4m3",
+                             "model.moe.dispatch_grad_dtype=e4m3",
+                             "model.moe.combine_dtype=e4m3"]).model
+  assert moved(three) == pytest.approx(moved(bf16) * (3 * (d + 4) + 2 * d) / (4 * 2 * d))
 
