@@ -102,7 +102,7 @@ class MoeConfig:
   receive_factor: float = 0.0
   # manual expert parallelism, dropless exchange: the rows go out in the compute dtype or e4m3
   # with a power-of-two scale per row (D + 4 bytes a row: DeepSeek-V3's FP8 dispatch,
-  # jscale.fp8.wire); results and gradients come back in the compute dtype. With
+  # jscale.fp8.wire); results (combine_dtype) and gradients come back in the compute dtype. With
   # fp8.experts_scaling=row the experts' products round the rows the same way, so it adds none
   dispatch_dtype: Literal["compute", "e4m3"] = "compute"
   # the same for the backward's rows to the experts (the outputs' gradients, the combine's
@@ -254,6 +254,11 @@ class ParallelConfig:
   # the loop's trips times the bytes, summed on the shards in fp32; the launcher's reduce-scatter
   # combine threshold 8 MiB (jscale.model.layer_microbatches)
   scatter_each_trip: bool = False
+  # with parallel.scatter_each_trip: the backward gathers the layer before each layer inside
+  # that layer's micro-batch loop, a chunk a trip, where XLA:GPU runs it beside the trip's
+  # compute (a gather before the loop waits whole); one more gathered layer in memory
+  # (jscale.model.layer_prefetch)
+  prefetch_layers: bool = False
   # What XLA:GPU's latency-hiding scheduler takes each kernel to cost: default (its own
   # approximate model) | predicted (jscale.predict's times for this step on this GPU; the step
   # compiles twice: jscale.predict.schedule_costs)
@@ -278,6 +283,11 @@ class ParallelConfig:
   def scatters_each_trip(self) -> bool:
     """`scatter_each_trip` where it takes effect (`manual_zero3`)."""
     return self.scatter_each_trip and self.manual_zero3
+
+  @property
+  def prefetches_layers(self) -> bool:
+    """`prefetch_layers` where it takes effect (`scatters_each_trip`)."""
+    return self.prefetch_layers and self.scatters_each_trip
 
 
 @dataclasses.dataclass

@@ -136,6 +136,12 @@ RULES: tuple[Rule, ...] = (
          "only a layer's micro-batch loop under manual ZeRO-3 reduce-scatters its gradient "
          "after the loop", "set train.accumulate=layer with train.microbatches > 1, "
          "parallel.collectives=manual, parallel.zero_stage=3 and mesh.fsdp > 1", False),
+    Rule("parallel.prefetch_layers", lambda c, s: c.train.layer_microbatches > 1
+         and c.parallel.scatters_each_trip and s["fsdp"] > 1,
+         "it prefetches manual ZeRO-3's layer gathers inside the micro-batch loop whose trips "
+         "reduce-scatter the gradient", "set parallel.scatter_each_trip=true (its own "
+         "conditions: train.accumulate=layer with train.microbatches > 1, "
+         "parallel.collectives=manual, parallel.zero_stage=3, mesh.fsdp > 1)", False),
     Rule("parallel.bucket_mb", lambda c, s: c.parallel.collectives == "manual",
          "XLA chooses how gradients are reduced", "set parallel.collectives=manual", False),
     Rule("model.kernel_interpret", lambda c, s: _pallas(c), "no Pallas kernel is chosen",

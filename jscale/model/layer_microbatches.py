@@ -65,11 +65,22 @@ class Turns(NamedTuple):
   side_by_side: int = 1
   skewed: bool = False
   scatter_each_trip: bool = False  # `parallel.scatter_each_trip` (`each_trip`)
+  prefetch: bool = False  # `parallel.prefetch_layers` (`jscale.model.layer_prefetch`)
 
   @classmethod
   def of(cls, cfg: Config) -> "Turns":
     return cls(cfg.train.layer_microbatches, cfg.parallel.overlap_microbatches,
-               cfg.parallel.overlap_skew, cfg.parallel.scatters_each_trip)
+               cfg.parallel.overlap_skew, cfg.parallel.scatters_each_trip,
+               cfg.parallel.prefetches_layers)
+
+  @property
+  def trips(self) -> int:
+    """The loop's trips: the micro-batches, k at a time where skewed (else XLA unrolls it)."""
+    return self.n // (self.side_by_side if self.skewed else 1)
+
+  @property
+  def unroll(self) -> int:
+    return 1 if self.skewed else self.side_by_side
 
 
 WHOLE = Turns()
@@ -110,14 +121,22 @@ def each_trip(gather: Callable[[Any], Any], stored: Any) -> tuple[Any, Callable[
   def use(stored, w):
     return w
 
-  def scatter(stored, g):
-    # Transposed as linearised: `gather`'s names (`checkpoint_name`) have no transpose rule,
-    # its tangent carries none; the primal gather traced here is unused (XLA removes it).
-    _, linear = jax.linearize(gather, stored)
-    return jax.linear_transpose(linear, stored)(g)[0], None
-
-  use.defvjp(lambda stored, w: (w, stored), scatter)
+  use.defvjp(lambda stored, w: (w, stored), lambda stored, g: (scatter(gather, stored, g), None))
   return whole, lambda w: use(stored, w)
+
+
+def scatter(gather: Callable[[Any], Any], stored: Any, g: Any) -> Any:
+  """`g` (a cotangent of `gather(stored)`) through `gather`'s transpose onto `stored`: the
+  reduce-scatter (`gather` linear: manual mode's collectives and casts)."""
+  # Transposed as linearised: `gather`'s names (`checkpoint_name`) have no transpose rule, its
+  # tangent carries none; the primal gather traced here is unused (XLA removes it).
+  _, linear = jax.linearize(gather, stored)
+  return jax.linear_transpose(linear, stored)(g)[0]
+
+
+def trips(tree: Any, turns: Turns) -> Any:
+  """Every [B, ...] leaf as the loop's [trips, k, B/n, ...] (`split`, k at a time)."""
+  return jax.tree.map(lambda a: a.reshape(turns.trips, -1, *a.shape[1:]), split(tree, turns.n))
 
 
 def over_microbatches(fn: Callable, weights: Any, batch: Any, turns: Turns, remat: str,
@@ -137,18 +156,15 @@ def over_microbatches(fn: Callable, weights: Any, batch: Any, turns: Turns, rema
     whole, use = _accumulating(gather(weights))
   # (Under full_offload the layer's input is what went to the host: each call keeps its part.)
   each = "full" if remat == "full_offload" else remat
-  k = turns.side_by_side if turns.skewed else 1
   # `use` inside the checkpoint: what it keeps is the loop's constant, not a copy per trip.
-  one = remat_lib.checkpointed(lambda w, parts: _side_by_side(fn, use(w), parts), each, cfg)
-  groups = jax.tree.map(lambda a: a.reshape(turns.n // k, k, *a.shape[1:]),
-                        split(batch, turns.n))
-  _, (ys, stats) = jax.lax.scan(lambda _, parts: (None, one(whole, parts)), None, groups,
-                                unroll=1 if turns.skewed else turns.side_by_side)
+  one = remat_lib.checkpointed(lambda w, parts: side_by_side(fn, use(w), parts), each, cfg)
+  _, (ys, stats) = jax.lax.scan(lambda _, parts: (None, one(whole, parts)), None,
+                                trips(batch, turns), unroll=turns.unroll)
   ys, stats = jax.tree.map(lambda a: a.reshape(turns.n, *a.shape[2:]), (ys, stats))
   return merge(ys), jax.tree.map(lambda s: jnp.mean(s, axis=0), stats)
 
 
-def _side_by_side(fn: Callable, weights: Any, parts: Any) -> Any:
+def side_by_side(fn: Callable, weights: Any, parts: Any) -> Any:
   """`fn`'s results on the k micro-batches of `parts` ([k, ...] leaves), stacked: one alone
   runs its phases through; more run skewed (`phases.skewed`)."""
   k = jax.tree.leaves(parts)[0].shape[0]

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jscale.config import ModelConfig
-from jscale.model import kv_cache, layer_microbatches, matmul, phases, rope
+from jscale.model import kv_cache, layer_microbatches, layer_prefetch, matmul, phases, rope
 from jscale.model import positions as positions_lib
 from jscale.model import remat as remat_lib
 from jscale.model.gqa import GQA
@@ -438,9 +438,16 @@ def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, position
 
   layer = layer_microbatches.outer(layer, remat, turns.n, cfg)
   dots = () if dot_state is None else (dot_state,)
+  stored = comms.layer_inputs(stacked)
+  chunks = comms.layer_chunks(jax.tree.map(lambda a: a[0], stored), dt, turns.trips)
   with jax.named_scope("layers"):
-    x_BLD, stats = jax.lax.scan(layer, x_BLD, (comms.layer_inputs(stacked), dots),
-                                unroll=unroll or not cfg.scan_layers)
+    if turns.prefetch and chunks is not None and not unroll and cfg.scan_layers:
+      x_BLD, stats = layer_prefetch.scan(
+          block, stored, dots, x_BLD, positions, turns, remat, cfg,
+          lambda w: comms.gather_layer(w, dt, depth), chunks)
+    else:
+      x_BLD, stats = jax.lax.scan(layer, x_BLD, (stored, dots),
+                                  unroll=unroll or not cfg.scan_layers)
   if not with_stats:
     return x_BLD
   return x_BLD, jax.tree.map(lambda v: jnp.mean(v, axis=0), stats)

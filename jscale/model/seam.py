@@ -101,6 +101,13 @@ class Seam:
     del depth
     return self.gather_params(layer, dtype)
 
+  def layer_chunks(self, layer: Any, dtype: Any, chunks: int) -> Any:
+    """ZeRO-3's `gather_layer` of one slice of `layer_inputs` in `chunks` pieces
+    (`jscale.parallel.zero_prefetch.Chunked`), where the layout gathers layers by hand;
+    None elsewhere."""
+    del layer, dtype, chunks
+    return None
+
   # ---------------------------------------------------------------- attention (CP)
 
   def attention(self, q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,

@@ -39,6 +39,7 @@ from jscale.optim import global_norm, sumsq
 from jscale.parallel import major
 from jscale.parallel.buckets import Plan, reduce_buckets
 from jscale.parallel.comms import Comms
+from jscale.parallel.zero_prefetch import Chunked
 from jscale.sharding import Layouts, add_fsdp, spec, spec_axes
 
 _POST = 1 << 30  # forward position of leaves after the layer stack (final norm, head)
@@ -402,6 +403,14 @@ class ManualZero:
     if not major.pays(depth, self.fsdp):
       return self.gather_params(layer, dtype)
     return self._gather(layer, dtype, lambda x, dim: major.all_gather(x, "fsdp", dim))
+
+  def layer_chunks(self, layer: Any, dtype: Any, chunks: int) -> Chunked | None:
+    if self.zero < 3 or self.fsdp == 1 or self.stored is not None:
+      return None
+    names = lambda v: tuple(n for n in v.get_metadata()["out_sharding"] if n != "layers")
+    dims = tuple(self.dim_by_names[names(v)] for v in jax.tree.leaves(
+        layer, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    return Chunked(dims, dtype, chunks, "fsdp", self.fsdp)
 
   def grad_target(self, params: Any) -> tuple[Any, Any]:
     if not self._zero2():

@@ -119,6 +119,41 @@ def test_scattered_each_trip_reduces_each_layer_once_per_trip():
   assert each["reduce-scatter"] == one["reduce-scatter"] + 3 * 4 * per_layer, (each, one)
 
 
+def test_prefetch_gathers_each_layer_in_the_trips_of_the_layer_after():
+  """`parallel.prefetch_layers`: the backward gathers each layer in one chunk a trip (4 here)
+  of the loop of the layer after it (`jscale.model.layer_prefetch`), one all-gather a chunk
+  for all its weights instead of one per weight, and the top layer's weights as before, once;
+  the forward's gathers and the reduce-scatters do not change."""
+  each = _fsdp_collectives("train.microbatches=4", "train.accumulate=layer", EACH_TRIP)
+  got = _fsdp_collectives("train.microbatches=4", "train.accumulate=layer", EACH_TRIP,
+                          "parallel.prefetch_layers=true")
+  one = _fsdp_collectives("train.microbatches=1")
+  weights = (_fsdp_collectives("train.microbatches=1", "model.n_layers=5")["all-gather"]
+             - one["all-gather"]) // 2  # a layer's split weights (gathered twice a step)
+  assert weights > 1
+  layers = 4
+  assert got["all-gather"] == each["all-gather"] - (layers - 1) * weights + layers * 4, (
+      got, each, weights)
+  assert got["reduce-scatter"] == each["reduce-scatter"], (got, each)
+
+
+PREFETCH_671B_LIKE = ("mesh.data=1", "mesh.fsdp=2", "mesh.expert=4", "parallel.zero_stage=3",
+                      "parallel.collectives=manual", "model.moe.exchange=node_limited",
+                      "parallel.overlap_microbatches=2", "parallel.overlap_skew=true",
+                      "train.accumulate=layer", EACH_TRIP, "parallel.prefetch_layers=true")
+
+
+def test_prefetched_backward_trains_as_one_device():
+  """The layer scan's backward by hand (`parallel.prefetch_layers`) on the 671B's layout in
+  small (ZeRO-3 x EP, node-limited, 4 micro-batches two side by side and skewed, layer inputs
+  on the host): two steps' loss and gradient norm against one device."""
+  numerics = (*deepseek_case.DS, "train.microbatches=4", "train.batch_size=32",
+              "train.remat=full_offload")
+  want = parity.reference(*numerics)[:2]
+  got = parity.losses((*PREFETCH_671B_LIKE, *numerics), jax.devices(), steps=2)
+  np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
 def test_scattered_each_trip_keeps_each_weights_reduce_scatter_apart():
   """The launcher's reduce-scatter combine threshold under `parallel.scatter_each_trip`: 8 MiB,
   so each weight's reduce-scatter starts as its gradient is ready inside the trip (at 128 MiB

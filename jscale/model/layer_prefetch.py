@@ -1,0 +1,159 @@
+"""The layer scan's backward by hand, each layer's weights gathered inside the micro-batch loop
+of the layer after it (`parallel.prefetch_layers`, with `parallel.scatter_each_trip`).
+
+Why: under manual ZeRO-3 with the micro-batches inside each layer (`layer_microbatches`), the
+backward gathers layer i's weights before its micro-batch loop and XLA:GPU waits for that
+gather whole: it keeps no collective in flight across a loop that holds collectives, and the
+loop before it is layer i+1's (DeepSeek-V3 671B on 1,024 H100s: 780 MiB a layer, ~26 ms,
+~1.4 s a step, predicted). JAX's transposed scan gives no place to start it earlier; a
+forward-carried prefetch would be saved per layer by the remat. So the layer is one custom
+VJP, and its backward is written here:
+
+    forward (as without):   W_i = gather(w_i);  y_i = f(W_i, x_i)  over the micro-batches
+    backward, layer i:      W_i = what layer i+1's backward gathered
+                            for each trip t (reversed):  recompute and vjp of trip t at W_i,
+                                dw_i += scatter(dW_i,t)   (`layer_microbatches.scatter`)
+                                chunk t of gather(w_(i-1))  (`zero_prefetch.Chunked`)
+                            hand the gathered W_(i-1) on
+
+The gathered layer travels from one layer's backward to the next as the cotangent of a carry
+`c` the forward scan passes through unchanged (zeros): the scan's transpose carries it from
+iteration i to i-1 as any carry's cotangent. The top layer's comes from `_seeded` after the
+scan (a gather there, exposed, once a step); layer 0 fetches itself once more, unused.
+What it costs: one more gathered layer in memory (the one in flight), and a trip's recompute
+keeps what JAX's vjp keeps (the remat policy's per-trip checkpoint is the trip itself here).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jscale.config import ModelConfig
+from jscale.model import layer_microbatches as lm
+from jscale.model import remat as remat_lib
+from jscale.parallel.zero_prefetch import Chunked
+
+
+def _no_grad(tree: Any) -> Any:
+  """Zero cotangents for `tree` (float0 for its integer leaves)."""
+  return jax.tree.map(lambda a: jnp.zeros_like(a) if jnp.issubdtype(a.dtype, jnp.inexact)
+                      else np.zeros(a.shape, jax.dtypes.float0), tree)
+
+
+def _backward(trip_fn: Callable, w: Any, batch: Any, turns: lm.Turns, gather: Callable,
+              stored: Any, prev: Any, chunks: Chunked, cts: tuple) -> tuple[Any, Any, Any]:
+  """Layer i's backward on its gathered weights `w` (module docstring), `batch` its input in
+  trips ([r, k, ...] leaves, `lm.trips`): (dw on `stored`, in its dtype; dx; the [r, N, c]
+  chunks of `prev`'s gather)."""
+  ct_y, ct_stats = cts
+
+  def trip(carry, inputs):
+    dw, got = carry
+    t, (x_k, pos_k), ct_k = inputs
+    (_, stats), vjp = jax.vjp(lambda w, x: trip_fn(w, (x, pos_k)), w, x_k)
+    # The stats are the mean over the n micro-batches: each one's share of the cotangent.
+    ct_s = jax.tree.map(lambda s, c: jnp.broadcast_to(c / turns.n, s.shape).astype(s.dtype),
+                        stats, ct_stats)
+    dw_t, dx_k = vjp((ct_k, ct_s))
+    dw = jax.tree.map(jnp.add, dw, lm.scatter(gather, stored, dw_t))
+    return (dw, chunks.fetch(got, prev, t)), dx_k
+
+  init = (jax.tree.map(jnp.zeros_like, stored), chunks.empty(prev))
+  (dw, got), dx = jax.lax.scan(trip, init, (jnp.arange(turns.trips), batch,
+                                            lm.trips(ct_y, turns)),
+                               reverse=True, unroll=turns.unroll)
+  return dw, lm.merge(dx.reshape(turns.n, *dx.shape[2:])), got
+
+
+def _forward(trip_fn: Callable, w: Any, batch: Any, turns: lm.Turns) -> tuple[Any, Any]:
+  """The layer's forward on its gathered weights, as `lm.over_microbatches` runs it: (y, the
+  stats averaged over the micro-batches)."""
+  _, (ys, stats) = jax.lax.scan(lambda _, part: (None, trip_fn(w, part)), None, batch,
+                                unroll=turns.unroll)
+  ys, stats = jax.tree.map(lambda a: a.reshape(turns.n, *a.shape[2:]), (ys, stats))
+  return lm.merge(ys), jax.tree.map(lambda s: jnp.mean(s, axis=0), stats)
+
+
+def _layer_op(trip_fn: Callable, turns: lm.Turns, gather: Callable, chunks: Chunked
+              ) -> Callable:
+  """(c, x, positions, stored_i, stack, i, consts) -> (c, y, stats): layer i on its stored
+  shards, the gathered layer i-1 leaving its backward as the cotangent of `c`; `stack`: every
+  layer's stored shards (no gradient: `prev` is read from it); `trip_fn(w, part, *consts)`
+  one trip's k micro-batches (closure-converted: a custom VJP closes over no tracer)."""
+
+  @jax.custom_vjp
+  def op(c, x, positions, stored, stack, i, consts):
+    del stack, i
+    batch = lm.trips((x, positions), turns)
+    return (c, *_forward(lambda w, part: trip_fn(w, part, *consts), gather(stored), batch,
+                         turns))
+
+  def fwd(c, x, positions, stored, stack, i, consts):
+    out = op(c, x, positions, stored, stack, i, consts)
+    return out, (x, positions, stored, stack, i, consts)
+
+  def bwd(res, cts):
+    x, positions, stored, stack, i, consts = res
+    w, ct_y, ct_stats = cts
+    prev = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(
+        a, jnp.maximum(i - 1, 0), 0, keepdims=False), stack)
+    dw, dx, got = _backward(lambda w, part: trip_fn(w, part, *consts), w,
+                            lm.trips((x, positions), turns), turns, gather, stored, prev,
+                            chunks, (ct_y, ct_stats))
+    return (chunks.assemble(got, prev), dx, _no_grad(positions), dw, _no_grad(stack),
+            _no_grad(i), _no_grad(consts))
+
+  op.defvjp(fwd, bwd)
+  return op
+
+
+def _seeded(gather: Callable, top: Any) -> Callable:
+  """x -> x whose backward hands the top layer's gathered weights (`gather(top)`) to the
+  layer scan's carry as its cotangent (the top layer has no layer after it to prefetch them)."""
+  @jax.custom_vjp
+  def seed(x, c, top):
+    del c, top
+    return x
+
+  seed.defvjp(lambda x, c, top: (x, top),
+              lambda top, g: (g, jax.tree.map(lambda a: a, gather(top)), _no_grad(top)))
+  return seed
+
+
+def scan(fn: Callable, stacked: Any, dots: Any, x_BLD, positions, turns: lm.Turns, remat: str,
+         cfg: ModelConfig, gather: Callable, chunks: Chunked) -> tuple[jax.Array, Any]:
+  """`run_layers`' layer scan with the backward's gathers prefetched (module docstring):
+  `fn(weights, dots, part)` -> a layer's phases, `stacked` the stored shards [L, ...] (`dots`
+  scanned beside them), `gather` one layer's ZeRO-3 gather, `chunks` it in the loop's trips.
+  Returns (x after the layers, each layer's stats [L, ...])."""
+  depth = jax.tree.leaves(stacked)[0].shape[0]
+  stack = jax.lax.stop_gradient(stacked)
+  first = jax.tree.map(lambda a: a[0], stacked)
+  shape = jax.eval_shape(lambda s: chunks.assemble(chunks.empty(s), s), first)
+  c0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shape)
+  batch0 = jax.tree.map(lambda a: a[0], lm.trips((x_BLD, positions), turns))
+  dots0 = jax.tree.map(lambda a: a[0], dots)
+  trip_fn, consts = jax.closure_convert(
+      lambda w, d, part: lm.side_by_side(lambda w_, p: fn(w_, d, p), w, part), c0, dots0,
+      batch0)
+  op = _layer_op(lambda w, part, d, *cs: trip_fn(w, d, part, *cs), turns, gather, chunks)
+  # The layer's own checkpoint keeps its input alone (on the host under full_offload); the
+  # custom VJP's other residuals are its inputs.
+  layer = remat_lib.checkpointed(
+      lambda c, x, s, i, d: op(c, remat_lib.layer_input(x, remat), positions, s, stack, i,
+                               (d, *consts)),
+      "full_offload" if remat == "full_offload" else "full", cfg)
+
+  def body(carry, inputs):
+    c, x = carry
+    i, stored, dot = inputs
+    c, x, stats = layer(c, x, stored, i, dot)
+    return (c, x), stats
+
+  (c, x_BLD), stats = jax.lax.scan(body, (c0, x_BLD), (jnp.arange(depth), stacked, dots))
+  top = jax.tree.map(lambda a: a[depth - 1], stack)
+  return _seeded(gather, top)(x_BLD, c, top), stats
