@@ -6,7 +6,9 @@ node-limited exchanges on 8 simulated devices equal one device on the rows round
 re-encodes hop 1's rows exactly), gradients passing straight through; with the experts' FP8
 products scaled per row the tiny DeepSeek trains under node-limited EP as one device (the
 dispatch adds no rounding); XLA:GPU's H100 program sends u8 rows of D + 4 bytes forward and
-compute-dtype rows back, and `jscale.predict` prices their bytes."""
+compute-dtype rows back, and `jscale.predict` prices their bytes. With
+`model.moe.combine_dtype: e4m3` the outputs come back rounded per row and hop, and the H100
+program's only bf16 rows are the inputs' gradients."""
 
 import functools
 
@@ -116,18 +118,25 @@ def _grad_rounded(y):
 _grad_rounded.defvjp(lambda y: (y, None), lambda _, g: (WIRE.decode(WIRE.encode(g)),))
 
 
-@pytest.mark.parametrize("name, n_group, topk_group", [
-    ("flat", 2, 1), ("node_limited", 2, 1), ("node_limited", 4, 2)])
-def test_fp8_dispatch_equals_one_device_on_the_rounded_rows(name, n_group, topk_group):
-  x, ids, gates, w = _inputs(n_group, topk_group)
-  ref = lambda x, gates, w: (jnp.sum(jnp.sin(y := md.dropless(
-      _rounded(x), ids, gates, w, jnp.float32)) * 3), y)
+def _matches_one_device(one_device, exchange, x, ids, gates, w):
+  """(y, grads) of `exchange` on 8 devices, checked against `one_device(x, ids, gates, w)`
+  (values and gradients wrt x, gates and w, under the same loss)."""
+  ref = lambda x, gates, w: (jnp.sum(jnp.sin(y := one_device(x, ids, gates, w)) * 3), y)
   (_, want_y), want_g = jax.value_and_grad(ref, (0, 1, 2), has_aux=True)(x, gates, w)
-  exchange = _flat() if name == "flat" else _node_limited(n_group, topk_group)
   y, g = _step(exchange, jax.devices()[:N])(x, ids, gates, w)
   np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
   for got, want in zip(jax.tree.leaves(g), jax.tree.leaves(want_g)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+  return y, g
+
+
+@pytest.mark.parametrize("name, n_group, topk_group", [
+    ("flat", 2, 1), ("node_limited", 2, 1), ("node_limited", 4, 2)])
+def test_fp8_dispatch_equals_one_device_on_the_rounded_rows(name, n_group, topk_group):
+  x, ids, gates, w = _inputs(n_group, topk_group)
+  y, _ = _matches_one_device(
+      lambda x, ids, gates, w: md.dropless(_rounded(x), ids, gates, w, jnp.float32),
+      _flat() if name == "flat" else _node_limited(n_group, topk_group), x, ids, gates, w)
   # ... and the rounding is there: the unrounded rows give other values.
   assert not np.allclose(y, md.dropless(x, ids, gates, w, jnp.float32), rtol=1e-3)
 
@@ -150,15 +159,10 @@ def test_fp8_output_gradients_equal_one_device_rounding_them_before_the_experts(
   projection in FP8): the backward's rows to the experts are rounded per row, once per hop."""
   x, ids, gates, w = _inputs(n_group, topk_group)
   hops = 1 if name == "flat" else 2
-  ref = lambda x, gates, w: (jnp.sum(jnp.sin(
-      y := _experts_with_rounded_grads(x, ids, gates, w, hops)) * 3), y)
-  (_, want_y), want_g = jax.value_and_grad(ref, (0, 1, 2), has_aux=True)(x, gates, w)
-  exchange = (_flat(grads=True) if name == "flat"
-              else _node_limited(n_group, topk_group, grads=True))
-  y, g = _step(exchange, jax.devices()[:N])(x, ids, gates, w)
-  np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
-  for got, want in zip(jax.tree.leaves(g), jax.tree.leaves(want_g)):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+  _, g = _matches_one_device(
+      lambda x, ids, gates, w: _experts_with_rounded_grads(x, ids, gates, w, hops),
+      _flat(grads=True) if name == "flat" else _node_limited(n_group, topk_group, grads=True),
+      x, ids, gates, w)
   # ... and the gradient is rounded: straight through gives another.
   _, exact = _step(_flat() if name == "flat" else _node_limited(n_group, topk_group),
                    jax.devices()[:N])(x, ids, gates, w)
@@ -187,15 +191,10 @@ def test_fp8_combine_equals_one_device_rounding_the_outputs_on_each_hop(
   per hop (hop 1 carries each group's gated sum), their gradients straight through."""
   x, ids, gates, w = _inputs(n_group, topk_group)
   groups = None if name == "flat" else n_group
-  ref = lambda x, gates, w: (jnp.sum(jnp.sin(
-      y := _experts_with_rounded_outputs(x, ids, gates, w, groups)) * 3), y)
-  (_, want_y), want_g = jax.value_and_grad(ref, (0, 1, 2), has_aux=True)(x, gates, w)
-  exchange = (_flat(back=True) if name == "flat"
-              else _node_limited(n_group, topk_group, back=True))
-  y, g = _step(exchange, jax.devices()[:N])(x, ids, gates, w)
-  np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
-  for got, want in zip(jax.tree.leaves(g), jax.tree.leaves(want_g)):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+  y, _ = _matches_one_device(
+      lambda x, ids, gates, w: _experts_with_rounded_outputs(x, ids, gates, w, groups),
+      _flat(back=True) if name == "flat" else _node_limited(n_group, topk_group, back=True),
+      x, ids, gates, w)
   # ... and the outputs are rounded: the compute-dtype combine gives other values.
   exact = _step(_flat() if name == "flat" else _node_limited(n_group, topk_group),
                 jax.devices()[:N])(x, ids, gates, w)[0]
