@@ -83,7 +83,9 @@ def _layer_op(trip_fn: Callable, turns: lm.Turns, gather: Callable, chunks: Chun
   """(c, x, positions, stored_i, stack, i, consts) -> (c, y, stats): layer i on its stored
   shards, the gathered layer i-1 leaving its backward as the cotangent of `c`; `stack`: every
   layer's stored shards (no gradient: `prev` is read from it); `trip_fn(w, part, *consts)`
-  one trip's k micro-batches (closure-converted: a custom VJP closes over no tracer)."""
+  one trip's k micro-batches (closure-converted: a custom VJP closes over no tracer). The
+  consts get no gradient: `run_layers`' block closes over none that needs one (the rotary
+  frequencies, the FP8 dot state)."""
 
   @jax.custom_vjp
   def op(c, x, positions, stored, stack, i, consts):
@@ -120,7 +122,7 @@ def _seeded(gather: Callable, top: Any) -> Callable:
     return x
 
   seed.defvjp(lambda x, c, top: (x, top),
-              lambda top, g: (g, jax.tree.map(lambda a: a, gather(top)), _no_grad(top)))
+              lambda top, g: (g, gather(top), _no_grad(top)))
   return seed
 
 
