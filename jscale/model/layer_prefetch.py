@@ -13,7 +13,7 @@ VJP, and its backward is written here:
     backward, layer i:      W_i = what layer i+1's backward gathered
                             for each trip t (reversed):  recompute and vjp of trip t at W_i,
                                 dw_i += scatter(dW_i,t)   (`layer_microbatches.scatter`)
-                                chunk t of gather(w_(i-1))  (`zero_prefetch.Chunked`)
+                                chunk t of gather(w_(i-1))  (`seam.LayerChunks`)
                             hand the gathered W_(i-1) on
 
 The gathered layer travels from one layer's backward to the next as the cotangent of a carry
@@ -35,7 +35,7 @@ import numpy as np
 from jscale.config import ModelConfig
 from jscale.model import layer_microbatches as lm
 from jscale.model import remat as remat_lib
-from jscale.parallel.zero_prefetch import Chunked
+from jscale.model.seam import LayerChunks
 
 
 def _no_grad(tree: Any) -> Any:
@@ -45,7 +45,7 @@ def _no_grad(tree: Any) -> Any:
 
 
 def _backward(trip_fn: Callable, w: Any, batch: Any, turns: lm.Turns, gather: Callable,
-              stored: Any, prev: Any, chunks: Chunked, cts: tuple) -> tuple[Any, Any, Any]:
+              stored: Any, prev: Any, chunks: LayerChunks, cts: tuple) -> tuple[Any, Any, Any]:
   """Layer i's backward on its gathered weights `w` (module docstring), `batch` its input in
   trips ([r, k, ...] leaves, `lm.trips`): (dw on `stored`, in its dtype; dx; the [r, N, c]
   chunks of `prev`'s gather)."""
@@ -78,7 +78,7 @@ def _forward(trip_fn: Callable, w: Any, batch: Any, turns: lm.Turns) -> tuple[An
   return lm.merge(ys), jax.tree.map(lambda s: jnp.mean(s, axis=0), stats)
 
 
-def _layer_op(trip_fn: Callable, turns: lm.Turns, gather: Callable, chunks: Chunked
+def _layer_op(trip_fn: Callable, turns: lm.Turns, gather: Callable, chunks: LayerChunks
               ) -> Callable:
   """(c, x, positions, stored_i, stack, i, consts) -> (c, y, stats): layer i on its stored
   shards, the gathered layer i-1 leaving its backward as the cotangent of `c`; `stack`: every
@@ -127,7 +127,7 @@ def _seeded(gather: Callable, top: Any) -> Callable:
 
 
 def scan(fn: Callable, stacked: Any, dots: Any, x_BLD, positions, turns: lm.Turns, remat: str,
-         cfg: ModelConfig, gather: Callable, chunks: Chunked) -> tuple[jax.Array, Any]:
+         cfg: ModelConfig, gather: Callable, chunks: LayerChunks) -> tuple[jax.Array, Any]:
   """`run_layers`' layer scan with the backward's gathers prefetched (module docstring):
   `fn(weights, dots, part)` -> a layer's phases, `stacked` the stored shards [L, ...] (`dots`
   scanned beside them), `gather` one layer's ZeRO-3 gather, `chunks` it in the loop's trips.

@@ -13,7 +13,7 @@ shards. The train step's own operations (gradients, optimizer, program) are a se
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,24 @@ class EntersTensorParallel:
   """Marks a block module that enters and leaves the tensor-parallel region itself, through
   `Seam.tp_column` / `Seam.tp_row` (so a layout may fuse the collectives with its matmuls):
   `Block` hands it the normed input and takes its output as reduced."""
+
+
+class LayerChunks(Protocol):
+  """One layer's ZeRO-3 gather in pieces, a piece per trip of another layer's loop (the
+  backward's prefetch, `jscale.model.layer_prefetch`); `layer` is its stored shards.
+  Implemented by the layout that gathers layers by hand (`jscale.parallel.zero_prefetch`)."""
+
+  def empty(self, layer: Any) -> jax.Array:
+    """The buffer the trips fill, before any piece is gathered."""
+    ...
+
+  def fetch(self, got: jax.Array, layer: Any, t: jax.Array) -> jax.Array:
+    """`got` with piece `t` of `layer` gathered into it."""
+    ...
+
+  def assemble(self, got: jax.Array, layer: Any) -> Any:
+    """The gathered layer from every piece."""
+    ...
 
 
 class Seam:
@@ -101,10 +119,9 @@ class Seam:
     del depth
     return self.gather_params(layer, dtype)
 
-  def layer_chunks(self, layer: Any, dtype: Any, chunks: int) -> Any:
-    """ZeRO-3's `gather_layer` of one slice of `layer_inputs` in `chunks` pieces
-    (`jscale.parallel.zero_prefetch.Chunked`), where the layout gathers layers by hand;
-    None elsewhere."""
+  def layer_chunks(self, layer: Any, dtype: Any, chunks: int) -> LayerChunks | None:
+    """ZeRO-3's `gather_layer` of one slice of `layer_inputs` in `chunks` pieces, where the
+    layout gathers layers by hand; None elsewhere."""
     del layer, dtype, chunks
     return None
 
