@@ -256,8 +256,9 @@ class ParallelConfig:
   scatter_each_trip: bool = False
   # with parallel.scatter_each_trip: the backward gathers the layer before each layer inside
   # that layer's micro-batch loop, a chunk a trip, where XLA:GPU runs it beside the trip's
-  # compute (a gather before the loop waits whole); one more gathered layer in memory
-  # (jscale.model.layer_prefetch)
+  # compute (a gather before the loop waits whole), and with parallel.overlap_skew the
+  # forward the layer after, beside each trip's first phase; one more gathered layer in
+  # memory (jscale.model.layer_prefetch)
   prefetch_layers: bool = False
   # What XLA:GPU's latency-hiding scheduler takes each kernel to cost: default (its own
   # approximate model) | predicted (jscale.predict's times for this step on this GPU; the step

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jscale.model import matmul
+from jscale.model.zeros import zero_from
 
 
 def tile_rows(rows: int, n_experts: int) -> int:
@@ -36,7 +37,7 @@ def gather_rows(x_AK, src_P, valid_P, back_A, back_valid_A):
   """[P, K]: row src_P[p] of x where valid_P[p], else zero. (back_A, back_valid_A) is the
   inverse map (row a of x sits at back_A[a] when back_valid_A[a]), so the transpose is the
   gather g[back_A] instead of a scatter-add."""
-  return jnp.where(valid_P[:, None], x_AK[src_P], 0).astype(x_AK.dtype)
+  return jnp.where(valid_P[:, None], x_AK[src_P], zero_from(src_P, x_AK.dtype))
 
 
 def _gather_rows_fwd(x, src, valid, back, back_valid):
@@ -46,7 +47,7 @@ def _gather_rows_fwd(x, src, valid, back, back_valid):
 def _gather_rows_bwd(res, g_PK):
   src, valid, back, back_valid = res
   zero = lambda i: np.zeros(i.shape, jax.dtypes.float0)
-  g_AK = jnp.where(back_valid[:, None], g_PK[back], 0).astype(g_PK.dtype)
+  g_AK = jnp.where(back_valid[:, None], g_PK[back], zero_from(back, g_PK.dtype))
   return g_AK, zero(src), zero(valid), zero(back), zero(back_valid)
 
 

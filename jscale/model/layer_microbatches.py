@@ -164,13 +164,20 @@ def over_microbatches(fn: Callable, weights: Any, batch: Any, turns: Turns, rema
   return merge(ys), jax.tree.map(lambda s: jnp.mean(s, axis=0), stats)
 
 
-def side_by_side(fn: Callable, weights: Any, parts: Any) -> Any:
+def side_by_side(fn: Callable, weights: Any, parts: Any,
+                 extra: Callable[[], Any] | None = None) -> Any:
   """`fn`'s results on the k micro-batches of `parts` ([k, ...] leaves), stacked: one alone
-  runs its phases through; more run skewed (`phases.skewed`)."""
+  runs its phases through; more run skewed (`phases.skewed`). With `extra`: (those, `extra()`
+  run beside the first micro-batch's first phase, `phases.alongside`)."""
   k = jax.tree.leaves(parts)[0].shape[0]
   each = [fn(weights, jax.tree.map(lambda a: a[i], parts)) for i in range(k)]
+  if extra is not None:
+    each[0] = phases.alongside(each[0], extra)
   outs = [phases.run(each[0])] if k == 1 else phases.skewed(each)
-  return jax.tree.map(lambda *o: jnp.stack(o), *outs)
+  if extra is not None:
+    outs[0], got = outs[0]
+  stacked = jax.tree.map(lambda *o: jnp.stack(o), *outs)
+  return stacked if extra is None else (stacked, got)
 
 
 def outer(layer: Callable, remat: str, m: int, cfg: ModelConfig) -> Callable:

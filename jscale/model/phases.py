@@ -29,7 +29,7 @@ and their values must share one trace), nor inside a context manager.
 
 from __future__ import annotations
 
-from typing import Any, Generator, Sequence, TypeVar
+from typing import Any, Callable, Generator, Sequence, TypeVar
 
 import jax
 
@@ -51,6 +51,32 @@ def finished(value: T) -> Phases[T]:
   """Phases with no boundary: `value`, at once (a seam or layer that does not split)."""
   return value
   yield  # unreachable: makes this a generator
+
+
+def alongside(phases: Phases[T], extra: Callable[[], Any]) -> Phases[tuple[T, Any]]:
+  """`phases`, with `extra()` run in the window of its first phase: issued after the barrier
+  its inputs pass, its value tied into the barrier its first phase's result passes (`skewed`:
+  micro-batch 0's first phase runs alone there, e.g. a transfer beside its attention with no
+  exchange of another in flight). Returns (`phases`' value, `extra()`'s)."""
+  state = yield next(phases)
+  got = extra()
+  try:
+    state = phases.send(state)
+  except StopIteration as stop:
+    return stop.value, got
+  state, got = yield state, got
+  value = yield from run_on(phases, state)
+  return value, got
+
+
+def run_on(phases: Phases[T], state: Any) -> Phases[T]:
+  """`phases` (started) from `state`, each later boundary yielded to the caller as it is."""
+  while True:
+    try:
+      state = phases.send(state)
+    except StopIteration as stop:
+      return stop.value
+    state = yield state
 
 
 def skewed(all_phases: Sequence[Phases[T]]) -> list[T]:

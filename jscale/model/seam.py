@@ -48,6 +48,10 @@ class LayerChunks(Protocol):
     """`got` with piece `t` of `layer` gathered into it."""
     ...
 
+  def whole(self, layer: Any) -> jax.Array:
+    """`empty` with every piece of `layer` gathered into it, at once."""
+    ...
+
   def assemble(self, got: jax.Array, layer: Any) -> Any:
     """The gathered layer from every piece."""
     ...

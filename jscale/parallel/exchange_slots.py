@@ -33,6 +33,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jscale.model import moe_dispatch as md
+from jscale.model.zeros import zero_from
 
 
 class Slots(NamedTuple):
@@ -81,7 +82,7 @@ def tokens(s: md.Sorted, slots: Slots) -> jax.Array:
 
 @jax.custom_vjp
 def _gather_rows(x_TD, token_S, real_S, slot_TK):
-  return jnp.where(real_S[:, None], x_TD[token_S], 0).astype(x_TD.dtype)
+  return jnp.where(real_S[:, None], x_TD[token_S], zero_from(token_S, x_TD.dtype))
 
 
 def _gather_rows_fwd(x_TD, token_S, real_S, slot_TK):
@@ -92,7 +93,8 @@ def _gather_rows_bwd(res, g_SD):
   token_S, real_S, slot_TK = res
   # Each token's rows went to its sent slots: their cotangents summed over K, in fp32.
   sent_TK = slot_TK < g_SD.shape[0]
-  g_TKD = jnp.where(sent_TK[..., None], g_SD[jnp.minimum(slot_TK, g_SD.shape[0] - 1)], 0)
+  g_TKD = jnp.where(sent_TK[..., None], g_SD[jnp.minimum(slot_TK, g_SD.shape[0] - 1)],
+                    zero_from(slot_TK, g_SD.dtype))
   dx_TD = jnp.sum(g_TKD.astype(jnp.float32), axis=1).astype(g_SD.dtype)
   return dx_TD, *(np.zeros(r.shape, jax.dtypes.float0) for r in res)
 
@@ -110,7 +112,7 @@ def dispatch(x_TD: jax.Array, s: md.Sorted, slots: Slots) -> jax.Array:
 def _gated_sum(back_SD, gate_TK, slot_TK, assignment_S, real_S):
   sent_TK = slot_TK < back_SD.shape[0]
   rows_TKD = jnp.where(sent_TK[..., None], back_SD[jnp.minimum(slot_TK, back_SD.shape[0] - 1)],
-                       0)
+                       zero_from(slot_TK, back_SD.dtype))
   y_TD = jnp.sum(rows_TKD.astype(jnp.float32) * gate_TK[..., None], axis=1)
   return y_TD.astype(back_SD.dtype)
 
@@ -126,7 +128,8 @@ def _gated_sum_bwd(res, dy_TD):
   dy32_TD = dy_TD.astype(jnp.float32)
   # d back[s] = gate(a) · dy[t(a)] for the assignment a in slot s: a gather, not a scatter.
   gate_S = gate_TK.reshape(-1)[assignment_S]
-  dback_SD = jnp.where(real_S[:, None], gate_S[:, None] * dy32_TD[assignment_S // k], 0)
+  dback_SD = jnp.where(real_S[:, None], gate_S[:, None] * dy32_TD[assignment_S // k],
+                       zero_from(assignment_S, jnp.float32))
   sent_TK = slot_TK < back_SD.shape[0]
   rows_TKD = back_SD[jnp.minimum(slot_TK, back_SD.shape[0] - 1)].astype(jnp.float32)
   # (a product and a sum, as autodiff makes of the forward's: no fp32 dot_general)

@@ -55,6 +55,7 @@ from jscale.model import moe_dispatch as md
 from jscale.model import phases
 from jscale.model.moe_gemm import GroupedDot
 from jscale.model.phases import Phases
+from jscale.model.zeros import zero_from
 from jscale.parallel import exchange_slots as slots_lib
 
 
@@ -137,7 +138,8 @@ def padded_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
   src_NR = jnp.minimum(input_offsets[:, None] + i_R, operand.shape[0] - 1)
   valid_NR = (i_R < send_sizes[:, None]).reshape(send_sizes.shape + (rows,) + (1,) * (
       operand.ndim - 1))
-  got_NR = peers.all_to_all(jnp.where(valid_NR, operand[src_NR], 0))
+  got_NR = peers.all_to_all(jnp.where(valid_NR, operand[src_NR],
+                                      zero_from(src_NR, operand.dtype)))
   # Where each source's rows go; named so `remat: selective` keeps it, not exchanging it again.
   at_N = checkpoint_name(peers.all_to_all(output_offsets), "moe_counts")
   dest_NR = jnp.where(i_R < recv_sizes[:, None], at_N[:, None] + i_R, output.shape[0])
@@ -151,8 +153,7 @@ def landing_zeros(shape, dtype, sizes_N: jax.Array) -> jax.Array:
   its start (horizontal fusion), so every layer's receive buffers were allocated from there
   to their use: on DeepSeek-V3 at 1,024 H100s, 10 buffers of 2.2 GiB. Made from the sizes, a
   buffer is made when its exchange's sizes are known."""
-  zero = jnp.minimum(jax.lax.stop_gradient(sizes_N[0]), 0).astype(dtype)
-  return jnp.broadcast_to(zero, shape)
+  return jnp.broadcast_to(zero_from(sizes_N, dtype), shape)
 
 
 def _encoded(bind: Callable, wire: Wire | None) -> Callable:
@@ -189,7 +190,8 @@ def _transposed(bind: Callable, peers: Peers, shape, dtype, wire: Wire | None,
         landed_N + recv_sizes].add(-1)
     received = (jnp.cumsum(edges)[:-1] > 0).reshape((-1,) + (1,) * (g.ndim - 1))
     no_grad = lambda x: np.zeros(x.shape, jax.dtypes.float0)
-    return (operand_g, jnp.where(received, 0, g), *map(no_grad, res))
+    return (operand_g, jnp.where(received, zero_from(recv_sizes, g.dtype), g),
+            *map(no_grad, res))
 
   exchange.defvjp(fwd, bwd)
   return exchange

@@ -58,6 +58,10 @@ class Chunked:
                                                                keepdims=False), self.axis)
     return jax.lax.dynamic_update_index_in_dim(got_RNC, chunk_NC, t, 0)
 
+  def whole(self, layer: Any) -> jax.Array:
+    """Every chunk of `layer` gathered at once (one all-gather), as the trips would fill them."""
+    return jax.lax.all_gather(self._flat_RC(layer), self.axis).swapaxes(0, 1)
+
   def assemble(self, got_RNC: jax.Array, layer: Any) -> Any:
     """The gathered layer from every chunk (`layer`: its stored shards, for the shapes and the
     leaves not split)."""

@@ -63,3 +63,26 @@ def test_a_micro_batch_without_boundaries_mixes_in():
   out = phases.skewed([phases.finished(jnp.float32(7)), _layer(w, x)])
   np.testing.assert_allclose(out[0], 7)
   np.testing.assert_allclose(out[1], _layer_value(w, x), rtol=1e-6)
+
+
+def test_alongside_ties_the_extra_into_the_first_phase_window():
+  """`alongside`: the extra runs after the barrier the first micro-batch's input passes and
+  its value passes the next barrier with that micro-batch's first phase (the second's input
+  beside them): the window where micro-batch 0's first phase runs alone. The values are those
+  of each alone."""
+  w, xs = jnp.eye(4), [jnp.ones((2, 4)), 2 * jnp.ones((2, 4))]
+
+  def fn(w, xs):
+    first, rest = phases.alongside(_layer(w, xs[0]), lambda: jnp.sin(w)), _layer(w, xs[1])
+    (a, extra), b = phases.skewed([first, rest])
+    return a + b, extra
+
+  eqns = jax.make_jaxpr(fn)(w, xs).jaxpr.eqns
+  barriers = [e for e in eqns if e.primitive.name == "optimization_barrier"]
+  assert [len(e.invars) for e in barriers] == [1, 3, 2, 1]
+  sin = next(e for e in eqns if e.primitive.name == "sin")
+  assert eqns.index(barriers[0]) < eqns.index(sin) < eqns.index(barriers[1])
+  assert sin.outvars[0] in barriers[1].invars
+  value, extra = fn(w, xs)
+  np.testing.assert_allclose(value, _alone(w, xs), rtol=1e-6)
+  np.testing.assert_allclose(extra, jnp.sin(w))

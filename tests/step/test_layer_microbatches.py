@@ -122,8 +122,9 @@ def test_scattered_each_trip_reduces_each_layer_once_per_trip():
 def test_prefetch_gathers_each_layer_in_the_trips_of_the_layer_after():
   """`parallel.prefetch_layers`: the backward gathers each layer in one chunk a trip (4 here)
   of the loop of the layer after it (`jscale.model.layer_prefetch`), one all-gather a chunk
-  for all its weights instead of one per weight, and the top layer's weights as before, once;
-  the forward's gathers and the reduce-scatters do not change."""
+  for all its weights instead of one per weight, and the top layer's chunks in one, once;
+  the forward's gathers (its micro-batches not skewed) and the reduce-scatters do not
+  change."""
   each = _fsdp_collectives("train.microbatches=4", "train.accumulate=layer", EACH_TRIP)
   got = _fsdp_collectives("train.microbatches=4", "train.accumulate=layer", EACH_TRIP,
                           "parallel.prefetch_layers=true")
@@ -132,7 +133,7 @@ def test_prefetch_gathers_each_layer_in_the_trips_of_the_layer_after():
              - one["all-gather"]) // 2  # a layer's split weights (gathered twice a step)
   assert weights > 1
   layers = 4
-  assert got["all-gather"] == each["all-gather"] - (layers - 1) * weights + layers * 4, (
+  assert got["all-gather"] == each["all-gather"] - layers * weights + layers * 4 + 1, (
       got, each, weights)
   assert got["reduce-scatter"] == each["reduce-scatter"], (got, each)
 
@@ -143,10 +144,43 @@ PREFETCH_671B_LIKE = ("mesh.data=1", "mesh.fsdp=2", "mesh.expert=4", "parallel.z
                       "train.accumulate=layer", EACH_TRIP, "parallel.prefetch_layers=true")
 
 
+@functools.lru_cache(maxsize=None)
+def _prefetched(layers: int) -> tuple[str, str]:
+  """(the lowered HLO, the compiled HLO) of the train step on the 671B's layout in small with
+  `parallel.prefetch_layers`, `layers` deep (XLA:CPU's program: the hand-written collectives
+  are the same ops on any backend)."""
+  cfg = deepseek_case.config(*PREFETCH_671B_LIKE, "train.microbatches=4", "train.batch_size=32",
+                             "train.remat=full", "model.moe.receive_factor=1.25",
+                             f"model.n_layers={layers}")
+  rt = runtime.build(cfg)
+  lowered = rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(cfg))
+  return lowered.as_text(dialect="hlo"), introspect.compile_as_launched(lowered, rt).as_text()
+
+
+def test_skewed_forward_gathers_each_layer_in_the_trips_of_the_layer_before():
+  """With the micro-batches skewed, the forward fetches each layer likewise, a chunk a trip of
+  the layer before's loop beside its first phase (`phases.alongside`): 2 trips and 2 passes,
+  4 all-gathers a layer for all its weights."""
+  gathers = lambda text: sum(c.executions for c in hlo.collectives(text)
+                             if c.kind == "all-gather" and c.group_size == 2)
+  assert gathers(_prefetched(4)[1]) - gathers(_prefetched(3)[1]) == 2 * 2
+
+
+def test_no_zero_rows_lifted_out_of_the_prefetched_layers():
+  """No zero of the exchange's rows is made from a constant alone (`jscale.model.zeros`):
+  under the layer's custom VJP JAX lifts those out of the layer loops, and XLA materialises
+  them (6.9 GiB per device on the 671B at 1,024 H100s). A `where` whose one operand is a
+  constant is such a zero; none may be row-wide (the model's width, 64 here)."""
+  lifted = re.findall(r"= (?:f32|bf16)\[([\d,]+)\]\S* call\(%?constant[.\d]*\), "
+                      r"to_apply=%?_where", _prefetched(3)[0])
+  assert [s for s in lifted if s.split(",")[-1] == "64"] == [], lifted
+
+
 def test_prefetched_backward_trains_as_one_device():
-  """The layer scan's backward by hand (`parallel.prefetch_layers`) on the 671B's layout in
-  small (ZeRO-3 x EP, node-limited, 4 micro-batches two side by side and skewed, layer inputs
-  on the host): two steps' loss and gradient norm against one device."""
+  """The layer scan's backward by hand (`parallel.prefetch_layers`, and the skewed forward's
+  fetches) on the 671B's layout in small (ZeRO-3 x EP, node-limited, 4 micro-batches two
+  side by side and skewed, layer inputs on the host): two steps' loss and gradient norm
+  against one device."""
   numerics = (*deepseek_case.DS, "train.microbatches=4", "train.batch_size=32",
               "train.remat=full_offload")
   want = parity.reference(*numerics)[:2]
