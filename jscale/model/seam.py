@@ -36,8 +36,8 @@ class EntersTensorParallel:
 
 
 class LayerChunks(Protocol):
-  """One layer's ZeRO-3 gather in pieces, a piece per trip of another layer's loop (the
-  backward's prefetch, `jscale.model.layer_prefetch`); `layer` is its stored shards.
+  """One layer's ZeRO-3 gather in pieces, a piece per trip of a neighbouring layer's loop (the
+  prefetch, `jscale.model.layer_prefetch`); `layer` is its stored shards.
   Implemented by the layout that gathers layers by hand (`jscale.parallel.zero_prefetch`)."""
 
   def empty(self, layer: Any) -> jax.Array:
