@@ -65,11 +65,11 @@ def alongside(phases: Phases[T], extra: Callable[[], Any]) -> Phases[tuple[T, An
   except StopIteration as stop:
     return stop.value, got
   state, got = yield state, got
-  value = yield from run_on(phases, state)
+  value = yield from _run_on(phases, state)
   return value, got
 
 
-def run_on(phases: Phases[T], state: Any) -> Phases[T]:
+def _run_on(phases: Phases[T], state: Any) -> Phases[T]:
   """`phases` (started) from `state`, each later boundary yielded to the caller as it is."""
   while True:
     try:
