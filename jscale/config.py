@@ -113,6 +113,10 @@ class MoeConfig:
   # its bytes but rounds the layer's output to 3 mantissa bits, which DeepSeek-V3 does not
   # (its combine is bf16); the gradient goes back straight through; compute: exact
   combine_dtype: Literal["compute", "e4m3"] = "compute"
+  # the same for the backward's rows from the experts (the inputs' gradients, the dispatch's
+  # transpose, both hops): e4m3 halves the backward's largest transfer but rounds the gradient
+  # every earlier layer receives, which DeepSeek-V3 does not (bf16); compute: exact
+  combine_grad_dtype: Literal["compute", "e4m3"] = "compute"
 
 
 @dataclasses.dataclass(frozen=True)

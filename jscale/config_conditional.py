@@ -97,6 +97,12 @@ RULES: tuple[Rule, ...] = (
          "it is the return's wire format of manual mode's dropless exchange over mesh.expert",
          "set parallel.collectives=manual, mesh.expert > 1 and model.moe.dispatch=dropless",
          False),
+    Rule("model.moe.combine_grad_dtype", lambda c, s: c.parallel.collectives == "manual"
+         and s["expert"] > 1 and _moe(c).dispatch == "dropless",
+         "it is the backward's return wire format of manual mode's dropless exchange over "
+         "mesh.expert",
+         "set parallel.collectives=manual, mesh.expert > 1 and model.moe.dispatch=dropless",
+         False),
     Rule("model.moe.capacity_factor", lambda c, s: _moe(c).dispatch == "capacity",
          "dropless dispatch drops no token", "set model.moe.dispatch=capacity", False),
     Rule("model.moe.gemm", lambda c, s: _moe(c).dispatch == "dropless",

@@ -1,14 +1,16 @@
 """The FP8 combine (`model.moe.combine_dtype: e4m3`, issue 50): what rounding the experts'
-outputs to e4m3 on their way back costs the tiny DeepSeek-V3's loss.
+outputs to e4m3 on their way back, and the inputs' gradients on theirs
+(`model.moe.combine_grad_dtype: e4m3`), costs the tiny DeepSeek-V3's loss.
 
-    python scripts/fp8_combine.py [--seeds 8] [--lr 1e-3] [--runs wire,combine,control]
+    python scripts/fp8_combine.py [--seeds 8] [--lr 1e-3] [--runs wire,combine,control,grads_back]
     # -> results/fp8_combine_loss.md (+ .csv, one row per run)
 
 `configs/deepseek_v3_tiny.yaml` in bf16, 200 steps, on 4 simulated CPU devices: its 8 experts
 in 2 groups over `mesh.expert=4`, manual mode's node-limited exchange (two hops, as
 DeepSeek-V3 671B's over 8 nodes), the experts' products in FP8 scaled per row and the rows
-and their gradients out in e4m3 (the 671B's program in `docs/deepseek.md`). Each seed three
+and their gradients out in e4m3 (the 671B's program in `docs/deepseek.md`). Each seed four
 times: that program (wire); the same with the experts' outputs back in e4m3 too (combine);
+with the inputs' gradients back in e4m3 as well (`model.moe.combine_grad_dtype`, grads_back);
 and a control, the wire program with each batch in two micro-batches (the same gradient
 summed in another order: how far two runs that differ only in rounding drift apart).
 Measured on this CPU; the table and its helpers are `fp8_experts.py`'s.
@@ -35,8 +37,10 @@ WIRE = ("mesh.data=1", "mesh.expert=4", "parallel.collectives=manual",
 COMBINE = fe.Study(
     os.path.join(fe.ROOT, "results", "fp8_combine_loss.csv"),
     {"wire": WIRE, "combine": (*WIRE, "model.moe.combine_dtype=e4m3"),
-     "control": (*WIRE, "train.microbatches=2")},
-    {"control": "wire, 2 micro-batches (control)", "combine": "wire + the outputs back in e4m3"},
+     "control": (*WIRE, "train.microbatches=2"),
+     "grads_back": (*WIRE, "model.moe.combine_dtype=e4m3", "model.moe.combine_grad_dtype=e4m3")},
+    {"control": "wire, 2 micro-batches (control)", "combine": "wire + the outputs back in e4m3",
+     "grads_back": "wire + the outputs and the inputs' gradients back in e4m3"},
     base="wire", base_name="wire", column="exchange")
 OUT = os.path.join(fe.ROOT, "results", "fp8_combine_loss.md")
 
@@ -51,7 +55,8 @@ def main() -> None:
   head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=fe.ROOT,
                         capture_output=True, text=True, check=False).stdout.strip()
   fe.run_missing(COMBINE, args.seeds, head, [r for r in args.runs.split(",") if r], args.lr)
-  lines = [f"# The FP8 combine (`model.moe.combine_dtype: e4m3`), at {head}", "",
+  lines = [f"# The FP8 combine (`model.moe.combine_dtype: e4m3`, `model.moe.combine_grad_dtype: "
+           f"e4m3`), at {head}", "",
            "The tiny DeepSeek-V3 (`configs/deepseek_v3_tiny.yaml`, bf16), 200 steps, on 4 "
            "simulated devices (expert 4, node-limited exchange in two hops, FP8 experts "
            f"scaled per row, rows and their gradients out in e4m3), mean over {args.seeds} "

@@ -17,13 +17,15 @@ untouched rows read as zeros.
 
 The dispatch's transpose sends the inputs' gradients back in the compute dtype (DeepSeek-V3's
 combine and its backward are bf16 too), so the gradient passes straight through the forward's
-rounding, as an FP8 product's does. The backward's rows to the experts (the outputs'
+rounding, as an FP8 product's does, unless asked otherwise (`model.moe.combine_grad_dtype:
+e4m3`, not DeepSeek-V3's: rounded per row and hop, each token's gradient then summed over its
+rows in fp32). The backward's rows to the experts (the outputs'
 gradients, the combine's transpose) travel through a wire of their own where asked
 (`model.moe.dispatch_grad_dtype: e4m3`, as DeepSeek-V3 sends them): those are rounded. So do
 the experts' outputs on their way back where asked (`model.moe.combine_dtype: e4m3`; not
 DeepSeek-V3's, which keeps the combine in bf16, and not exact: the outputs were never e4m3,
 so each hop rounds them to 3 mantissa bits), their gradient straight through. `Wires` holds
-the three.
+the four.
 """
 
 from __future__ import annotations
@@ -62,10 +64,12 @@ class Wire:
 class Wires:
   """How an expert exchange's rows travel (None: as they are, in the compute dtype): `out` the
   rows to the experts, `out_grad` the outputs' gradients to the experts in the backward,
-  `back` the experts' outputs returning (the combine)."""
+  `back` the experts' outputs returning (the combine), `back_grad` the inputs' gradients
+  returning in the backward (the dispatch's transpose)."""
   out: Wire | None = None
   out_grad: Wire | None = None
   back: Wire | None = None
+  back_grad: Wire | None = None
 
 
 def e4m3_rows(dtype) -> Wire:

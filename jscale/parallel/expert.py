@@ -142,7 +142,7 @@ class ManualExpert:
     gpu = self.mesh.devices.flat[0].platform == "gpu"  # native ragged_all_to_all there
     e4m3 = lambda key: wire_lib.e4m3_rows(dtype) if key == "e4m3" else None
     wires = wire_lib.Wires(e4m3(moe.dispatch_dtype), e4m3(moe.dispatch_grad_dtype),
-                           e4m3(moe.combine_dtype))
+                           e4m3(moe.combine_dtype), e4m3(moe.combine_grad_dtype))
     if moe.exchange == "node_limited":
       return lambda x, i, g: ex.node_limited_phases(
           x, i, g, w, dtype, "expert", n_ep, moe.n_group, moe.topk_group, gpu, gemm,

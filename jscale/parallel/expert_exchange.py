@@ -225,7 +225,8 @@ def round_trip(send: Callable, s: md.Sorted, per_device: int, peers: Peers, cap:
   rows, in per-peer blocks, zero where nothing was sent; their slots (`exchange_slots`); the
   peer's count). `send(slots)`: (the [S, D] rows to send, a pytree of more per-row values), in the
   smaller of the two layouts. `wires`: how the rows travel out, the result's gradient out in
-  the backward and the result back (`Wires`; None: as they are).
+  the backward, the result back and the rows' gradient back in the backward (`Wires`; None:
+  as they are; the per-row values always as they are).
 
   Both directions land in blocks: source (or destination) j's rows at j·cap, sorted by local
   expert (`sizes_NE`: how many per source and local expert), so no side needs the other's
@@ -244,10 +245,11 @@ def round_trip(send: Callable, s: md.Sorted, per_device: int, peers: Peers, cap:
   exchange = lambda x, in_off, send_N, recv, as_=None, grad_as=None: ragged_all_to_all(
       x, landing_zeros((n * cap,) + x.shape[1:], x.dtype, recv), in_off, send_N, mine_N, recv,
       peers, cap, native, as_, grad_as)
-  out = lambda x, as_=None: exchange(x, sent.offsets_N, sent.sent_N, recv_N, as_)
+  out = lambda x, as_=None, grad_as=None: exchange(x, sent.offsets_N, sent.sent_N, recv_N, as_,
+                                                   grad_as)
   rows_SD, extras = send(sent)
-  result, count = yield from compute((out(rows_SD, wires.out), jax.tree.map(out, extras)),
-                                     sizes_NE)
+  result, count = yield from compute(
+      (out(rows_SD, wires.out, wires.back_grad), jax.tree.map(out, extras)), sizes_NE)
   return (exchange(result, back.offsets_N, recv_N, sent.sent_N, wires.back, wires.out_grad),
           back, count)
 

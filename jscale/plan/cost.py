@@ -204,11 +204,11 @@ def _expert_transfer(model: ModelConfig, moe: MoeConfig, lay: Layout, tokens: in
   moe_layers = model.stack_layers / lay.stage // moe.every + (
       model.mtp.depth if model.mtp is not None else 0)
   # A row in e4m3 carries its D bytes and its fp32 scale (jscale.fp8.wire): the forward's
-  # dispatch, the backward's output gradients (the combine's transpose), the forward's combine;
-  # the inputs' gradients (the dispatch's transpose) always in the compute dtype.
+  # dispatch, the backward's output gradients (the combine's transpose), the forward's combine,
+  # the inputs' gradients (the dispatch's transpose).
   row = lambda dtype: model.d_model + 4 if dtype == "e4m3" else model.d_model * c
   passes = (row(moe.dispatch_dtype) + row(moe.dispatch_grad_dtype) + row(moe.combine_dtype)
-            + model.d_model * c)
+            + row(moe.combine_grad_dtype))
   # The buffer's own slice stays put, but volumes omit the (n-1)/n factor throughout.
   return Transfer("expert", "token dispatch + combine all-to-all, fwd and bwd", "all-to-all",
                   moe_layers * tokens * moe.top_k * passes, nodes, "")

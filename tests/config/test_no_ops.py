@@ -44,6 +44,8 @@ EXAMPLES = {
                                       ["parallel.collectives=manual"], dict(expert=2)),
     "model.moe.combine_dtype": ([*MOE, "model.moe.combine_dtype=e4m3"],
                                 ["parallel.collectives=manual"], dict(expert=2)),
+    "model.moe.combine_grad_dtype": ([*MOE, "model.moe.combine_grad_dtype=e4m3"],
+                                     ["parallel.collectives=manual"], dict(expert=2)),
     "model.moe.capacity_factor": ([*MOE, "model.moe.capacity_factor=2"],
                                   ["model.moe.dispatch=capacity"], {}),
     "model.moe.gemm": ([*MOE, "model.moe.gemm=tiled", "model.moe.dispatch=capacity"],

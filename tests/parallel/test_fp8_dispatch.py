@@ -8,7 +8,8 @@ products scaled per row the tiny DeepSeek trains under node-limited EP as one de
 dispatch adds no rounding); XLA:GPU's H100 program sends u8 rows of D + 4 bytes forward and
 compute-dtype rows back, and `jscale.predict` prices their bytes. With
 `model.moe.combine_dtype: e4m3` the outputs come back rounded per row and hop, and the H100
-program's only bf16 rows are the inputs' gradients."""
+program's only bf16 rows are the inputs' gradients; with `model.moe.combine_grad_dtype: e4m3`
+those come back rounded per row and hop too, and no bf16 row is left."""
 
 import functools
 
@@ -85,23 +86,25 @@ def _step(exchange, devices):
                                out_specs=(rows, (rows, rows, W_SPEC)), check_vma=False))
 
 
-def _wires(dtype, grads: bool, back: bool) -> wire.Wires:
-  """The rows out in e4m3; the output gradients out and the outputs back too where asked."""
+def _wires(dtype, grads: bool, back: bool, back_grads: bool = False) -> wire.Wires:
+  """The rows out in e4m3; the output gradients out, the outputs back and the inputs'
+  gradients back too where asked."""
   e4m3 = wire.e4m3_rows(dtype)
-  return wire.Wires(e4m3, e4m3 if grads else None, e4m3 if back else None)
+  return wire.Wires(e4m3, e4m3 if grads else None, e4m3 if back else None,
+                    e4m3 if back_grads else None)
 
 
-def _flat(native=False, dtype=jnp.float32, grads=False, back=False):
+def _flat(native=False, dtype=jnp.float32, grads=False, back=False, back_grads=False):
   return lambda x, i, g, w: ex.dropless_exchange(
       x, i, g, w, dtype, ex.Peers.whole("expert", N), native,
-      wires=_wires(dtype, grads, back))[0]
+      wires=_wires(dtype, grads, back, back_grads))[0]
 
 
 def _node_limited(n_group, topk_group, native=False, dtype=jnp.float32, factor=0.0,
-                  grads=False, back=False):
+                  grads=False, back=False, back_grads=False):
   return lambda x, i, g, w: ex.node_limited_exchange(
       x, i, g, w, dtype, "expert", N, n_group, topk_group, native, receive_factor=factor,
-      wires=_wires(dtype, grads, back))[0]
+      wires=_wires(dtype, grads, back, back_grads))[0]
 
 
 def _rounded(x):
@@ -201,6 +204,42 @@ def test_fp8_combine_equals_one_device_rounding_the_outputs_on_each_hop(
   assert not np.allclose(y, exact, rtol=1e-3)
 
 
+def _experts_with_rounded_input_grads(x, ids, gates, w, n_group: int | None):
+  """One device's experts whose rows out are rounded (straight through) and whose inputs'
+  gradients are rounded on their way back: per assignment row, and with two hops (`n_group`
+  groups) again per token and group (hop 1's row: the sum of its assignments' gradients),
+  each token's gradient then the sum over its rows."""
+  s = md.sort_by_expert(ids, E)
+  x_TD = _rounded(x)
+  if n_group is None:
+    rows_AD = md.dispatch_sorted(x_TD, s)
+  else:  # each group's copy of a token (hop 1's row), its gradient rounded apart
+    group_TK1 = (ids // (E // n_group))[..., None]
+    x_TKD = sum(jnp.where(group_TK1 == g, _grad_rounded(x_TD)[:, None], 0)
+                for g in range(n_group))
+    rows_AD = md.permute(x_TKD.reshape(-1, D), s.order_A, s.rank_A)
+  out_AD = md.ragged_ffn(_grad_rounded(rows_AD), s.sizes_E, w, jnp.float32)
+  return md.combine_sorted(out_AD, s, gates)
+
+
+@pytest.mark.parametrize("name, n_group, topk_group", [
+    ("flat", 2, 1), ("node_limited", 2, 1), ("node_limited", 4, 2)])
+def test_fp8_input_gradients_equal_one_device_rounding_them_after_the_experts(
+    name, n_group, topk_group):
+  """`model.moe.combine_grad_dtype: e4m3`: the dispatch's transpose brings the inputs'
+  gradients back rounded per row, once per hop; the forward is the FP8 dispatch's."""
+  x, ids, gates, w = _inputs(n_group, topk_group)
+  groups = None if name == "flat" else n_group
+  _, g = _matches_one_device(
+      lambda x, ids, gates, w: _experts_with_rounded_input_grads(x, ids, gates, w, groups),
+      _flat(back_grads=True) if name == "flat"
+      else _node_limited(n_group, topk_group, back_grads=True), x, ids, gates, w)
+  # ... and the gradient is rounded: straight through gives another.
+  _, exact = _step(_flat() if name == "flat" else _node_limited(n_group, topk_group),
+                   jax.devices()[:N])(x, ids, gates, w)
+  assert not np.allclose(g[0], exact[0], rtol=1e-3)
+
+
 ROW_FP8 = ("fp8.enabled=true", "fp8.targets=[experts]", "fp8.experts_scaling=row",
            "train.batch_size=8", "train.seq_len=16")
 
@@ -222,11 +261,11 @@ def test_with_row_scaled_fp8_experts_the_dispatch_trains_as_one_device():
 
 
 @functools.cache
-def _h100_program(n_group=2, topk_group=1, factor=1.0, back=False):
+def _h100_program(n_group=2, topk_group=1, factor=1.0, back=False, back_grads=False):
   sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
   args = jax.tree.map(sds, _inputs(n_group, topk_group, jnp.bfloat16))
   step = _step(_node_limited(n_group, topk_group, True, jnp.bfloat16, factor, grads=True,
-                             back=back), gpu_target.devices("h100x8"))
+                             back=back, back_grads=back_grads), gpu_target.devices("h100x8"))
   return step.lower(*args).compile().as_text()
 
 
@@ -264,3 +303,12 @@ def test_h100_program_with_the_fp8_combine_sends_only_the_inputs_gradients_in_bf
   rows = _exchanged_rows(_h100_program(back=True))
   dtypes = [c.shapes[0].split("[")[0] for c in rows]
   assert sorted(dtypes) == ["bf16"] * 2 + ["u8"] * 6, dtypes
+
+
+@pytest.mark.skipif(not gpu_target.available(), reason=gpu_target.INSTALL)
+def test_h100_program_with_every_wire_in_fp8_sends_no_bf16_rows():
+  """`model.moe.combine_grad_dtype: e4m3` beside the FP8 combine: the inputs' gradients go
+  back in u8 too, D + 4 bytes a row, on both hops."""
+  rows = _exchanged_rows(_h100_program(back=True, back_grads=True))
+  assert sorted(c.shapes[0].split("[")[0] for c in rows) == ["u8"] * 8, rows
+  assert all(c.shapes[0].endswith(f",{D + 4}]") for c in rows)

@@ -424,7 +424,8 @@ def test_fp8_dispatch_sends_a_byte_and_a_scale_per_row_to_the_experts():
   """`model.moe.dispatch_dtype: e4m3`: of the exchange's four passes (dispatch and combine,
   forward and backward), the forward dispatch carries D + 4 bytes a row instead of 2·D;
   `model.moe.dispatch_grad_dtype: e4m3`, the backward's output gradients to the experts too;
-  `model.moe.combine_dtype: e4m3`, the forward's outputs back too."""
+  `model.moe.combine_dtype: e4m3`, the forward's outputs back too;
+  `model.moe.combine_grad_dtype: e4m3`, the backward's inputs' gradients back too."""
   overrides = ["model.preset=deepseek_v3_16b", "model.n_layers=4"]
   lay = Layout(expert=8, mbs=1, accum=1, remat="full")
   moved = lambda m: sum(t.bytes for t in cost.transfers(m, lay, 4096, 8) if t.kind == "all-to-all")
@@ -439,4 +440,8 @@ def test_fp8_dispatch_sends_a_byte_and_a_scale_per_row_to_the_experts():
                              "model.moe.dispatch_grad_dtype=e4m3",
                              "model.moe.combine_dtype=e4m3"]).model
   assert moved(three) == pytest.approx(moved(bf16) * (3 * (d + 4) + 2 * d) / (4 * 2 * d))
+  four = load_config(None, [*overrides, "model.moe.dispatch_dtype=e4m3",
+                            "model.moe.dispatch_grad_dtype=e4m3", "model.moe.combine_dtype=e4m3",
+                            "model.moe.combine_grad_dtype=e4m3"]).model
+  assert moved(four) == pytest.approx(moved(bf16) * (d + 4) / (2 * d))
 
