@@ -10,7 +10,7 @@ estimate of the layout (`jscale.plan.memory`, where the config is one of its lay
 
 Found with it (DeepSeek-V3 671B, the planner's pick on 1,024 H100s, 5 layers): every manual
 EP exchange's zero receive buffer was allocated at the step's start (fixed:
-`expert_exchange.landing_zeros`); the peak is the MTP block's recomputed MoE, beside the main
+`ragged_exchange.landing_zeros`); the peak is the MTP block's recomputed MoE, beside the main
 and MTP heads' fp32 dW accumulators and the last MoE layer's recompute, which the loop's
 peeled (double-buffered) first iteration starts early (docs/deepseek.md).
 """

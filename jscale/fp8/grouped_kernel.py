@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jscale.fp8 import grouped, scaling
+from jscale.fp8 import grouped, scaling, wire
 from jscale.fp8.scaling import E4M3
 from jscale.model import grouped_tiles
 
@@ -88,9 +89,38 @@ def _rows_bwd(cfg, res, g_MN):
 _rows.defvjp(_rows_fwd, _rows_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _wire_rows(x_MK, w_EKN, sizes_E, b_MW, cfg: _Static):
+  # x's e4m3 rows and scales as they came over the wire: what quantising the decoded x per
+  # row gives (`jscale.fp8.wire`), without reading x. The backward reads x (dw's bf16 operand).
+  q_MK, sx_M1 = wire.split(b_MW)
+  sw_E1N = row_scales(w_EKN, 1)
+  qw_ENK = jnp.swapaxes(scaling.quantize(w_EKN, sw_E1N, E4M3), 1, 2)
+  return _product(q_MK, qw_ENK, sx_M1, sw_E1N[:, 0], sizes_E, x_MK.dtype, cfg)
+
+
+def _wire_rows_fwd(x_MK, w_EKN, sizes_E, b_MW, cfg):
+  return _wire_rows(x_MK, w_EKN, sizes_E, b_MW, cfg), (x_MK, w_EKN, sizes_E, b_MW)
+
+
+def _wire_rows_bwd(cfg, res, g_MN):
+  x_MK, w_EKN, sizes_E, b_MW = res
+  dx_MK, dw_EKN, _ = _rows_bwd(cfg, (x_MK, w_EKN, sizes_E), g_MN)
+  return dx_MK, dw_EKN, None, np.zeros(b_MW.shape, jax.dtypes.float0)
+
+
+_wire_rows.defvjp(_wire_rows_fwd, _wire_rows_bwd)
+
+
 def row_scaled_matmul(x_MK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, *,
-                      blocks: GmmBlocks | None = None, interpret: bool = False) -> jax.Array:
+                      blocks: GmmBlocks | None = None, interpret: bool = False,
+                      wire_MW: jax.Array | None = None) -> jax.Array:
   """[M, N] = ragged_dot(x_MK, w_EKN, sizes_E) with the forward and dx products in e4m3 on the
   Hopper kernel, scaled per row (module docstring), in x's dtype (bf16 / fp16); differentiable
-  in x and w. `interpret`: JAX's Mosaic GPU interpreter (CPU tests)."""
+  in x and w. `interpret`: JAX's Mosaic GPU interpreter (CPU tests). `wire_MW`: x as the FP8
+  wire's bytes (`jscale.fp8.wire.Wire.encode`; x their decoding): the forward's e4m3 operand
+  and row scales read from them, the same values (the module docstring of `jscale.fp8.wire`)
+  without x's amax and quantisation passes."""
+  if wire_MW is not None:
+    return _wire_rows(x_MK, w_EKN, sizes_E, wire_MW, _Static(blocks, interpret))
   return _rows(x_MK, w_EKN, sizes_E, _Static(blocks, interpret))

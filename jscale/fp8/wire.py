@@ -26,11 +26,19 @@ the experts' outputs on their way back where asked (`model.moe.combine_dtype: e4
 DeepSeek-V3's, which keeps the combine in bf16, and not exact: the outputs were never e4m3,
 so each hop rounds them to 3 mantissa bits), their gradient straight through. `Wires` holds
 the four.
+
+Rows that arrived in e4m3 need not be decoded to be used (`Encoded`: the decoded rows for
+autodiff beside the bytes they came as): the node-limited exchange's relay sends hop 1's bytes
+on to hop 2 as they are, and the experts' FP8 product on the Hopper kernel reads its e4m3
+operand and row scales from them (`jscale.fp8.grouped_kernel`). Both are exact: encoding a
+decoded row gives back its values (above), so the rows a relay re-encoded and the operand a
+product re-quantised are those it was sent.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,9 +63,40 @@ class Wire:
 
   def decode(self, b_SW: jax.Array) -> jax.Array:
     """[S, D] in `dtype` from `encode`'s bytes (zero bytes: a zero row)."""
-    q_SD = jax.lax.bitcast_convert_type(b_SW[:, :-_SCALE_BYTES], E4M3)
-    s_S = jax.lax.bitcast_convert_type(b_SW[:, -_SCALE_BYTES:], jnp.float32)
-    return scaling.dequantize(q_SD, s_S[:, None], self.dtype)
+    return scaling.dequantize(*split(b_SW), self.dtype)
+
+
+def split(b_SW: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(e4m3 [S, D], fp32 scales [S, 1]) of `Wire.encode`'s bytes: the values it carries are
+  their product."""
+  q_SD = jax.lax.bitcast_convert_type(b_SW[:, :-_SCALE_BYTES], E4M3)
+  s_S = jax.lax.bitcast_convert_type(b_SW[:, -_SCALE_BYTES:], jnp.float32)
+  return q_SD, s_S[:, None]
+
+
+class Encoded(NamedTuple):
+  """Rows that came over a `Wire`: `rows` decoded ([S, D], differentiable) and the `bytes`
+  (u8[S, D + 4], no gradient) they came as, for a consumer that takes them so (module
+  docstring). A consumer that does not reads `rows`; the decode runs only where one does."""
+  rows: jax.Array
+  bytes: jax.Array
+
+  def astype(self, dtype) -> "Encoded":
+    return Encoded(self.rows.astype(dtype), self.bytes)
+
+  def take(self, rows: Callable[[jax.Array], jax.Array],
+           index_S: jax.Array, real_S: jax.Array | None = None) -> "Encoded":
+    """`rows(self.rows)` (a differentiable gather of rows `index_S`), the bytes gathered
+    alike (zero bytes, a zero row, where not `real_S`)."""
+    b = jnp.take(self.bytes, index_S, axis=0, mode="clip")
+    if real_S is not None:
+      b = jnp.where(real_S[:, None], b, jnp.zeros((), b.dtype))
+    return Encoded(rows(self.rows), b)
+
+
+def rows_of(x: "jax.Array | Encoded") -> jax.Array:
+  """The decoded rows of `x` (an array: itself)."""
+  return x.rows if isinstance(x, Encoded) else x
 
 
 @dataclasses.dataclass(frozen=True)

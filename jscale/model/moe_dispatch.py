@@ -44,9 +44,11 @@ def capacity(tokens: int, k: int, n_experts: int, factor: float) -> int:
 
 
 def ragged_ffn(x_AD: jax.Array, sizes_E: jax.Array, w: ExpertWeights, dtype,
-               gemm: GroupedDot = GroupedDot()) -> jax.Array:
+               gemm: GroupedDot = GroupedDot(), wire_AW: jax.Array | None = None) -> jax.Array:
   """SwiGLU of rows sorted by expert (`sizes_E` rows each, in order); rows past sum(sizes_E)
   come out zero. Operands and result in `dtype` (so are the backward's: `jscale.model.matmul`).
+  `wire_AW`: the rows as the FP8 wire's bytes, for a grouped matmul that reads them so
+  (`GroupedDot.reads_wire`; `jscale.fp8.wire.Encoded`).
 
   The gate and up products are one grouped matmul against each expert's [gate | up] columns
   (Megatron's fused fc1): the same values, half the launches, and twice the output width, which
@@ -55,10 +57,10 @@ def ragged_ffn(x_AD: jax.Array, sizes_E: jax.Array, w: ExpertWeights, dtype,
   (`hopper_config.column_parts`; those ran 477 TFLOP/s forward against 545 at 2816, H200);
   together they are 2816 = 11 x 256, all whole tiles. The parameter holds them so
   (`ExpertWeights.gate_up_EDXF`): the [E, D, 2F] operand is a reshape, no copy."""
-  dot = lambda x, m: gemm(x, m, sizes_E, dtype)
+  dot = lambda x, m, wire=None: gemm(x, m, sizes_E, dtype, wire)
   x_AD = checkpoint_name(x_AD, "moe_in")
   e, d, _, f = w.gate_up_EDXF.shape
-  gate_up_AF = dot(x_AD, w.gate_up_EDXF.reshape(e, d, 2 * f))
+  gate_up_AF = dot(x_AD, w.gate_up_EDXF.reshape(e, d, 2 * f), wire_AW)
   gate_AF, up_AF = jnp.split(gate_up_AF, 2, axis=-1)
   gate_AF, up_AF = checkpoint_name(gate_AF, "mlp_gate"), checkpoint_name(up_AF, "mlp_up")
   return dot(jax.nn.silu(gate_AF) * up_AF, w.down_EFD)

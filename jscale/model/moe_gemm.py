@@ -67,10 +67,20 @@ class GroupedDot:
   # row: `jscale.fp8.grouped_kernel.row_scaled_matmul`, from `matmul.for_expert_kernel`)
   kernel: Callable | None = None
 
+  @property
+  def reads_wire(self) -> bool:
+    """Whether it takes its rows as the FP8 wire's bytes (`__call__`'s `wire_AW`): the Hopper
+    kernel with FP8 experts scaled per row, whose e4m3 operand and row scales they are
+    (`jscale.fp8.wire`)."""
+    return self.impl == "pallas" and self.kernel is not None
+
   def __call__(self, x_AK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array,
-               dtype) -> jax.Array:
-    """[A, N] in `dtype` (so are the backward's products); rows past sum(sizes_E) zero."""
+               dtype, wire_AW: jax.Array | None = None) -> jax.Array:
+    """[A, N] in `dtype` (so are the backward's products); rows past sum(sizes_E) zero.
+    `wire_AW`: x's rows as the FP8 wire's bytes (read where `reads_wire`, else ignored)."""
     x, w = x_AK.astype(dtype), w_EKN.astype(dtype)
+    if self.kernel is not None and self.reads_wire and wire_AW is not None:
+      return self.kernel(x, w, sizes_E, interpret=self.interpret, wire_MW=wire_AW)
     if self.impl == "pallas":
       from pallas_kernels.grouped_matmul import grouped_matmul
       return (self.kernel or grouped_matmul)(x, w, sizes_E, interpret=self.interpret)

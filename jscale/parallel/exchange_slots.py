@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jscale.fp8.wire import Encoded, rows_of
 from jscale.model import moe_dispatch as md
 from jscale.model.zeros import zero_from
 
@@ -102,10 +103,14 @@ def _gather_rows_bwd(res, g_SD):
 _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
-def dispatch(x_TD: jax.Array, s: md.Sorted, slots: Slots) -> jax.Array:
-  """[S, D]: each real slot's token row; its transpose gathers each token's slots back."""
-  t = x_TD.shape[0]
-  return _gather_rows(x_TD, tokens(s, slots), slots.real_S, slots.slot_A.reshape(t, s.k))
+def dispatch(x_TD: jax.Array | Encoded, s: md.Sorted, slots: Slots) -> jax.Array | Encoded:
+  """[S, D]: each real slot's token row; its transpose gathers each token's slots back. Rows
+  `Encoded` (they came over a wire) come out so, their bytes gathered alike (a relay)."""
+  t, token_S = rows_of(x_TD).shape[0], tokens(s, slots)
+  rows = lambda x: _gather_rows(x, token_S, slots.real_S, slots.slot_A.reshape(t, s.k))
+  if isinstance(x_TD, Encoded):
+    return x_TD.take(rows, token_S, slots.real_S)
+  return rows(x_TD)
 
 
 @jax.custom_vjp

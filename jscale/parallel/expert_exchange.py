@@ -43,58 +43,19 @@ C slots, N peers, R received rows, G groups.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jscale.fp8.wire import Wire, Wires
+from jscale.fp8.wire import Encoded, Wires, rows_of
 from jscale.model import moe_dispatch as md
 from jscale.model import phases
 from jscale.model.moe_gemm import GroupedDot
 from jscale.model.phases import Phases
-from jscale.model.zeros import zero_from
 from jscale.parallel import exchange_slots as slots_lib
-
-
-class Peers(NamedTuple):
-  """The devices of `axis` (n in all) one exchange runs among: groups of `size` devices,
-  `stride` apart on the axis (size n: the whole axis)."""
-  axis: str
-  n: int
-  size: int
-  stride: int = 1
-
-  @classmethod
-  def whole(cls, axis: str, n: int) -> "Peers":
-    return cls(axis, n, n)
-
-  @classmethod
-  def within_nodes(cls, axis: str, n: int, per_node: int) -> "Peers":
-    """Each node's `per_node` consecutive devices."""
-    return cls(axis, n, per_node)
-
-  @classmethod
-  def across_nodes(cls, axis: str, n: int, per_node: int) -> "Peers":
-    """The devices at the same place p of every node: {p, p + per_node, ...}."""
-    return cls(axis, n, n // per_node, per_node)
-
-  def groups(self) -> list[list[int]] | None:
-    """`axis_index_groups` of the collectives (None: the whole axis)."""
-    if self.size == self.n:
-      return None
-    firsts = [i for i in range(self.n) if (i // self.stride) % self.size == 0]
-    return [[i + j * self.stride for j in range(self.size)] for i in firsts]
-
-  def index(self) -> jax.Array:
-    """This device's place in its group."""
-    return (jax.lax.axis_index(self.axis) // self.stride) % self.size
-
-  def all_to_all(self, x: jax.Array) -> jax.Array:
-    """Tiled all_to_all over dim 0 among the group."""
-    return jax.lax.all_to_all(x, self.axis, 0, 0, tiled=True, axis_index_groups=self.groups())
+from jscale.parallel.ragged_exchange import Peers, landing_zeros, ragged_all_to_all
 
 
 def capacity_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, factor: float,
@@ -109,92 +70,6 @@ def capacity_exchange(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, factor
   y = md.dense_ffn(mine, w, dtype)
   y_ECD = jax.lax.all_to_all(y, axis, split_axis=1, concat_axis=0, tiled=True)
   return md.combine(y_ECD, ids_TK, pos_TK, gates_TK), jnp.sum(pos_TK >= cap)
-
-
-def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                      peers: Peers, rows: int, native: bool, wire: Wire | None = None,
-                      grad_wire: Wire | None = None):
-  """`jax.lax.ragged_all_to_all` among `peers` (native: GPU, which moves only the real rows) or
-  the same semantics on any backend (`padded_all_to_all`, `rows` per peer); differentiable
-  by one transpose for both (`_transposed`), so CPU tests check the one GPU runs. `wire`: the
-  rows (and `output`) travel encoded (`jscale.fp8.wire`, the FP8 dispatch); `grad_wire`: the
-  transpose's rows do (None: the gradient goes back in `operand`'s dtype, passing straight
-  through the forward's rounding)."""
-  if native:
-    groups = peers.groups()
-    bind = lambda *args: jax.lax.ragged_all_to_all(*args, axis_name=peers.axis,
-                                                   axis_index_groups=groups)
-  else:
-    bind = lambda *args: padded_all_to_all(*args, peers=peers, rows=rows)
-  return _transposed(bind, peers, operand.shape, operand.dtype, wire, grad_wire)(
-      operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
-
-
-def padded_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                      *, peers: Peers, rows: int):
-  """ragged_all_to_all's semantics as `rows`-padded blocks through a tiled all_to_all,
-  written at the senders' output offsets (XLA:CPU has no ragged-all-to-all)."""
-  i_R = jnp.arange(rows)
-  src_NR = jnp.minimum(input_offsets[:, None] + i_R, operand.shape[0] - 1)
-  valid_NR = (i_R < send_sizes[:, None]).reshape(send_sizes.shape + (rows,) + (1,) * (
-      operand.ndim - 1))
-  got_NR = peers.all_to_all(jnp.where(valid_NR, operand[src_NR],
-                                      zero_from(src_NR, operand.dtype)))
-  # Where each source's rows go; named so `remat: selective` keeps it, not exchanging it again.
-  at_N = checkpoint_name(peers.all_to_all(output_offsets), "moe_counts")
-  dest_NR = jnp.where(i_R < recv_sizes[:, None], at_N[:, None] + i_R, output.shape[0])
-  return output.at[dest_NR].set(got_NR.astype(output.dtype), mode="drop")
-
-
-def landing_zeros(shape, dtype, sizes_N: jax.Array) -> jax.Array:
-  """A zero output buffer for a ragged all-to-all, made from the exchange's own send or receive
-  sizes (never negative, so min(sizes[0], 0) is 0) rather than as a constant. XLA:GPU fuses
-  the constant zero broadcasts of every exchange in the step into one multi-output kernel at
-  its start (horizontal fusion), so every layer's receive buffers were allocated from there
-  to their use: on DeepSeek-V3 at 1,024 H100s, 10 buffers of 2.2 GiB. Made from the sizes, a
-  buffer is made when its exchange's sizes are known."""
-  return jnp.broadcast_to(zero_from(sizes_N, dtype), shape)
-
-
-def _encoded(bind: Callable, wire: Wire | None) -> Callable:
-  """`bind` sending its rows and landing buffer through `wire` (None: as they are)."""
-  if wire is None:
-    return bind
-  return lambda x, out, *offsets: wire.decode(bind(wire.encode(x), wire.encode(out), *offsets))
-
-
-def _transposed(bind: Callable, peers: Peers, shape, dtype, wire: Wire | None,
-                grad_wire: Wire | None = None) -> Callable:
-  """`bind` (a ragged all-to-all among `peers`) with its transpose written here: JAX's (0.10)
-  exchanges the offsets over the whole axis, ignoring `axis_index_groups`. The forward sends
-  its rows through `wire`, the transpose through `grad_wire` (None: as they are)."""
-  forward = _encoded(bind, wire)
-  backward = _encoded(bind, grad_wire)
-
-  @jax.custom_vjp
-  def exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
-    return forward(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
-
-  def fwd(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
-    out = forward(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
-    return out, (input_offsets, send_sizes, output_offsets, recv_sizes)
-
-  def bwd(res, g):
-    input_offsets, send_sizes, output_offsets, recv_sizes = res
-    # Each peer sends back the rows it was sent: from where they landed in its output (the
-    # senders' output offsets) to where they came from (the senders' input offsets).
-    landed_N = peers.all_to_all(output_offsets)
-    operand_g = backward(g, landing_zeros(shape, g.dtype, send_sizes), landed_N, recv_sizes,
-                         peers.all_to_all(input_offsets), send_sizes).astype(dtype)
-    edges = jnp.zeros(g.shape[0] + 1, jnp.int32).at[landed_N].add(1).at[
-        landed_N + recv_sizes].add(-1)
-    received = (jnp.cumsum(edges)[:-1] > 0).reshape((-1,) + (1,) * (g.ndim - 1))
-    no_grad = lambda x: np.zeros(x.shape, jax.dtypes.float0)
-    return (operand_g, jnp.where(received, zero_from(recv_sizes, g.dtype), g),
-            *map(no_grad, res))
-
-  exchange.defvjp(fwd, bwd)
-  return exchange
 
 
 def receive_rows(t: int, k: int, e_l: int, n: int, factor: float,
@@ -226,7 +101,8 @@ def round_trip(send: Callable, s: md.Sorted, per_device: int, peers: Peers, cap:
   peer's count). `send(slots)`: (the [S, D] rows to send, a pytree of more per-row values), in the
   smaller of the two layouts. `wires`: how the rows travel out, the result's gradient out in
   the backward, the result back and the rows' gradient back in the backward (`Wires`; None:
-  as they are; the per-row values always as they are).
+  as they are; the per-row values always as they are). Through a wire the rows reach
+  `compute` as `Encoded` rows, and `Encoded` rows to send go as the bytes they came as.
 
   Both directions land in blocks: source (or destination) j's rows at j·cap, sorted by local
   expert (`sizes_NE`: how many per source and local expert), so no side needs the other's
@@ -243,15 +119,15 @@ def round_trip(send: Callable, s: md.Sorted, per_device: int, peers: Peers, cap:
   recv_N = sizes_NE.sum(axis=1)
   mine_N = jnp.full((n,), peers.index() * cap, jnp.int32)
   exchange = lambda x, in_off, send_N, recv, as_=None, grad_as=None: ragged_all_to_all(
-      x, landing_zeros((n * cap,) + x.shape[1:], x.dtype, recv), in_off, send_N, mine_N, recv,
-      peers, cap, native, as_, grad_as)
+      x, landing_zeros((n * cap,) + rows_of(x).shape[1:], rows_of(x).dtype, recv), in_off,
+      send_N, mine_N, recv, peers, cap, native, as_, grad_as)
   out = lambda x, as_=None, grad_as=None: exchange(x, sent.offsets_N, sent.sent_N, recv_N, as_,
                                                    grad_as)
   rows_SD, extras = send(sent)
   result, count = yield from compute(
       (out(rows_SD, wires.out, wires.back_grad), jax.tree.map(out, extras)), sizes_NE)
-  return (exchange(result, back.offsets_N, recv_N, sent.sent_N, wires.back, wires.out_grad),
-          back, count)
+  return (rows_of(exchange(result, back.offsets_N, recv_N, sent.sent_N, wires.back,
+                           wires.out_grad)), back, count)
 
 
 def _clipped(sizes_NE: jax.Array, cap: int) -> jax.Array:
@@ -261,16 +137,21 @@ def _clipped(sizes_NE: jax.Array, cap: int) -> jax.Array:
   return jnp.diff(kept_NE, axis=1, prepend=0).astype(sizes_NE.dtype)
 
 
-def _received_by_expert(x_RD, sizes_NE, cap: int, w: md.ExpertWeights, dtype,
-                        gemm: GroupedDot) -> jax.Array:
+def _received_by_expert(x_RD: jax.Array | Encoded, sizes_NE, cap: int, w: md.ExpertWeights,
+                        dtype, gemm: GroupedDot) -> jax.Array:
   """The experts on the received [N·cap, D] rows (each source's block sorted by local expert):
-  regrouped by expert for one grouped matmul and put back in place; padding rows give zero."""
+  regrouped by expert for one grouped matmul and put back in place; padding rows give zero.
+  `Encoded` rows reach a grouped matmul that reads the wire's bytes so (`GroupedDot.reads_wire`),
+  else decoded."""
   i_R = jnp.arange(cap)
   # Padding rows get local expert E_l: sorted last, past every expert's rows.
   local_NR = jax.vmap(lambda c: jnp.searchsorted(c, i_R, side="right"))(jnp.cumsum(sizes_NE, 1))
   order = jnp.argsort(local_NR.reshape(-1), stable=True).astype(jnp.int32)
   inverse = md.inverse_permutation(order)
-  out = md.ragged_ffn(md.permute(x_RD, order, inverse), sizes_NE.sum(0), w, dtype, gemm)
+  x_AD = md.permute(rows_of(x_RD), order, inverse)
+  wire_AW = (jnp.take(x_RD.bytes, order, axis=0) if isinstance(x_RD, Encoded) and
+             gemm.reads_wire else None)
+  out = md.ragged_ffn(x_AD, sizes_NE.sum(0), w, dtype, gemm, wire_AW)
   return md.permute(out, inverse, order)
 
 
@@ -306,7 +187,7 @@ def dropless_phases(x_TD, ids_TK, gates_TK, w: md.ExpertWeights, dtype, peers: P
     y_RD = yield _received_by_expert(x_RD, sizes_NE, cap, w, dtype, gemm)
     return y_RD, jnp.zeros((), jnp.int32)
 
-  x_TD = x_TD.astype(dtype)
+  x_TD = x_TD.astype(dtype)  # (`Encoded` rows, hop 1's at the relay: sent on as they came)
   back_SD, slots, _ = yield from round_trip(lambda sl: (slots_lib.dispatch(x_TD, s, sl), ()), s,
                                             e_l, peers, cap, native_ragged, ffn, wires)
   return slots_lib.combine(back_SD, s, slots, gates_TK), jnp.sum(slots.unsent_A)

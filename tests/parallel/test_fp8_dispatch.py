@@ -26,6 +26,7 @@ from jscale.analysis import gpu_target, hlo
 from jscale.fp8 import grouped, scaling, wire
 from jscale.model import moe_dispatch as md
 from jscale.model import router
+from jscale.parallel import exchange_slots as slots_lib
 from jscale.parallel import expert_exchange as ex
 from jscale.predict import launches
 
@@ -203,6 +204,22 @@ def test_fp8_combine_equals_one_device_rounding_the_outputs_on_each_hop(
                 jax.devices()[:N])(x, ids, gates, w)[0]
   assert not np.allclose(y, exact, rtol=1e-3)
 
+
+def test_a_relay_sends_on_the_bytes_its_rows_came_as():
+  """Hop 1's rows reach the node-limited relay `Encoded`: hop 2 sends each slot's token's
+  bytes as they came, zero bytes (a zero row) where a slot is empty, the decoded rows beside
+  them for autodiff. Exact: re-encoding the decoded rows would give the same values
+  (`test_fp8_dispatch_equals_one_device_on_the_rounded_rows` runs through it)."""
+  x, ids = _inputs(2, 1)[:2]
+  b = WIRE.encode(x)
+  s = md.sort_by_expert(ids, E)
+  sl = slots_lib.layout(s, E // N, N, 60, True)  # ~64 rows a peer: some blocks not full
+  got = slots_lib.dispatch(wire.Encoded(WIRE.decode(b), b), s, sl)
+  token_S = slots_lib.tokens(s, sl)
+  np.testing.assert_array_equal(got.bytes, jnp.where(sl.real_S[:, None], b[token_S], 0))
+  np.testing.assert_array_equal(got.rows, slots_lib.dispatch(WIRE.decode(b), s, sl))
+  np.testing.assert_array_equal(WIRE.decode(got.bytes), got.rows)
+  assert 0 < int(sl.real_S.sum()) < sl.real_S.shape[0]  # both kinds of slot
 
 def _experts_with_rounded_input_grads(x, ids, gates, w, n_group: int | None):
   """One device's experts whose rows out are rounded (straight through) and whose inputs'

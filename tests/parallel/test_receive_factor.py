@@ -146,7 +146,7 @@ def test_h100s_receive_into_the_bounded_buffer():
       r"= bf16\[(\d+),256\]\{1,0\} ragged-all-to-all-done\(", text)}
   assert rows(programs[0][0]) == {8 * 512 * 4, 512 * 4}
   assert rows(programs[2][0]) == {8 * 512, 512 * 4}
-  # Each exchange's zero output buffer is made from its sizes (`ex.landing_zeros`): no kernel
+  # Each exchange's zero output buffer is made from its sizes (`ragged_exchange.landing_zeros`): no kernel
   # makes several of them at once (XLA:GPU fused the constant ones into multi-output kernels
   # at the step's start, all allocated from there).
   for text, _ in programs.values():
