@@ -139,20 +139,18 @@ def test_a_width_between_whole_tiles_runs_whole_tiles_and_a_narrow_launch():
   _within_rounding("y", y, want)
 
 
-def test_rows_read_from_the_wire_give_what_their_decoding_gives(case, kernel_vjp):
+def test_rows_read_from_the_wire_give_what_quantising_them_gives(case, kernel_vjp):
   """`wire_MW`: x's e4m3 operand and row scales read from the FP8 wire's bytes (what the
-  expert exchange delivered) instead of quantising the rows they decode to: the same product,
-  dx and dW, bit for bit, and no amax or quantisation of x in the forward."""
+  expert exchange delivered) instead of quantising x: the same product bit for bit (encoding
+  quantises x per row as the kernel does), and the backward's dx and dW, which read x, too;
+  the forward never reads x (so no amax or quantising pass over it runs)."""
   x, w, sizes, g = case
-  rows = wire.e4m3_rows(jnp.bfloat16)
-  b = rows.encode(x.at[5].set(0))  # a zero row (scale 0) among them
-  x_dec = rows.decode(b)
-  f = lambda a, c, **kw: grouped_kernel.row_scaled_matmul(a, c, sizes, blocks=SMALL,
-                                                          interpret=True, **kw)
-  want, want_vjp = jax.vjp(f, x_dec, w)
-  got, got_vjp = jax.vjp(lambda a, c: f(a, c, wire_MW=b), x_dec, w)
-  for name, a, c in (("y", got, want), *zip(("dx", "dw"), got_vjp(g), want_vjp(g))):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32), name)
-  # The forward reads the bytes alone: x's values never enter it (so no pass over them runs).
-  unread = f(jnp.full_like(x_dec, jnp.nan), w, wire_MW=b)
-  np.testing.assert_array_equal(np.asarray(unread, np.float32), np.asarray(want, np.float32))
+  b = wire.e4m3_rows(jnp.bfloat16).encode(x)
+  f = lambda a, c: grouped_kernel.row_scaled_matmul(a, c, sizes, blocks=SMALL, interpret=True,
+                                                    wire_MW=b)
+  y, vjp = jax.vjp(f, x, w)
+  for name, got, want in zip(("y", "dx", "dw"), (y, *vjp(g)), kernel_vjp):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                  name)
+  unread = f(jnp.full_like(x, jnp.nan), w)
+  np.testing.assert_array_equal(np.asarray(unread, np.float32), np.asarray(y, np.float32))
