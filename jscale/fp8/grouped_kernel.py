@@ -63,12 +63,18 @@ def _product(q_MK, q_ENK, s_M1, s_EN, sizes_E, dtype, cfg: _Static) -> jax.Array
   return y * s_M1.astype(dtype) * s_MN.astype(dtype)
 
 
+def _forward(q_MK, sx_M1, w_EKN, sizes_E, dtype, cfg: _Static) -> jax.Array:
+  """The forward product of x's e4m3 rows `q_MK` (scales `sx_M1`): w quantised per column,
+  into the [E, N, K] layout wgmma reads."""
+  sw_E1N = row_scales(w_EKN, 1)
+  qw_ENK = jnp.swapaxes(scaling.quantize(w_EKN, sw_E1N, E4M3), 1, 2)
+  return _product(q_MK, qw_ENK, sx_M1, sw_E1N[:, 0], sizes_E, dtype, cfg)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _rows(x_MK, w_EKN, sizes_E, cfg: _Static):
-  sx_M1, sw_E1N = row_scales(x_MK, 1), row_scales(w_EKN, 1)
-  qw_ENK = jnp.swapaxes(scaling.quantize(w_EKN, sw_E1N, E4M3), 1, 2)
-  return _product(scaling.quantize(x_MK, sx_M1, E4M3), qw_ENK, sx_M1, sw_E1N[:, 0],
-                  sizes_E, x_MK.dtype, cfg)
+  sx_M1 = row_scales(x_MK, 1)
+  return _forward(scaling.quantize(x_MK, sx_M1, E4M3), sx_M1, w_EKN, sizes_E, x_MK.dtype, cfg)
 
 
 def _rows_fwd(x_MK, w_EKN, sizes_E, cfg):
@@ -93,10 +99,7 @@ _rows.defvjp(_rows_fwd, _rows_bwd)
 def _wire_rows(x_MK, w_EKN, sizes_E, b_MW, cfg: _Static):
   # x's e4m3 rows and scales as they came over the wire: what quantising the decoded x per
   # row gives (`jscale.fp8.wire`), without reading x. The backward reads x (dw's bf16 operand).
-  q_MK, sx_M1 = wire.split(b_MW)
-  sw_E1N = row_scales(w_EKN, 1)
-  qw_ENK = jnp.swapaxes(scaling.quantize(w_EKN, sw_E1N, E4M3), 1, 2)
-  return _product(q_MK, qw_ENK, sx_M1, sw_E1N[:, 0], sizes_E, x_MK.dtype, cfg)
+  return _forward(*wire.split(b_MW), w_EKN, sizes_E, x_MK.dtype, cfg)
 
 
 def _wire_rows_fwd(x_MK, w_EKN, sizes_E, b_MW, cfg):

@@ -84,14 +84,12 @@ class Encoded(NamedTuple):
   def astype(self, dtype) -> "Encoded":
     return Encoded(self.rows.astype(dtype), self.bytes)
 
-  def take(self, rows: Callable[[jax.Array], jax.Array],
-           index_S: jax.Array, real_S: jax.Array | None = None) -> "Encoded":
+  def take(self, rows: Callable[[jax.Array], jax.Array], index_S: jax.Array,
+           real_S: jax.Array) -> "Encoded":
     """`rows(self.rows)` (a differentiable gather of rows `index_S`), the bytes gathered
     alike (zero bytes, a zero row, where not `real_S`)."""
     b = jnp.take(self.bytes, index_S, axis=0, mode="clip")
-    if real_S is not None:
-      b = jnp.where(real_S[:, None], b, jnp.zeros((), b.dtype))
-    return Encoded(rows(self.rows), b)
+    return Encoded(rows(self.rows), jnp.where(real_S[:, None], b, jnp.zeros((), b.dtype)))
 
 
 def rows_of(x: "jax.Array | Encoded") -> jax.Array:
