@@ -114,6 +114,12 @@ class Fp8Linears:
       return None
     return grouped.row_products if self.experts_scaling == "row" else grouped.tile_products
 
+  @property
+  def expert_columns_e4m3(self) -> bool:
+    """The routed experts' forward products quantise each weight column to e4m3 (scaled per
+    row, on the kernel or in tiles: `matmul.expert_columns_e4m3`)."""
+    return EXPERTS in self.targets and self.experts_scaling == "row"
+
   def for_expert_kernel(self):
     """The routed experts' whole grouped matmul on the Hopper kernel in FP8 (scaled per row:
     `jscale.fp8.grouped_kernel`) if `targets` has them and scales them per row, else None

@@ -26,7 +26,9 @@ first phase (`phases.alongside`: its attention, with no exchange in flight); whe
 micro-batches do not run skewed nothing places it (left to XLA:GPU's scheduler, a chunk
 queued before the exchange's all-to-alls on its one collective stream made the 671B slower,
 27.97 s against 27.49, predicted), and the forward gathers each layer before its loop, `c`
-passing through as zeros. Layer 0's chunks are gathered before the scan and the top
+passing through as zeros. The forward's pieces are `chunks.forward`'s (the routed experts'
+weights as e4m3 columns where their FP8 products quantise them so: fewer bytes, the same
+values for those products). Layer 0's chunks are gathered before the scan and the top
 layer's after it for the backward (`_seeded`), each once a step and exposed; the top layer
 and layer 0 fetch themselves once more, unused. What it costs: one more gathered layer in
 memory (the one in flight; the layer's checkpoint does not keep `c`, which neither pass's
@@ -133,7 +135,7 @@ def _layer_op(trip_fn: Callable, fetch_fn: Callable | None, turns: lm.Turns, gat
     nxt = _at(stack, jnp.minimum(i + 1, depth(stack) - 1))  # the top fetches itself, unused
     return _forward_fetching(
         lambda w, part, nxt, got, t: fetch(w, part, nxt, got, t, *consts[1]),
-        chunks.assemble(c, stored), batch, turns, nxt, chunks)
+        chunks.forward.assemble(c, stored), batch, turns, nxt, chunks)
 
   def fwd(c, x, positions, stored, stack, i, consts):
     out = op(c, x, positions, stored, stack, i, consts)
@@ -185,7 +187,8 @@ def scan(fn: Callable, stacked: Any, dots: Any, x_BLD, positions, turns: lm.Turn
   fetching, fetch_consts = None, []
   if turns.skewed:
     fetch_fn, fetch_consts = jax.closure_convert(
-        lambda w, d, part, nxt, got, t: one(w, d, part, lambda: chunks.fetch(got, nxt, t)),
+        lambda w, d, part, nxt, got, t: one(w, d, part,
+                                            lambda: chunks.forward.fetch(got, nxt, t)),
         w0, dots0, batch0, first, chunks.empty(first), jnp.int32(0))
     fetching = lambda w, part, nxt, got, t, d, *cs: fetch_fn(w, d, part, nxt, got, t, *cs)
   op = _layer_op(lambda w, part, d, *cs: trip_fn(w, d, part, *cs), fetching, turns, gather,
@@ -204,7 +207,7 @@ def scan(fn: Callable, stacked: Any, dots: Any, x_BLD, positions, turns: lm.Turn
     return (c, x), stats
 
   # The forward's carry: layer 0's chunks, gathered here once (exposed), or zeros.
-  c0 = chunks.whole(first) if turns.skewed else chunks.empty(first)
+  c0 = chunks.forward.whole(first) if turns.skewed else chunks.empty(first)
   (c, x_BLD), stats = jax.lax.scan(body, (c0, x_BLD), (jnp.arange(depth), stacked, dots))
   top = jax.tree.map(lambda a: a[depth - 1], stack)
   return _seeded(chunks, top)(x_BLD, c, top), stats

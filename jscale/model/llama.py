@@ -205,6 +205,7 @@ class Llama(nnx.Module):
                dot_general: matmul.DotGeneral = jax.lax.dot_general):
     self.cfg = cfg
     self.head_dot = matmul.for_linear(dot_general, "lm_head")
+    self.expert_columns_e4m3 = matmul.expert_columns_e4m3(dot_general)
     if isinstance(self.head_dot, nnx.Module):
       raise ValueError("the head's product must be a plain function (jnp.einsum's static hook)")
     modules = dict(attention=attention, mlp=mlp, dot_general=dot_general)
@@ -269,7 +270,8 @@ class Llama(nnx.Module):
                               comms, remat, turns)
     graphdef, weights, dot_state = nnx.split(self.blocks, nnx.Param, ...)
     x_BLD, stats = run_layers(graphdef, weights, x_BLD, positions, self.cfg, comms, remat,
-                              with_stats=True, dot_state=dot_state, turns=turns)
+                              with_stats=True, dot_state=dot_state, turns=turns,
+                              e4m3_experts=self.expert_columns_e4m3)
     return x_BLD, stats, embed_VD
 
   def cached_hidden(self, tokens_BL: jax.Array, positions_BL: jax.Array,
@@ -412,7 +414,8 @@ class Llama(nnx.Module):
 def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, positions: Positions,
                cfg: ModelConfig, comms: Seam = LOCAL, remat: str = "none",
                with_stats: bool = False, dot_state=None, unroll: bool = False,
-               turns: layer_microbatches.Turns = layer_microbatches.WHOLE):
+               turns: layer_microbatches.Turns = layer_microbatches.WHOLE,
+               e4m3_experts: bool = False):
   """The blocks of `stacked` (weights with a leading layers axis: the whole stack, or one
   pipeline chunk of it) applied in order, as a scan of rematerialised layers. With
   `with_stats`, also the blocks' MoE router statistics averaged over the layers. `dot_state`:
@@ -420,7 +423,9 @@ def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, position
   weights but never gathered or cast. `unroll`: the layers as straight-line code, not a loop
   (a pipeline's forward + backward pairs, whose halves XLA can only interleave so), as
   `model.scan_layers: false` asks of every stack. `turns`: each layer runs the batch's
-  micro-batches in turn (`layer_microbatches`, `train.accumulate: layer`)."""
+  micro-batches in turn (`layer_microbatches`, `train.accumulate: layer`). `e4m3_experts`:
+  the routed experts' forward products quantise their weights per column
+  (`matmul.expert_columns_e4m3`), so a prefetching forward may gather them so."""
   dt = jnp.dtype(cfg.dtype)
   inv_freq = rope.for_model(cfg)
   depth = jax.tree.leaves(stacked)[0].shape[0]
@@ -439,7 +444,8 @@ def run_layers(block_graphdef: nnx.GraphDef, stacked, x_BLD: jax.Array, position
   layer = layer_microbatches.outer(layer, remat, turns.n, cfg)
   dots = () if dot_state is None else (dot_state,)
   stored = comms.layer_inputs(stacked)
-  chunks = comms.layer_chunks(jax.tree.map(lambda a: a[0], stored), dt, turns.trips)
+  chunks = comms.layer_chunks(jax.tree.map(lambda a: a[0], stored), dt, turns.trips,
+                              e4m3_experts)
   with jax.named_scope("layers"):
     if turns.prefetch and chunks is not None and not unroll and cfg.scan_layers:
       x_BLD, stats = layer_prefetch.scan(

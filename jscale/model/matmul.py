@@ -90,6 +90,13 @@ def for_expert_kernel(dot_general: Any) -> Any:
   return build() if build is not None else None
 
 
+def expert_columns_e4m3(dot_general: Any) -> bool:
+  """Whether the routed experts' forward products quantise each weight column to e4m3 (FP8
+  experts scaled per row, `dot_general`'s `expert_columns_e4m3`): then the forward may gather
+  the weights so (`jscale.fp8.weight_columns`), the values its products take."""
+  return bool(getattr(dot_general, "expert_columns_e4m3", False))
+
+
 def on_seam(dot_general: Any, seam: Any) -> DotGeneral:
   """A layer's product as a plain dot_general for one call: a product that reduces over the
   devices holding its operands' shards (FP8's amaxes; it has `on(seam)`) is bound to the seam."""

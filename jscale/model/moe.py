@@ -24,7 +24,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jscale.config import ModelConfig
-from jscale.model import matmul, moe_gemm, phases, router
+from jscale.model import matmul, moe_dispatch, moe_gemm, phases, router
 from jscale.model.layers import einsum, param
 from jscale.model.moe_dispatch import ExpertWeights
 from jscale.model.seam import GATHERED, Seam
@@ -72,7 +72,7 @@ def gate_up_param(rngs: nnx.Rngs, e: int, d: int, f: int, std: float, dtype) -> 
   gate, up = (param(rngs, (e, d, f), ("experts", "embed", "mlp"), std, dtype)[...]
               for _ in range(2))
   return nnx.Param(jnp.stack([gate, up], axis=2),
-                   out_sharding=("experts", "embed", "gate_up", "mlp"), eager_sharding=False)
+                   out_sharding=moe_dispatch.GATE_UP_AXES, eager_sharding=False)
 
 
 class MoE(nnx.Module):
@@ -94,7 +94,7 @@ class MoE(nnx.Module):
       setattr(self, router.BIAS, nnx.Param(jnp.zeros((e,), jnp.float32),
                                            out_sharding=("expert_bias",), eager_sharding=False))
     self.w_gate_up = gate_up_param(rngs, e, d, f, std, pd)
-    self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), std, pd)
+    self.w_down = param(rngs, (e, f, d), moe_dispatch.DOWN_AXES, std, pd)
     if m.shared_d_ff:
       fs = m.shared_d_ff
       self.shared_gate = param(rngs, (d, fs), ("embed", "mlp"), std, pd)

@@ -25,6 +25,13 @@ from jax.ad_checkpoint import checkpoint_name
 from jscale.model import matmul
 from jscale.model.moe_gemm import GroupedDot
 
+# The routed experts' weight stacks by their logical axes: [E, K, ...N], each product contracting
+# dim 1 (K). ZeRO-3's forward pieces may carry them as e4m3 columns under FP8 experts scaled per
+# row (`jscale.parallel.zero_prefetch.Chunked.forward`).
+GATE_UP_AXES = ("experts", "embed", "gate_up", "mlp")
+DOWN_AXES = ("experts", "mlp", "embed")
+ROUTED_WEIGHT_AXES = (GATE_UP_AXES, DOWN_AXES)
+
 
 class ExpertWeights(NamedTuple):
   """SwiGLU experts stacked on a leading expert dim (all experts, or this device's): gate and

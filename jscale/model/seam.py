@@ -56,6 +56,12 @@ class LayerChunks(Protocol):
     """The gathered layer from every piece."""
     ...
 
+  @property
+  def forward(self) -> LayerChunks:
+    """The pieces the forward gathers into the same buffer: values only its products read
+    may travel narrower (the routed experts' e4m3 columns); itself where none do."""
+    ...
+
 
 class Seam:
   """One device: no communication. Parallel layouts override the operations they need."""
@@ -123,10 +129,13 @@ class Seam:
     del depth
     return self.gather_params(layer, dtype)
 
-  def layer_chunks(self, layer: Any, dtype: Any, chunks: int) -> LayerChunks | None:
+  def layer_chunks(self, layer: Any, dtype: Any, chunks: int,
+                   e4m3_experts: bool = False) -> LayerChunks | None:
     """ZeRO-3's `gather_layer` of one slice of `layer_inputs` in `chunks` pieces, where the
-    layout gathers layers by hand; None elsewhere."""
-    del layer, dtype, chunks
+    layout gathers layers by hand; None elsewhere. `e4m3_experts`: the routed experts'
+    forward products quantise their weights per column (`matmul.expert_columns_e4m3`), so
+    the forward's pieces may carry them so (`LayerChunks.forward`)."""
+    del layer, dtype, chunks, e4m3_experts
     return None
 
   # ---------------------------------------------------------------- attention (CP)

@@ -34,6 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jscale.model.moe_dispatch import ROUTED_WEIGHT_AXES
 from jscale.model.seam import GATHERED
 from jscale.optim import global_norm, sumsq
 from jscale.parallel import major
@@ -404,13 +405,15 @@ class ManualZero:
       return self.gather_params(layer, dtype)
     return self._gather(layer, dtype, lambda x, dim: major.all_gather(x, "fsdp", dim))
 
-  def layer_chunks(self, layer: Any, dtype: Any, chunks: int) -> Chunked | None:
+  def layer_chunks(self, layer: Any, dtype: Any, chunks: int,
+                   e4m3_experts: bool = False) -> Chunked | None:
     if self.zero < 3 or self.fsdp == 1 or self.stored is not None:
       return None
-    names = lambda v: tuple(n for n in v.get_metadata()["out_sharding"] if n != "layers")
-    dims = tuple(self.dim_by_names[names(v)] for v in jax.tree.leaves(
-        layer, is_leaf=lambda x: isinstance(x, nnx.Variable)))
-    return Chunked(dims, dtype, chunks, "fsdp", self.fsdp)
+    names = [tuple(n for n in v.get_metadata()["out_sharding"] if n != "layers")
+             for v in jax.tree.leaves(layer, is_leaf=lambda x: isinstance(x, nnx.Variable))]
+    e4m3 = tuple(e4m3_experts and n in ROUTED_WEIGHT_AXES for n in names)
+    return Chunked(tuple(self.dim_by_names[n] for n in names), dtype, chunks, "fsdp",
+                   self.fsdp, e4m3)
 
   def grad_target(self, params: Any) -> tuple[Any, Any]:
     if not self._zero2():

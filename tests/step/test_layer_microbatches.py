@@ -147,10 +147,10 @@ PREFETCH_671B_LIKE = ("mesh.data=1", "mesh.fsdp=2", "mesh.expert=4", "parallel.z
 @functools.lru_cache(maxsize=None)
 def _prefetched() -> tuple[str, str]:
   """(the lowered HLO, the compiled HLO) of the train step on the 671B's layout in small with
-  `parallel.prefetch_layers`, 1 dense and 2 MoE layers (XLA:CPU's program: the hand-written
-  collectives are the same ops on any backend)."""
+  `parallel.prefetch_layers`, 1 dense and 2 MoE layers, the routed experts in FP8 scaled per
+  row (XLA:CPU's program: the hand-written collectives are the same ops on any backend)."""
   cfg = deepseek_case.config(*PREFETCH_671B_LIKE, "train.microbatches=4", "train.batch_size=32",
-                             "train.remat=full", "model.moe.receive_factor=1.25")
+                             "train.remat=full", "model.moe.receive_factor=1.25", *FP8_EXPERTS)
   rt = runtime.build(cfg)
   lowered = rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(cfg))
   return lowered.as_text(dialect="hlo"), introspect.compile_as_launched(lowered, rt).as_text()
@@ -160,31 +160,44 @@ def test_skewed_forward_gathers_each_layer_in_the_trips_of_the_layer_before():
   """With the micro-batches skewed, the forward fetches each layer likewise, a chunk a trip of
   the layer before's loop beside its first phase (`phases.alongside`): inside the forward's
   layer loop one all-gather (of all the layer's weights) per MoE layer and trip, 2 x 2 here,
-  and outside it layer 0's chunks, once; no weight gathered alone."""
-  forward = [c for c in hlo.collectives(_prefetched()[1])
-             if c.kind == "all-gather" and c.group_size == 2 and "/layers/" in (c.op_name or "")
-             and "transpose" not in c.op_name]
+  and outside it layer 0's chunks, once; no weight gathered alone. Its pieces carry the routed
+  experts' weights as e4m3 columns (`Chunked.forward`): fewer bytes than the backward's."""
+  pieces = [c for c in hlo.collectives(_prefetched()[1])
+            if c.kind == "all-gather" and c.group_size == 2 and "/layers/" in (c.op_name or "")]
+  forward = [c for c in pieces if "transpose" not in c.op_name]
   assert sorted((c.in_while, c.executions) for c in forward) == [(False, 1), (True, 2 * 2)], [
       (c.op_name, c.executions) for c in forward]
+  # (a trip's piece and layer 0's whole, each against the backward's same: the tiny
+  # DeepSeek's routed experts are ~half a layer's weights, so ~3/4 of the bytes)
+  backward = sorted({c.bytes for c in pieces if "transpose" in c.op_name})
+  ratios = [f / b for f, b in zip(sorted({c.bytes for c in forward}), backward)]
+  assert len(ratios) == 2 and all(0.7 < r < 0.8 for r in ratios), (forward, backward)
 
 
 def test_no_zero_rows_lifted_out_of_the_prefetched_layers():
   """No zero of the exchange's rows is made from a constant alone (`jscale.model.zeros`):
   under the layer's custom VJP JAX lifts those out of the layer loops, and XLA materialises
   them (6.9 GiB per device on the 671B at 1,024 H100s). A `where` whose one operand is a
-  constant is such a zero; none may be row-wide (the model's width, 64 here)."""
+  constant is such a zero; none may be rows of the model's width (64 here). (An FP8 expert's
+  per-column scales, [E, 1, 64], are one row an expert: `scaling.scale_for`'s where.)"""
   lifted = re.findall(r"= (?:f32|bf16)\[([\d,]+)\]\S* call\(%?constant[.\d]*\), "
                       r"to_apply=%?_where", _prefetched()[0])
-  assert [s for s in lifted if s.split(",")[-1] == "64"] == [], lifted
+  rows = [s for s in lifted if s.split(",")[-1] == "64" and s.split(",")[-2:-1] != ["1"]]
+  assert rows == [], lifted
+
+
+FP8_EXPERTS = ("fp8.enabled=true", "fp8.recipe=current", "fp8.targets=[experts]",
+               "fp8.experts_scaling=row")
 
 
 def test_prefetched_backward_trains_as_one_device():
   """The layer scan's backward by hand (`parallel.prefetch_layers`, and the skewed forward's
   fetches) on the 671B's layout in small (ZeRO-3 x EP, node-limited, 4 micro-batches two
-  side by side and skewed, layer inputs on the host): two steps' loss and gradient norm
-  against one device."""
+  side by side and skewed, layer inputs on the host, the routed experts in FP8 scaled per
+  row, so the forward's pieces carry their weights as e4m3 columns): two steps' loss and
+  gradient norm against one device."""
   numerics = (*deepseek_case.DS, "train.microbatches=4", "train.batch_size=32",
-              "train.remat=full_offload")
+              "train.remat=full_offload", *FP8_EXPERTS)
   want = parity.reference(*numerics)[:2]
   got = parity.losses((*PREFETCH_671B_LIKE, *numerics), jax.devices(), steps=2)
   np.testing.assert_allclose(got, want, rtol=1e-4)
