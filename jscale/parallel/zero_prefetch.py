@@ -87,8 +87,8 @@ class Chunked:
   def empty(self, layer: Any) -> jax.Array:
     """The [r, N, c] buffer the trips fill (zeros): the backward's pieces fill it whole, the
     forward's in part."""
-    return jnp.zeros((self.chunks, self.n, dataclasses.replace(self, for_forward=False)
-                      ._width(layer)), self.dtype)
+    bf16 = dataclasses.replace(self, for_forward=False)  # the pieces that fill it whole
+    return jnp.zeros((self.chunks, self.n, bf16._width(layer)), self.dtype)
 
   def fetch(self, got_RNC: jax.Array, layer: Any, t: jax.Array) -> jax.Array:
     """`got_RNC` with chunk `t` of `layer` (its stored shards) gathered into it."""
