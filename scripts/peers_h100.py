@@ -12,7 +12,8 @@ BF16 peak, the peer's from its tok/s.
         # a layout given by hand in place of the planner's pick, said so in the table
 
 Writes a table per family (dense, MoE) with the commit that predicted it, keeping the other
-family's table as it was; the predictions are predictions.
+family's table as it was, and a family's rows `--only` does not name as they were (its header
+says when they were predicted); the predictions are predictions.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -194,6 +196,21 @@ def _sections(path: str) -> dict[str, list[str]]:
           if f in TITLES and any(x.startswith("|") for x in lines)}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+  rows: dict[str, str]  # a peer's configuration (`Peer.what`) -> its table line
+  note: str  # when they were predicted, as the table said
+
+
+def _kept(section: list[str], peers: list) -> _Kept:
+  """The table lines of `peers` in a family's existing `section` (an `--only` that names some
+  of the family's rows keeps the others), and the header's words on when they were predicted."""
+  rows = {p.what: line for line in section for p in peers if line.startswith(f"| {p.what} |")}
+  header = next((line for line in section if line.startswith("**")), "")
+  when = re.search(r"[Pp]redicted at (\w+)", header)
+  return _Kept(rows, f"predicted at {when.group(1)}" if when else "predicted earlier")
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--only", default="", help="comma-separated keys: " +
@@ -231,11 +248,16 @@ def main() -> None:
   sections = _sections(path)
   for family, title in TITLES.items():
     peers = [p for p in PEERS if p.family == family and (not keys or p.key in keys)]
-    if peers:
-      sections[family] = ["", f"**{title}** {how[0].upper()}{how[1:]}.", "", *HEADER,
-                          *(_line(given_row(p, given) if given else
-                                  row(p, args.rank_compiled, modes, args.guided))
-                            for p in peers)]
+    if not peers:
+      continue
+    lines = {p.what: _line(given_row(p, given) if given else
+                           row(p, args.rank_compiled, modes, args.guided)) for p in peers}
+    kept = _kept(sections.get(family, []), [p for p in PEERS if p.family == family and
+                                            p.what not in lines])
+    note = (f" (the rows not run again as before: {kept.note})" if kept.rows else "")
+    sections[family] = ["", f"**{title}** {how[0].upper()}{how[1:]}{note}.", "", *HEADER,
+                        *(lines.get(p.what) or kept.rows[p.what] for p in PEERS
+                          if p.what in lines or p.what in kept.rows)]
   lines = [INTRO]
   for family in TITLES:
     if family in sections:
