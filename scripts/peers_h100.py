@@ -250,14 +250,14 @@ def main() -> None:
     peers = [p for p in PEERS if p.family == family and (not keys or p.key in keys)]
     if not peers:
       continue
-    lines = {p.what: _line(given_row(p, given) if given else
+    fresh = {p.what: _line(given_row(p, given) if given else
                            row(p, args.rank_compiled, modes, args.guided)) for p in peers}
     kept = _kept(sections.get(family, []), [p for p in PEERS if p.family == family and
-                                            p.what not in lines])
+                                            p.what not in fresh])
     note = (f" (the rows not run again as before: {kept.note})" if kept.rows else "")
     sections[family] = ["", f"**{title}** {how[0].upper()}{how[1:]}{note}.", "", *HEADER,
-                        *(lines.get(p.what) or kept.rows[p.what] for p in PEERS
-                          if p.what in lines or p.what in kept.rows)]
+                        *(fresh.get(p.what) or kept.rows[p.what] for p in PEERS
+                          if p.what in fresh or p.what in kept.rows)]
   lines = [INTRO]
   for family in TITLES:
     if family in sections:
