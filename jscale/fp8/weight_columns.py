@@ -70,11 +70,6 @@ def decode(words: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Arr
   return q, s.reshape(scales)
 
 
-def dequantize(q: jax.Array, s: jax.Array, dtype) -> jax.Array:
-  """w' = q·s in `dtype` (exact: e4m3 times a power of two fits bf16 and wider)."""
-  return scaling.dequantize(q, s, dtype)
-
-
 def per_column(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(e4m3, scales) of a whole leaf quantised as the forward's product does: the reference
   `encode` / `decode` across devices must agree with."""

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jscale.fp8 import weight_columns
+from jscale.fp8 import scaling, weight_columns
 from jscale.parallel import major
 
 
@@ -118,7 +118,8 @@ class Chunked:
         # Split along K every device's scales are the same (their amaxes' max); else each
         # covers its own columns.
         s = s_N[0] if d == weight_columns.K_DIM else major.unsplit(s_N, d)
-        out.append(weight_columns.dequantize(major.unsplit(q_N, d), s, self.dtype))
+        # w' = q·s: exact in bf16 (e4m3 times a power of two)
+        out.append(scaling.dequantize(major.unsplit(q_N, d), s, self.dtype))
       else:
         words = math.prod(x.shape)
         out.append(major.unsplit(flat_NF[:, off:off + words].reshape(self.n, *x.shape), d))

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jscale.fp8 import weight_columns
+from jscale.fp8 import scaling, weight_columns
 from jscale.parallel.zero_prefetch import Chunked
 
 N, E, D, F = 4, 2, 16, 6
@@ -74,9 +74,9 @@ def test_forward_pieces_give_what_the_fp8_product_takes():
     got = _gathered(_chunked().forward, at_once)
     for k in ("gate_up", "down"):
       w = layer[k].astype(DT)
-      taken = weight_columns.dequantize(*weight_columns.per_column(w), jnp.float32)
+      taken = scaling.dequantize(*weight_columns.per_column(w), jnp.float32)
       np.testing.assert_array_equal(got[k].astype(jnp.float32), taken, err_msg=k)
-      again = weight_columns.dequantize(*weight_columns.per_column(got[k]), jnp.float32)
+      again = scaling.dequantize(*weight_columns.per_column(got[k]), jnp.float32)
       np.testing.assert_array_equal(again, taken, err_msg=k)
     np.testing.assert_array_equal(got["wq"], layer["wq"].astype(DT))
 
