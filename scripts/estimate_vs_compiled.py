@@ -87,11 +87,12 @@ def done_keys() -> set[str]:
 
 
 def _key(case: str, lay: Layout) -> str:
-  """A stored row's key: the case and the layout's fields (the fp32 moments of the rows stored
-  before `Layout.moments` existed left out, so their keys still match)."""
+  """A stored row's key: the case and the layout's fields (the defaults of fields added since
+  the first rows were stored left out, so their keys still match)."""
   fields = dataclasses.asdict(lay)
-  if fields["moments"] == "float32":
-    del fields["moments"]
+  for name, default in (("moments", "float32"), ("collectives", "xla"), ("overlap", False)):
+    if fields[name] == default:
+      del fields[name]
   return f"{case} {json.dumps(fields, sort_keys=True)}"
 
 
@@ -148,7 +149,7 @@ WINDOWS = np.round(np.arange(0.0, 0.76, 0.01), 2)
 REGATHER_FROM = np.round(np.arange(0.5, 0.96, 0.05), 2)
 # fitted on a grid or outside the sweep (`cost.Exposure`)
 NOT_SHARES = ("zero3_window", "regather_from", "host_offload", "pipeline_pace",
-              "split_backward")
+              "split_backward", "paired")
 
 
 def _fit_shares(flat: list, passes: busy.Fit, window: float, regather_from: float

@@ -68,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--compile-budget-s", type=float, default=900.0, metavar="S",
                  help="--verify compiles no further layout once this many seconds have gone")
   p.add_argument("--collectives", choices=("xla", "manual", "both"), default="xla",
-                 help="parallel.collectives of the --verify compiles (both: each layout in "
+                 help="parallel.collectives of the --verify compiles of the layouts that run in "
+                 "either (manual ones compile in manual; both: each layout in "
                  "each mode; with --rank compiled the faster program of the two ranks)")
   p.add_argument("--schedule-costs", choices=("default", "predicted", "both"),
                  default="default", help="parallel.schedule_costs of the --verify compiles "
@@ -176,7 +177,10 @@ def _compile(rows, args, gpu, devices) -> list[dict]:
   --compile-budget-s has gone (the rest are said to be left out)."""
   from jscale.plan import verify
   start, out = time.monotonic(), []
-  todo = [(row, mode, costs, scan) for row in rows for mode in MODES[args.collectives]
+  # a layout that needs the hand-written collectives (`Layout.collectives`) compiles in manual
+  todo = [(row, mode, costs, scan) for row in rows
+          for mode in (("manual",) if row.layout.collectives == "manual"
+                       else MODES[args.collectives])
           for costs in COSTS[args.schedule_costs] for scan in SCANS[args.scan_layers]]
   for i, (row, mode, costs, scan) in enumerate(todo):
     if i and time.monotonic() - start > args.compile_budget_s:  # the first always compiles

@@ -12,7 +12,9 @@ and a pipeline's pace.
   prefetched behind a fitted share of the busy time, their reduce-scatters and TP's
   activation collectives sit on the critical path (`Exposure`: the shares the compiled
   programs leave exposed); EP and pipeline transfers whole; the context-parallel ring
-  overlaps its block attention.
+  overlaps its block attention. Paired (`Layout.overlap`), the layer loops' gathers,
+  reduce-scatters and expert exchange hide behind the other micro-batch's compute but for a
+  share (`Exposure.paired`).
 - pace: a pipelined step's executed ticks over its work (`pipeline_pace`).
 """
 
@@ -67,6 +69,12 @@ class Exposure:
   # offload rows also run ZeRO-3 and TP)
   host_offload: float = 0.87
   pipeline_pace: float = 0.993
+  # DeepSeek-V3's pairing (`Layout.overlap`): the share of the layer loops' transfers (ZeRO-3's
+  # gathers and reduce-scatters, the expert exchange) that the other micro-batch's compute
+  # leaves exposed, what exceeds the step's busy time exposed whole. Not fitted on the sweep:
+  # one compiled program's exposed collectives over those transfers' time (DeepSeek-V3 671B on
+  # 1,024 H100s, fsdp 16 x expert 64, 2175fb4: 2.54 s of 13.04; results/planner_paired.md)
+  paired: float = 0.195
   # each W run as an op of its own (a split backward) costs this much more of a tick: the
   # executor's B and W branches each take the chunk's backward apart (ZB-H1, ZB-V)
   split_backward: float = 0.629
@@ -86,7 +94,8 @@ class Transfer:
   # What it can hide behind: "step" (the context-parallel ring's hops), "backward"
   # (per-micro-batch gradient reduce-scatters), "last backward" (the once-per-step gradient
   # reduction: inside the backward with one micro-batch, after the accumulation loop with
-  # more, where the compiled programs show it whole), "" (on the critical path).
+  # more, where the compiled programs show it whole), "paired" (the other micro-batch's
+  # compute: `Layout.overlap`), "" (on the critical path).
   overlap: str
   share: str = ""  # on the critical path: the `Exposure` field of its exposed share ("": all)
 
@@ -137,12 +146,18 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
       # embedding and head once (their backward follows at once), per micro-batch
       # Prefetched (`Exposure.zero3_window`); each layer's gradient reduce-scatter is waited
       # for in its own loop iteration: on the critical path, whole.
+      # Paired (`Layout.overlap`), both run inside the layers' micro-batch loops, beside the
+      # trips' compute, and each trip (two micro-batches) reduce-scatters its own gradient.
+      trips = lay.accum // 2 if lay.overlap else 1
+      gathers = (("paired", "paired") if lay.overlap else
+                 ("prefetch", "zero3_gathers_full" if lay.rematerialised else
+                  {"none": "zero3_gathers_none"}.get(lay.remat, "zero3_gathers")))
       out.append(Transfer("fsdp", "ZeRO-3 weight all-gathers, forward and backward", "all-gather",
                           (2 * layer_psi + other_psi) * c * lay.step_accum, nodes("fsdp"),
-                          "prefetch", "zero3_gathers_full" if lay.rematerialised else
-                          {"none": "zero3_gathers_none"}.get(lay.remat, "zero3_gathers")))
+                          *gathers))
       out.append(Transfer("fsdp", "ZeRO-3 gradient reduce-scatter (the gather's transpose)",
-                          "reduce-scatter", psi * c * lay.step_accum, nodes("fsdp"), ""))
+                          "reduce-scatter", psi * c * lay.step_accum * trips, nodes("fsdp"),
+                          *(("paired", "paired") if lay.overlap else ("",))))
     else:
       two = lay.zero_stage == 2  # ZeRO-2 reduces each micro-batch's gradient in its backward
       out.append(Transfer("fsdp", f"ZeRO-{lay.zero_stage} gradient reduce-scatter",
@@ -180,7 +195,7 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
   if lay.sequence > 1:
     out.append(_context_transfer(model, lay, tokens, layers, nodes("sequence")))
   if lay.expert > 1 and model.moe is not None:
-    out.append(_expert_transfer(model, model.moe, lay, tokens, nodes("expert")))
+    out += _expert_transfer(model, model.moe, lay, tokens, nodes("expert"))
   if lay.stage > 1:
     # Every tick of the executed schedule sends on each of its channels, one activation-sized
     # message each (jscale's shard_map program: idle ticks send too): an activation forward
@@ -197,9 +212,11 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
 
 
 def _expert_transfer(model: ModelConfig, moe: MoeConfig, lay: Layout, tokens: int, nodes: int
-                     ) -> Transfer:
+                     ) -> list[Transfer]:
   """The expert exchange per device (`moe`: `model`'s): each MoE layer's dispatch and combine,
-  forward and backward, a row per routed assignment."""
+  forward and backward, a row per routed assignment; the node-limited exchange's rows cross
+  nodes once per token and chosen group (its first hop, relayed by the node's device at that
+  place: `expert_exchange.node_limited_exchange`), then reach their experts inside the node."""
   c = jnp.dtype(model.dtype).itemsize
   moe_layers = model.stack_layers / lay.stage // moe.every + (
       model.mtp.depth if model.mtp is not None else 0)
@@ -209,9 +226,16 @@ def _expert_transfer(model: ModelConfig, moe: MoeConfig, lay: Layout, tokens: in
   row = lambda dtype: model.d_model + 4 if dtype == "e4m3" else model.d_model * c
   passes = (row(moe.dispatch_dtype) + row(moe.dispatch_grad_dtype) + row(moe.combine_dtype)
             + row(moe.combine_grad_dtype))
+  over = ("paired", "paired") if lay.overlap else ("", "")
   # The buffer's own slice stays put, but volumes omit the (n-1)/n factor throughout.
-  return Transfer("expert", "token dispatch + combine all-to-all, fwd and bwd", "all-to-all",
-                  moe_layers * tokens * moe.top_k * passes, nodes, "")
+  if moe.exchange == "node_limited" and lay.collectives == "manual" and nodes > 1:
+    return [Transfer("expert", "node-limited exchange across nodes, fwd and bwd", "all-to-all",
+                     moe_layers * tokens * moe.topk_group * passes, nodes, *over),
+            Transfer("expert", "node-limited exchange inside the node, fwd and bwd",
+                     "all-to-all", moe_layers * tokens * moe.top_k * passes,
+                     max(1, nodes // moe.n_group), *over)]  # a group past a node spans more
+  return [Transfer("expert", "token dispatch + combine all-to-all, fwd and bwd", "all-to-all",
+                   moe_layers * tokens * moe.top_k * passes, nodes, *over)]
 
 
 def _context_transfer(model: ModelConfig, lay: Layout, tokens: int, layers: float,
@@ -268,7 +292,7 @@ def exposed(ts: list[Transfer], busy_s: float, accum: int,
   device's usable memory taken (XLA's remat pass near the limit)."""
   backward = busy_s * 2 / 3
   windows = {"step": busy_s, "backward": backward, "prefetch": busy_s * exposure.zero3_window,
-             "last backward": backward if accum == 1 else 0.0}
+             "last backward": backward if accum == 1 else 0.0, "paired": busy_s}
   inside = prefetch_inside(ts, windows["prefetch"])
   out = sum(t.exposed_seconds(exposure) * (inside if t.overlap == "prefetch" else 1.0)
             for t in ts)

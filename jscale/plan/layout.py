@@ -14,10 +14,17 @@ from typing import Iterator
 from jscale.config import Config, ModelConfig
 from jscale.mesh import AXES
 from jscale.parallel.pipeline import schedules
+from jscale.validate.deepseek import node_limited_why_not
 from jscale.validate.on_mesh import context_why_not, xla_layout_why_not
 
 REMATS = ("none", "selective", "offload", "full")
 MICRO_BATCHES = (1, 2, 4, 8, 16)
+# DeepSeek-V3's pairing (`Layout.overlap`): each layer runs two micro-batches side by side, one
+# a phase behind the other, so that one's expert exchange runs beside the other's compute; each
+# trip reduce-scatters its gradient and gathers the next layer's weights in chunks
+# (docs/parallelism.md, "Overlapping the expert exchange").
+OVERLAP = ("parallel.overlap_microbatches=2", "parallel.overlap_skew=true",
+           "parallel.scatter_each_trip=true", "parallel.prefetch_layers=true")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +46,10 @@ class Layout:
   moments: str = "float32"  # train.moments_dtype (a choice the planner is given, not a lever)
   context: str = "ring"  # parallel.context_impl with sequence > 1: ring | ulysses
   accumulate: str = "step"  # train.accumulate: step | layer (`layer_microbatches`)
+  # parallel.collectives: manual where the layout needs jscale's hand-written collectives (the
+  # node-limited expert exchange, `overlap`), else xla
+  collectives: str = "xla"
+  overlap: bool = False  # DeepSeek-V3's pairing (`OVERLAP`)
 
   @property
   def step_accum(self) -> int:
@@ -101,6 +112,10 @@ class Layout:
       out.append(f"train.microbatches={self.accum}")
     if self.accumulate != "step":
       out.append(f"train.accumulate={self.accumulate}")
+    if self.collectives != "xla":
+      out.append(f"parallel.collectives={self.collectives}")
+    if self.overlap:
+      out += OVERLAP
     return out
 
   def describe(self) -> str:
@@ -117,9 +132,10 @@ class Layout:
       v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
       parts[[p.startswith("stage") for p in parts].index(True)] += f"({self.schedule}{v})"
     moments = "" if self.moments == "float32" else f" {self.moments} moments"
-    turns = "" if self.accumulate == "step" else f" ({self.accumulate})"
+    turns = "" if self.accumulate == "step" else f" ({self.accumulate}{', paired' * self.overlap})"
+    manual = " manual" if self.collectives == "manual" else ""
     return (" ".join(parts or ["1 device"]) + f" mbs{self.mbs}x{self.accum}{turns} {self.remat}"
-            + moments)
+            + moments + manual)
 
 
 def layout_of(cfg: Config, sizes: dict[str, int]) -> Layout:
@@ -133,7 +149,15 @@ def layout_of(cfg: Config, sizes: dict[str, int]) -> Layout:
                 virtual_stages=cfg.pipeline.virtual_stages, remat=t.remat,
                 mbs=t.batch_size // ways // accum, accum=accum, moments=t.moments_dtype,
                 context=cfg.parallel.context_impl if sizes["sequence"] > 1 else "ring",
-                accumulate=t.accumulate)
+                accumulate=t.accumulate, collectives=cfg.parallel.collectives,
+                overlap=paired(cfg))
+
+
+def paired(cfg: Config) -> bool:
+  """Whether `cfg` runs every lever of `OVERLAP` (where it takes effect)."""
+  p = cfg.parallel
+  return (p.overlap_microbatches == 2 and p.overlap_skew and p.prefetches_layers
+          and cfg.train.layer_microbatches > 1)
 
 
 def _factorizations(n: int, k: int) -> Iterator[tuple[int, ...]]:
@@ -151,8 +175,9 @@ def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
                gpus_per_node: int = 8, max_tensor: int | None = None,
                moments: str = "float32") -> Iterator[Layout]:
   """Every layout of `devices` that jscale can run for `model` at `batch` sequences of `seq`
-  tokens per step (the divisibility rules of `validate.check_mesh` / `_check_pipeline`), with
-  Adam's moments stored in `moments` (`train.moments_dtype`)."""
+  tokens per step (the divisibility rules of `validate.check_mesh` / `_check_pipeline`, in the
+  collectives mode it needs: `_collectives`), with Adam's moments stored in `moments`
+  (`train.moments_dtype`); where DeepSeek-V3's pairing applies, each also paired (`_pairs`)."""
   moe = model.moe is not None
   max_tensor = max_tensor or gpus_per_node
   heads = (model.n_heads, model.n_kv_heads, model.d_ff, model.vocab_size)
@@ -174,9 +199,10 @@ def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
       for zero in ((1, 2, 3) if fsdp > 1 else (0,)):
         if stage > 1 and zero > 2:
           continue
-        # what validate refuses in xla mode (the default) is not offered
         sizes = dict(data=data, stage=stage, fsdp=fsdp, expert=expert, tensor=tensor)
-        if xla_layout_why_not(sizes, zero, sp, moe) is not None:
+        mode = _collectives(model, expert)
+        # what validate refuses in the mode the layout runs in is not offered
+        if mode is None or (mode == "xla" and xla_layout_why_not(sizes, zero, sp, moe)):
           continue
         for pipe in _pipelines(model, stage):
           for mbs in MICRO_BATCHES:
@@ -185,13 +211,34 @@ def candidates(model: ModelConfig, devices: int, seq: int, batch: int,
             accum = per_device // mbs
             if stage > 1 and not _schedule_ok(pipe, stage, accum):
               continue
-            if stage == 1 and xla_layout_why_not(sizes, zero, sp, moe, model.tie_embeddings,
-                                                 accum) is not None:
+            if mode == "xla" and stage == 1 and xla_layout_why_not(
+                sizes, zero, sp, moe, model.tie_embeddings, accum) is not None:
               continue
             for remat, turns in _rematerialisations(stage, zero, accum):
               for context in _contexts(model, sequence, tensor):
-                yield Layout(data, stage, fsdp, expert, sequence, tensor, zero, sp,
-                             pipe[0], pipe[1], remat, mbs, accum, moments, context, turns)
+                lay = Layout(data, stage, fsdp, expert, sequence, tensor, zero, sp, pipe[0],
+                             pipe[1], remat, mbs, accum, moments, context, turns, mode)
+                yield lay
+                if _pairs(model, lay):
+                  yield dataclasses.replace(lay, collectives="manual", overlap=True)
+
+
+def _collectives(model: ModelConfig, expert: int) -> str | None:
+  """The parallel.collectives a layout with `expert` devices on mesh.expert runs in: manual
+  for the node-limited exchange (None where its groups cannot tile the axis), else xla."""
+  moe = model.moe
+  if moe is None or moe.exchange != "node_limited" or expert == 1:
+    return "xla"
+  return None if node_limited_why_not(moe, "manual", expert) else "manual"
+
+
+def _pairs(model: ModelConfig, lay: Layout) -> bool:
+  """Whether `lay` can also run DeepSeek-V3's pairing (`OVERLAP`'s conditions: two of the
+  layers' micro-batches side by side, the hand-written dropless exchange to skew by, manual
+  ZeRO-3 to reduce-scatter each trip and prefetch in the trips)."""
+  return (model.moe is not None and model.moe.dispatch == "dropless" and lay.expert > 1
+          and lay.stage == 1 and lay.zero_stage == 3 and lay.fsdp > 1
+          and lay.accumulate == "layer" and lay.accum % 2 == 0)
 
 
 def _rematerialisations(stage: int, zero: int, accum: int) -> list[tuple[str, str]]:

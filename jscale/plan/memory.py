@@ -70,10 +70,11 @@ class Memory:
   # transients at the peak: the loss's logits, or in the backward a recomputed layer, gathered
   # weights and a vocabulary-sized gradient in the making
   workspace: float
+  exchange: float = 0.0  # a paired layout's expert exchange buffers (`exchange_buffers`)
 
   @property
   def total(self) -> float:
-    return self.params + self.grads + self.optimizer + self.activations + self.workspace
+    return sum(self.terms().values())
 
   def terms(self) -> dict[str, float]:
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -178,14 +179,21 @@ def layer_activation_bytes(model: ModelConfig, lay: Layout, tokens: int, remat: 
 
 def receive_ratio(model: ModelConfig, lay: Layout, tokens: int) -> float:
   """Rows the routed experts run on per routed assignment of a device's `tokens`: with experts
-  over `expert` (dropless, flat exchange), manual EP's receive buffer, `lay.expert` blocks of
+  over `expert` (dropless), manual EP's receive buffer, `lay.expert` blocks of
   `expert_exchange.receive_rows` (up to `lay.expert` times the T·k assignments; about
-  `model.moe.receive_factor` times them when it bounds the blocks); 1 otherwise."""
+  `model.moe.receive_factor` times them when it bounds the blocks); the node-limited
+  exchange's second hop, the node's devices' blocks over the first hop's padded rows
+  (`expert_exchange.node_limited_phases`); 1 otherwise."""
   moe, n = model.moe, lay.expert
-  if moe is None or n == 1 or moe.dispatch != "dropless" or moe.exchange != "flat":
+  if moe is None or n == 1 or moe.dispatch != "dropless":
     return 1.0
-  k = moe.top_k
-  rows = n * expert_exchange.receive_rows(tokens, k, moe.n_experts // n, n, moe.receive_factor)
+  k, e_l, f = moe.top_k, moe.n_experts // n, moe.receive_factor
+  if moe.exchange == "flat":
+    rows = n * expert_exchange.receive_rows(tokens, k, e_l, n, f)
+  else:  # node-limited: hop 2 inside a node of m devices, from hop 1's n_group blocks
+    m = n // moe.n_group
+    relayed = moe.n_group * expert_exchange.node_rows(tokens, moe.topk_group, moe.n_group, f)
+    rows = m * expert_exchange.receive_rows(relayed, k, e_l, m, f, share_tokens=tokens)
   return rows / (tokens * k)
 
 
@@ -345,10 +353,11 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   vocab = vocab_gradient_bytes(model, lay)
   vocab_weight = vocab * jnp.dtype(model.dtype).itemsize / 4
   backward = vocab_weight
-  if lay.remat != "none":
-    backward += 0.5 * layer_activation_bytes(model, lay, tokens, "none")
+  sides = 2 if lay.overlap else 1  # paired: two micro-batches recomputed side by side, and
+  if lay.remat != "none":  # the layer after's weights gathered in the loop's trips
+    backward += 0.5 * sides * layer_activation_bytes(model, lay, tokens, "none")
   if zero >= 3:
-    backward += 2 * cast_weights(model, lay)
+    backward += (1 + sides) * cast_weights(model, lay)
   if zero >= 2:
     backward += vocab
   if lay.step_accum < lay.accum:  # a gathered layer's fp32 gradient summed over the micro-
@@ -373,7 +382,29 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   workspace = max(loss, backward) + held
   if zero >= 3 and lay.step_accum == 1:  # the launcher's pipelined all-gather (`xla_flags`: not
     workspace += vocab_weight  # with accumulation) holds a prefetched vocabulary weight (fitted)
-  return Memory(params, grads, optimizer, activations, workspace)
+  return Memory(params, grads, optimizer, activations, workspace,
+                exchange_buffers(model, lay, tokens))
+
+
+# [rows, D] buffers of the expert exchange that a paired program (`Layout.overlap`) keeps live
+# at its peak per micro-batch, beyond the layer's own activations: the received rows, their
+# encodings and decodings, the experts' outputs and the gradients of each, for two
+# micro-batches in flight, as XLA:GPU's buffer assignment keeps them. Fitted on one compiled
+# program (DeepSeek-V3 671B on 1,024 H100s, fsdp 16 x expert 64, paired, 2175fb4: 64.2 GiB,
+# ~25 buffers of [81920, 7168] in its memory-usage report; results/planner_paired.md). Unpaired,
+# the activations' rows account for the buffer (within 5% of XLA:GPU's for 8 H100s:
+# tests/parallel/test_receive_factor.py).
+EXCHANGE_BUFFERS = 11.4
+
+
+def exchange_buffers(model: ModelConfig, lay: Layout, tokens: int) -> float:
+  """Bytes of a paired layout's exchange buffers at the peak, for micro-batches of `tokens`
+  tokens per device: `EXCHANGE_BUFFERS` receive buffers (`receive_ratio`'s rows, D wide, in the
+  compute dtype) for each of the two micro-batches in flight; 0 unpaired."""
+  if not lay.overlap or model.moe is None:
+    return 0.0
+  rows = receive_ratio(model, lay, tokens) * tokens * model.moe.top_k
+  return EXCHANGE_BUFFERS * 2 * rows * model.d_model * jnp.dtype(model.dtype).itemsize
 
 
 def n_params(model: ModelConfig) -> int:

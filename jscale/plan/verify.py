@@ -83,7 +83,7 @@ def compare(model_spec: str, model_overrides: Sequence[str], row: Row, seq: int,
          (", predicted costs" if schedule_costs == "predicted" else ""))
   return {"layout": row.layout.describe() + f" ({how})", **timing,
           "state_estimate": est.params + est.optimizer, "state_compiled": state,
-          "rest_estimate": est.grads + est.activations + est.workspace,
+          "rest_estimate": est.grads + est.activations + est.workspace + est.exchange,
           "rest_compiled": mem["temp"] + mem["output"] - mem["alias"],
           "volume_estimate": predicted_volume, "volume_compiled": measured_volume["total"],
           "volume_by_kind": {k: v for k, v in measured_volume.items() if k != "total"},

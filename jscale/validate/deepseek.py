@@ -36,17 +36,25 @@ def check_routing(e: MoeConfig, n_layers: int) -> None:
                       "use one of them (DeepSeek: every=1 after the dense prefix)")
 
 
-def check_node_limited(e: MoeConfig, collectives: str, ep: int) -> None:
-  """What `model.moe.exchange=node_limited` needs on mesh.expert = `ep` > 1 devices, in
-  `parallel.collectives` mode `collectives`."""
+def node_limited_why_not(e: MoeConfig, collectives: str, ep: int) -> str | None:
+  """Why `model.moe.exchange=node_limited` cannot run on mesh.expert = `ep` > 1 devices in
+  `parallel.collectives` mode `collectives` (None: it can); the planner offers no such layout."""
   fix = "or set model.moe.exchange=flat"
   if collectives != "manual" or e.dispatch != "dropless":
-    raise ConfigError("model.moe.exchange=node_limited is the hand-written dropless exchange: "
-                      "set parallel.collectives=manual and model.moe.dispatch=dropless, " + fix)
+    return ("model.moe.exchange=node_limited is the hand-written dropless exchange: "
+            "set parallel.collectives=manual and model.moe.dispatch=dropless, " + fix)
   if e.n_group < 2 or ep % e.n_group:
-    raise ConfigError(f"model.moe.exchange=node_limited needs model.moe.n_group={e.n_group} "
-                      f"groups to tile mesh.expert={ep} (n_group > 1 dividing it: a group per "
-                      f"node), {fix}")
+    return (f"model.moe.exchange=node_limited needs model.moe.n_group={e.n_group} "
+            f"groups to tile mesh.expert={ep} (n_group > 1 dividing it: a group per "
+            f"node), {fix}")
+  return None
+
+
+def check_node_limited(e: MoeConfig, collectives: str, ep: int) -> None:
+  """`node_limited_why_not` as a ConfigError."""
+  why = node_limited_why_not(e, collectives, ep)
+  if why is not None:
+    raise ConfigError(why)
 
 
 def check_mla(m: ModelConfig) -> None:
