@@ -57,14 +57,24 @@ def batches(cfg, reorder=None, steps: int = STEPS):
 def losses(overrides, devices=None, steps: int = STEPS) -> np.ndarray:
   """[steps, 2]: loss and gradient norm of each step, from one device's initial state placed
   in the layout (`initial_state`)."""
+  return run(overrides, devices, steps)[0]
+
+
+def run(overrides, devices=None, steps: int = STEPS
+        ) -> tuple[np.ndarray, jax.stages.Lowered, jax.stages.Compiled]:
+  """(`losses`, the step lowered, the step compiled): the tests that check a program's HLO and
+  its numbers share its one compile."""
   cfg = small_config(None, *BASE, *overrides)
   rt = runtime.build(cfg, devices)
-  state, step = initial_state(rt), rt.train_step()
+  state = initial_state(rt)
+  placed = [jax.device_put(b, rt.layouts.batch()) for b in batches(cfg, rt.reorder(), steps)]
+  lowered = rt.train_step().lower(state, placed[0])
+  step = lowered.compile()
   out = []
-  for b in batches(cfg, rt.reorder(), steps):
-    state, m = step(state, jax.device_put(b, rt.layouts.batch()))
+  for b in placed:
+    state, m = step(state, b)
     out.append((float(m["loss"]), float(m["grad_norm"])))
-  return np.array(out)
+  return np.array(out), lowered, step
 
 
 @functools.lru_cache(maxsize=None)

@@ -144,16 +144,22 @@ PREFETCH_671B_LIKE = ("mesh.data=1", "mesh.fsdp=2", "mesh.expert=4", "parallel.z
                       "train.accumulate=layer", EACH_TRIP, "parallel.prefetch_layers=true")
 
 
+FP8_EXPERTS = ("fp8.enabled=true", "fp8.recipe=current", "fp8.targets=[experts]",
+               "fp8.experts_scaling=row")
+# 1 dense and 2 MoE layers, 4 micro-batches two side by side, layer inputs on the host, the
+# routed experts in FP8 scaled per row
+PREFETCH_NUMERICS = (*deepseek_case.DS, "train.microbatches=4", "train.batch_size=32",
+                     "train.remat=full_offload", *FP8_EXPERTS)
+
+
 @functools.lru_cache(maxsize=None)
-def _prefetched() -> tuple[str, str]:
-  """(the lowered HLO, the compiled HLO) of the train step on the 671B's layout in small with
-  `parallel.prefetch_layers`, 1 dense and 2 MoE layers, the routed experts in FP8 scaled per
-  row (XLA:CPU's program: the hand-written collectives are the same ops on any backend)."""
-  cfg = deepseek_case.config(*PREFETCH_671B_LIKE, "train.microbatches=4", "train.batch_size=32",
-                             "train.remat=full", "model.moe.receive_factor=1.25", *FP8_EXPERTS)
-  rt = runtime.build(cfg)
-  lowered = rt.train_step().lower(rt.abstract_state(), introspect.abstract_batch(cfg))
-  return lowered.as_text(dialect="hlo"), introspect.compile_as_launched(lowered, rt).as_text()
+def _prefetched() -> tuple[np.ndarray, str, str]:
+  """(two steps' loss and gradient norm, the lowered HLO, the compiled HLO) of the train step on
+  the 671B's layout in small with `parallel.prefetch_layers` (`PREFETCH_NUMERICS`; XLA:CPU's
+  program: the hand-written collectives are the same ops on any backend). One compile."""
+  got, lowered, compiled = parity.run((*PREFETCH_671B_LIKE, *PREFETCH_NUMERICS), jax.devices(),
+                                      steps=2)
+  return got, lowered.as_text(dialect="hlo"), compiled.as_text()
 
 
 def test_skewed_forward_gathers_each_layer_in_the_trips_of_the_layer_before():
@@ -162,7 +168,7 @@ def test_skewed_forward_gathers_each_layer_in_the_trips_of_the_layer_before():
   layer loop one all-gather (of all the layer's weights) per MoE layer and trip, 2 x 2 here,
   and outside it layer 0's chunks, once; no weight gathered alone. Its pieces carry the routed
   experts' weights as e4m3 columns (`Chunked.forward`): fewer bytes than the backward's."""
-  pieces = [c for c in hlo.collectives(_prefetched()[1])
+  pieces = [c for c in hlo.collectives(_prefetched()[2])
             if c.kind == "all-gather" and c.group_size == 2 and "/layers/" in (c.op_name or "")]
   forward = [c for c in pieces if "transpose" not in c.op_name]
   assert sorted((c.in_while, c.executions) for c in forward) == [(False, 1), (True, 2 * 2)], [
@@ -181,13 +187,9 @@ def test_no_zero_rows_lifted_out_of_the_prefetched_layers():
   constant is such a zero; none may be rows of the model's width (64 here). (An FP8 expert's
   per-column scales, [E, 1, 64], are one row an expert: `scaling.scale_for`'s where.)"""
   lifted = re.findall(r"= (?:f32|bf16)\[([\d,]+)\]\S* call\(%?constant[.\d]*\), "
-                      r"to_apply=%?_where", _prefetched()[0])
+                      r"to_apply=%?_where", _prefetched()[1])
   rows = [s for s in lifted if s.split(",")[-1] == "64" and s.split(",")[-2:-1] != ["1"]]
   assert rows == [], lifted
-
-
-FP8_EXPERTS = ("fp8.enabled=true", "fp8.recipe=current", "fp8.targets=[experts]",
-               "fp8.experts_scaling=row")
 
 
 def test_prefetched_backward_trains_as_one_device():
@@ -196,11 +198,8 @@ def test_prefetched_backward_trains_as_one_device():
   side by side and skewed, layer inputs on the host, the routed experts in FP8 scaled per
   row, so the forward's pieces carry their weights as e4m3 columns): two steps' loss and
   gradient norm against one device."""
-  numerics = (*deepseek_case.DS, "train.microbatches=4", "train.batch_size=32",
-              "train.remat=full_offload", *FP8_EXPERTS)
-  want = parity.reference(*numerics)[:2]
-  got = parity.losses((*PREFETCH_671B_LIKE, *numerics), jax.devices(), steps=2)
-  np.testing.assert_allclose(got, want, rtol=1e-4)
+  want = parity.reference(*PREFETCH_NUMERICS)[:2]
+  np.testing.assert_allclose(_prefetched()[0], want, rtol=1e-4)
 
 
 def test_scattered_each_trip_keeps_each_weights_reduce_scatter_apart():
