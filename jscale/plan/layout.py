@@ -21,8 +21,8 @@ REMATS = ("none", "selective", "offload", "full")
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 # DeepSeek-V3's pairing (`Layout.overlap`): each layer runs two micro-batches side by side, one
 # a phase behind the other, so that one's expert exchange runs beside the other's compute; each
-# trip reduce-scatters its gradient and gathers the next layer's weights in chunks
-# (docs/parallelism.md, "Overlapping the expert exchange").
+# trip reduce-scatters its gradient and gathers the next layer's weights in chunks (the keys'
+# entries in docs/config.md; docs/deepseek.md's 671B table adds them one by one).
 OVERLAP = ("parallel.overlap_microbatches=2", "parallel.overlap_skew=true",
            "parallel.scatter_each_trip=true", "parallel.prefetch_layers=true")
 

@@ -353,8 +353,10 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   vocab = vocab_gradient_bytes(model, lay)
   vocab_weight = vocab * jnp.dtype(model.dtype).itemsize / 4
   backward = vocab_weight
-  sides = 2 if lay.overlap else 1  # paired: two micro-batches recomputed side by side, and
-  if lay.remat != "none":  # the layer after's weights gathered in the loop's trips
+  # Paired, two micro-batches are recomputed side by side, and the trips gather the next
+  # layer's weights beside this one's.
+  sides = 2 if lay.overlap else 1
+  if lay.remat != "none":
     backward += 0.5 * sides * layer_activation_bytes(model, lay, tokens, "none")
   if zero >= 3:
     backward += (1 + sides) * cast_weights(model, lay)
