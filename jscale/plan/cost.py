@@ -39,6 +39,7 @@ from jscale.plan.memory import (
 )
 
 GRAD_BYTES = 4  # gradients are reduced in fp32
+PAIRED = ("paired", "paired")  # a Transfer's overlap and share under `Layout.overlap`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,8 +149,8 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
       # for in its own loop iteration: on the critical path, whole.
       # Paired (`Layout.overlap`), both run inside the layers' micro-batch loops, beside the
       # trips' compute, and each trip (two micro-batches) reduce-scatters its own gradient.
-      trips = lay.accum // 2 if lay.overlap else 1
-      gathers = (("paired", "paired") if lay.overlap else
+      trips = lay.accum // lay.side_by_side if lay.overlap else 1
+      gathers = (PAIRED if lay.overlap else
                  ("prefetch", "zero3_gathers_full" if lay.rematerialised else
                   {"none": "zero3_gathers_none"}.get(lay.remat, "zero3_gathers")))
       out.append(Transfer("fsdp", "ZeRO-3 weight all-gathers, forward and backward", "all-gather",
@@ -157,7 +158,7 @@ def transfers(model: ModelConfig, lay: Layout, seq: int, gpus_per_node: int) -> 
                           *gathers))
       out.append(Transfer("fsdp", "ZeRO-3 gradient reduce-scatter (the gather's transpose)",
                           "reduce-scatter", psi * c * lay.step_accum * trips, nodes("fsdp"),
-                          *(("paired", "paired") if lay.overlap else ("",))))
+                          *(PAIRED if lay.overlap else ("",))))
     else:
       two = lay.zero_stage == 2  # ZeRO-2 reduces each micro-batch's gradient in its backward
       out.append(Transfer("fsdp", f"ZeRO-{lay.zero_stage} gradient reduce-scatter",
@@ -226,7 +227,7 @@ def _expert_transfer(model: ModelConfig, moe: MoeConfig, lay: Layout, tokens: in
   row = lambda dtype: model.d_model + 4 if dtype == "e4m3" else model.d_model * c
   passes = (row(moe.dispatch_dtype) + row(moe.dispatch_grad_dtype) + row(moe.combine_dtype)
             + row(moe.combine_grad_dtype))
-  over = ("paired", "paired") if lay.overlap else ("", "")
+  over = PAIRED if lay.overlap else ("", "")
   # The buffer's own slice stays put, but volumes omit the (n-1)/n factor throughout.
   if moe.exchange == "node_limited" and lay.collectives == "manual" and nodes > 1:
     return [Transfer("expert", "node-limited exchange across nodes, fwd and bwd", "all-to-all",

@@ -23,7 +23,8 @@ MICRO_BATCHES = (1, 2, 4, 8, 16)
 # a phase behind the other, so that one's expert exchange runs beside the other's compute; each
 # trip reduce-scatters its gradient and gathers the next layer's weights in chunks (the keys'
 # entries in docs/config.md; docs/deepseek.md's 671B table adds them one by one).
-OVERLAP = ("parallel.overlap_microbatches=2", "parallel.overlap_skew=true",
+PAIR = 2  # micro-batches a paired layer runs side by side
+OVERLAP = (f"parallel.overlap_microbatches={PAIR}", "parallel.overlap_skew=true",
            "parallel.scatter_each_trip=true", "parallel.prefetch_layers=true")
 
 
@@ -56,6 +57,11 @@ class Layout:
     """Micro-batches of the step's gradient loop: ZeRO-3 gathers each layer once per one
     (1 when the layers take the micro-batches in turn: `train.accumulate: layer`)."""
     return self.accum if self.accumulate == "step" else 1
+
+  @property
+  def side_by_side(self) -> int:
+    """Micro-batches each layer runs at once: `PAIR` paired (`overlap`), else 1."""
+    return PAIR if self.overlap else 1
 
   @property
   def rematerialised(self) -> bool:
@@ -156,7 +162,7 @@ def layout_of(cfg: Config, sizes: dict[str, int]) -> Layout:
 def paired(cfg: Config) -> bool:
   """Whether `cfg` runs every lever of `OVERLAP` (where it takes effect)."""
   p = cfg.parallel
-  return (p.overlap_microbatches == 2 and p.overlap_skew and p.prefetches_layers
+  return (p.overlap_microbatches == PAIR and p.overlap_skew and p.prefetches_layers
           and cfg.train.layer_microbatches > 1)
 
 
@@ -238,7 +244,7 @@ def _pairs(model: ModelConfig, lay: Layout) -> bool:
   ZeRO-3 to reduce-scatter each trip and prefetch in the trips)."""
   return (model.moe is not None and model.moe.dispatch == "dropless" and lay.expert > 1
           and lay.stage == 1 and lay.zero_stage == 3 and lay.fsdp > 1
-          and lay.accumulate == "layer" and lay.accum % 2 == 0)
+          and lay.accumulate == "layer" and lay.accum % PAIR == 0)
 
 
 def _rematerialisations(stage: int, zero: int, accum: int) -> list[tuple[str, str]]:

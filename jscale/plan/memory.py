@@ -355,7 +355,7 @@ def estimate(model: ModelConfig, lay: Layout, seq: int) -> Memory:
   backward = vocab_weight
   # Paired, two micro-batches are recomputed side by side, and the trips gather the next
   # layer's weights beside this one's.
-  sides = 2 if lay.overlap else 1
+  sides = lay.side_by_side
   if lay.remat != "none":
     backward += 0.5 * sides * layer_activation_bytes(model, lay, tokens, "none")
   if zero >= 3:
@@ -406,7 +406,8 @@ def exchange_buffers(model: ModelConfig, lay: Layout, tokens: int) -> float:
   if not lay.overlap or model.moe is None:
     return 0.0
   rows = receive_ratio(model, lay, tokens) * tokens * model.moe.top_k
-  return EXCHANGE_BUFFERS * 2 * rows * model.d_model * jnp.dtype(model.dtype).itemsize
+  c = jnp.dtype(model.dtype).itemsize
+  return EXCHANGE_BUFFERS * lay.side_by_side * rows * model.d_model * c
 
 
 def n_params(model: ModelConfig) -> int:
